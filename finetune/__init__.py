@@ -1,0 +1,1 @@
+"""Fine-tuning from pretraining checkpoints (head swap, datasets, the Accelerate loop)."""

@@ -1,0 +1,1 @@
+"""Shared library of both stages: config, model, data, engine, checkpoint, evaluation, tracking."""

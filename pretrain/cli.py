@@ -1,0 +1,120 @@
+"""What every launcher shares: ``--config`` + ``key=value`` overrides, ``--print-config``,
+``--dry-run``, one-line errors, and the run summary (architecture, parameters, FLOPs, batch)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Optional, Sequence, Type
+
+from pretrain.config import ConfigError, Section, config_keys, load_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _describe_keys(schema: Type[Section]) -> str:
+    """Every config key with its default, for ``--help``."""
+    lines = []
+    defaults = schema().model_dump(mode="json")
+    for key in config_keys(schema):
+        section, field = schema, None
+        value = defaults
+        for part in key.split("."):
+            field = section.model_fields[part]
+            value = value[part]
+            ann = field.annotation
+            section = ann if isinstance(ann, type) and issubclass(ann, Section) else None
+        choices = typing.get_args(field.annotation)
+        kind = "|".join(map(str, choices)) if typing.get_origin(field.annotation) is typing.Literal \
+            else ""
+        doc = field.description or ""
+        lines.append(f"  {key} = {value}" + (f"   [{kind}]" if kind else "") +
+                     (f"   {doc}" if doc else ""))
+    return "\n".join(lines)
+
+
+def build_parser(prog: str, description: str, schema: Type[Section],
+                 default_config: Optional[Path] = None) -> argparse.ArgumentParser:
+    epilog = ("overrides: any config key as key=value, YAML-typed, e.g. optimizer.lr=3e-4 "
+              "model.drop_path_rate=0.2 data.crop_scale=[0.08,1]\n\nconfig keys and defaults:\n"
+              + _describe_keys(schema))
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=default_config,
+                   help="YAML recipe from configs/ (may 'inherit:' another); "
+                        + (f"default: {default_config.relative_to(REPO_ROOT)}"
+                           if default_config else "required"))
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides applied on top of the recipe")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, print it with the model size, training FLOPs per "
+                        "image and batch layout, and exit without allocating the model")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="with --dry-run: check the batch layout for this many ranks "
+                        "(default: $WORLD_SIZE or 1)")
+    # The DeepSpeed launcher appends --local_rank=N; torchrun sets $LOCAL_RANK instead.
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    return p
+
+
+def fail(message: str, code: int = 2) -> typing.NoReturn:
+    """One line on stderr, no traceback: the message names the problem and the fix."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Sequence[str]] = None,
+          default_config: Optional[Path] = None):
+    """Parse the command line into (args, validated config); exits with one line on bad input."""
+    args = build_parser(prog, description, schema, default_config).parse_args(argv)
+    if args.config is None:
+        fail("--config is required, e.g. --config configs/finetune/demo.yaml")
+    try:
+        cfg = load_config(schema, args.config, args.overrides)
+    except ConfigError as e:
+        fail(str(e))
+    return args, cfg
+
+
+def world_size(args) -> int:
+    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f} M"
+
+
+def summarize(cfg, world: int) -> str:
+    """The dry-run report: architecture, parameter counts, training FLOPs, batch layout.
+
+    Raises ConfigError for an impossible architecture or batch layout.
+    """
+    from pretrain.model import count_parameters, create_model
+
+    micro, accum = cfg.train.batch_layout(world)
+    model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
+    spec, params = model.spec, count_parameters(model)
+    flops = spec.train_flops_per_image()
+    return "\n".join([
+        f"model: {spec.name}: {spec.img_size} px, patch {spec.patch_size}, width "
+        f"{spec.embed_dim}, depth {spec.depth}, heads {spec.num_heads}, MLP {spec.mlp_dim}, "
+        f"{spec.seq_len} tokens",
+        f"params: {_millions(params['total'])} (backbone {_millions(params['backbone'])}, "
+        f"pre-logits {_millions(params['pre_logits'])}, head {_millions(params['head'])})",
+        f"train FLOPs per image: {flops / 1e12:.3f} TFLOP (3 x forward {flops / 3e9:.1f} GFLOP)",
+        f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
+        f"x accumulation {accum}",
+    ])
+
+
+def dry_run(args, cfg) -> None:
+    try:
+        summary = summarize(cfg, world_size(args))
+    except ConfigError as e:
+        fail(str(e))
+    print(cfg.to_yaml() + summary)

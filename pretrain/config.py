@@ -1,0 +1,338 @@
+"""Typed, validated run configuration: a YAML recipe plus dotted ``key=value`` overrides.
+
+Every stage has one config object (``PretrainConfig`` here, ``FinetuneConfig`` in ``finetune``)
+built from the sections below. Loading is strict: an unknown key, a wrong type or an impossible
+combination raises :class:`ConfigError` with one line that names the key (and, for a misspelled
+key, the closest valid one) before any work starts.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Optional, Sequence, Tuple, Type, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased as one line that names the offending key."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections shared by both stages
+# --------------------------------------------------------------------------------------------
+class ModelConfig(Section):
+    """A timm VisionTransformer plus the optional pre-logits layer and the classifier head.
+
+    Architecture fields left at ``None`` come from the timm model ``name``; setting one
+    overrides it (e.g. a smaller ``img_size`` for the CPU demo).
+    """
+
+    name: str = "vit_large_patch16_224"
+    img_size: Optional[int] = Field(None, gt=0)
+    patch_size: Optional[int] = Field(None, gt=0)
+    embed_dim: Optional[int] = Field(None, gt=0)
+    depth: Optional[int] = Field(None, gt=0)
+    num_heads: Optional[int] = Field(None, gt=0)
+    mlp_ratio: Optional[float] = Field(None, gt=0)
+    drop_path_rate: float = Field(0.1, ge=0.0, lt=1.0,
+                                  description="stochastic depth, linear over depth up to this")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # ViT paper: the i21k models carry a Linear(D, D) + tanh "pre-logits" layer before the head.
+    representation_size: Optional[int] = Field(
+        None, gt=0, description="width of the Linear+tanh pre-logits layer (unset: none)")
+    num_classes: int = Field(21843, ge=0)
+    # -10 makes the initial sigmoid outputs ~0 for 21k classes (paper, sigmoid loss).
+    head_bias_init: float = Field(0.0, description="initial head bias (-10 with the sigmoid loss)")
+    # big_vision zero-initialises the classifier kernel; timm uses trunc-normal(0.02).
+    head_zero_init: bool = True
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    # Decoupled (AdamW-style, multiplied by lr); never applied to biases, norms, pos-embed, cls.
+    weight_decay: float = Field(0.1, ge=0)
+    betas: Tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    grad_clip: Optional[float] = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> "OptimizerConfig":
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas must lie in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class ScheduleConfig(Section):
+    warmup_steps: int = Field(10_000, ge=0)
+    decay: Literal["linear", "cosine"] = "linear"
+    min_lr: float = Field(1e-5, ge=0)
+
+
+class DataConfig(Section):
+    """Where the WebDataset shards are and how they are read and augmented."""
+
+    # A directory or URL prefix holding ``_info.json``/``info.json`` and the shards.
+    root: Optional[str] = Field(None, description="shard directory or URL prefix with _info.json")
+    train_split: str = "train"
+    val_split: Optional[str] = "validation"
+    num_workers: int = Field(8, ge=0)
+    shuffle_buffer: int = Field(5000, ge=1)
+    # Sample shards with replacement, forever: for fewer shards than world x workers.
+    resample: bool = Field(False, description="sample shards with replacement (no epochs)")
+    # "minus_one_one": pixels scaled to [-1, 1] as in the ViT paper; "imagenet": mean/std.
+    normalize: Literal["minus_one_one", "imagenet"] = "minus_one_one"
+    # Inception crop area range (big_vision uses 5%..100%).
+    crop_scale: Tuple[float, float] = (0.05, 1.0)
+    hflip: float = Field(0.5, ge=0, le=1)
+    randaugment: Optional[str] = None  # timm string, e.g. "rand-m15-n2"
+    mixup_alpha: float = Field(0.0, ge=0)
+    cutmix_alpha: float = Field(0.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _check_crop(self) -> "DataConfig":
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"data.crop_scale must satisfy 0 < min <= max <= 1, got {[lo, hi]}")
+        return self
+
+
+class TrainConfig(Section):
+    global_batch_size: int = Field(4096, gt=0)
+    # Per-rank batch of one forward/backward; derived from the global batch when unset.
+    micro_batch_size: Optional[int] = Field(None, gt=0, description="per-rank batch per pass")
+    grad_accum_steps: Optional[int] = Field(None, gt=0)
+    # The run's length: exactly one of the two (epochs are turned into steps from _info.json).
+    total_steps: Optional[int] = Field(None, gt=0, description="run length in optimizer steps")
+    epochs: Optional[float] = Field(None, gt=0, description="run length in epochs (or total_steps)")
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    loss: Literal["softmax", "sigmoid"] = "softmax"
+    activation_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _check_duration(self) -> "TrainConfig":
+        if (self.total_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of train.total_steps and train.epochs")
+        return self
+
+    def batch_layout(self, world_size: int) -> Tuple[int, int]:
+        """(micro_batch_size, grad_accum_steps) such that world x micro x accum = global batch."""
+        g, w = self.global_batch_size, world_size
+        micro, accum = self.micro_batch_size, self.grad_accum_steps
+        if micro is None:
+            per = w * (accum or 1)
+            micro, rem = divmod(g, per)
+            if rem or micro == 0:
+                by = f"world size {w}" + (f" x train.grad_accum_steps {accum}" if accum else "")
+                raise ConfigError(f"train.global_batch_size={g} is not divisible by {by}; "
+                                  f"pick a multiple of {per}")
+            accum = accum or 1
+        if accum is None:
+            accum, rem = divmod(g, w * micro)
+            if rem or accum == 0:
+                raise ConfigError(
+                    f"train.global_batch_size={g} is not divisible by world size {w} x "
+                    f"train.micro_batch_size {micro}; pick a multiple of {w * micro}")
+        if w * micro * accum != g:
+            raise ConfigError(
+                f"train.global_batch_size={g} != world size {w} x train.micro_batch_size {micro} "
+                f"x train.grad_accum_steps {accum} = {w * micro * accum}; unset one of the two")
+        return micro, accum
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(1000, gt=0)
+    keep_last: int = Field(3, gt=0)
+    # Continue from the newest complete checkpoint in output_dir when there is one.
+    resume: bool = Field(True, description="continue from the newest complete checkpoint")
+
+
+class LogConfig(Section):
+    every_steps: int = Field(10, gt=0)
+
+
+class DebugConfig(Section):
+    # Every rank writes the __key__ of each consumed sample to DIR/rank{R}.txt.
+    log_sample_keys: Optional[str] = Field(None, description="DIR: rank{R}.txt of consumed keys")
+
+
+class RunConfig(Section):
+    """The sections every stage has; each stage's config sets its own defaults."""
+
+    # Alternatives: a command-line override of one clears the other from the recipe.
+    exclusive_keys: ClassVar = (("train.total_steps", "train.epochs"),)
+
+    output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    train: TrainConfig = TrainConfig(epochs=90)
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    debug: DebugConfig = DebugConfig()
+
+    def to_yaml(self) -> str:
+        return to_yaml(self)
+
+
+class PretrainConfig(RunConfig):
+    """Pretraining (ImageNet-21k recipe defaults: AdamW, warmup + linear decay, 90 epochs)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+# --------------------------------------------------------------------------------------------
+C = TypeVar("C", bound=Section)
+INHERIT_KEY = "inherit"  # a recipe may start from another: ``inherit: vit_l16_i21k.yaml``
+
+
+def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
+                overrides: Sequence[str] = ()) -> C:
+    """Build ``schema`` from a YAML recipe (optional) and dotted ``key=value`` overrides."""
+    raw: dict = _read_yaml(Path(path)) if path is not None else {}
+    parsed = parse_overrides(overrides)
+    given = {key for key, _ in parsed}
+    for key, value in parsed:
+        for group in getattr(schema, "exclusive_keys", ()):
+            if key in group:
+                for other in set(group) - given:
+                    _set_dotted(raw, other, None)
+        _set_dotted(raw, key, value)
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, schema)) from None
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["optimizer.lr=3e-4", "data.crop_scale=[0.08,1]"]`` -> [(key, value), ...]; values are YAML."""
+    out = []
+    for arg in args:
+        key, sep, text = arg.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{arg}' is not of the form key=value "
+                              f"(e.g. optimizer.lr=3e-4)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text  # let the schema decide whether a plain string is acceptable
+        out.append((key, value))
+    return out
+
+
+def to_yaml(cfg: Section) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def save_config(cfg: Section, path: os.PathLike | str) -> Path:
+    """Write the resolved config (atomically: a crash never leaves half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def _read_yaml(path: Path, _seen: tuple = ()) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' not found; recipes live in configs/")
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file '{path}' inherits from itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file '{path}'{where} is not valid YAML: "
+                          f"{getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys, "
+                          f"not a {type(data).__name__}")
+    parent = data.pop(INHERIT_KEY, None)
+    if parent is None:
+        return data
+    base = _read_yaml(path.parent / parent, _seen + (path.resolve(),))
+    return _deep_merge(base, data)
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}': '{'.'.join(parts[:i + 1])}' is a value, "
+                              f"not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def config_keys(schema: Type[Section], prefix: str = "") -> list[str]:
+    """Every dotted leaf key of ``schema``, e.g. ``optimizer.lr``."""
+    keys = []
+    for name, field in schema.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, Section):
+            keys += config_keys(ann, prefix + name + ".")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def suggest_key(key: str, schema: Type[Section]) -> Optional[str]:
+    """The valid key a user most likely meant by ``key``."""
+    valid = config_keys(schema)
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
+    if len(same_leaf) == 1:  # right name, wrong section
+        return same_leaf[0]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    siblings = {k.rsplit(".", 1)[-1]: k for k in valid if k.startswith(section)
+                and "." not in k[len(section):]}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.5)
+    return siblings[close[0]] if close else None
+
+
+def _describe(err: ValidationError, schema: Type[Section]) -> str:
+    errors = err.errors()
+    first = errors[0]
+    key = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        hint = suggest_key(key, schema)
+        msg = f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
+    elif first["type"] == "value_error":
+        # Our own cross-field checks already name their keys.
+        msg = first["msg"].removeprefix("Value error, ")
+    else:
+        got = first.get("input")
+        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        msg = f"config key '{key}': {first['msg'][0].lower()}{first['msg'][1:]}{shown}"
+    if len(errors) > 1:
+        msg += f" (+{len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return msg

@@ -1,0 +1,1 @@
+"""Datasets as WebDataset shards: preparing them from raw sources and streaming them."""

@@ -1,0 +1,108 @@
+"""The description that sits next to a set of shards: timm's ``_info.json`` layout.
+
+``{"name": ..., "splits": {"train": {"name", "num_samples", "filenames", "shard_lengths"}, ...},
+"classes": [...]}`` -- ``splits`` is keyed by split name because timm's ``reader_wds`` looks
+splits up that way; shard file names are relative to the directory (or URL prefix) of the file.
+Shards downloaded from the Hugging Face ``timm/imagenet-22k-wds`` family carry the same file,
+sometimes named ``info.json``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+INFO_NAMES = ("_info.json", "info.json")
+
+
+class DatasetInfoError(ValueError):
+    """The shard directory has no usable description (missing file, unknown split...)."""
+
+
+@dataclass
+class SplitInfo:
+    name: str
+    num_samples: int
+    filenames: List[str]
+    shard_lengths: List[int]
+
+
+@dataclass
+class DatasetInfo:
+    name: str
+    splits: Dict[str, SplitInfo]
+    classes: Optional[List[str]] = None
+    # Anything else the writer recorded (source, configuration, counts); kept on round trips.
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def split(self, name: str) -> SplitInfo:
+        if name not in self.splits:
+            have = ", ".join(sorted(self.splits)) or "none"
+            raise DatasetInfoError(f"split '{name}' not found in dataset '{self.name}' "
+                                   f"(splits: {have}); set data.train_split / data.val_split")
+        return self.splits[name]
+
+    def to_json(self) -> dict:
+        out = dict(self.extra)
+        out.update(name=self.name, splits={k: asdict(v) for k, v in self.splits.items()})
+        if self.classes is not None:
+            out["classes"] = list(self.classes)
+        return out
+
+
+def _is_url(root: str) -> bool:
+    return "://" in root or root.startswith("pipe:")
+
+
+def join(root: str, filename: str) -> str:
+    """A shard's location: a path under a directory, or the same suffix under a URL prefix."""
+    if _is_url(filename) or os.path.isabs(filename):
+        return filename
+    return root.rstrip("/") + "/" + filename if _is_url(root) else os.path.join(root, filename)
+
+
+def read_info(root: str | os.PathLike) -> DatasetInfo:
+    """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix."""
+    root = str(root)
+    raw = None
+    for name in INFO_NAMES:
+        loc = join(root, name)
+        if _is_url(root):
+            import webdataset as wds
+            try:
+                with wds.gopen(loc) as f:
+                    raw = json.loads(f.read())
+                break
+            except Exception:  # noqa: BLE001 -- any transport error means "try the next name"
+                continue
+        elif os.path.isfile(loc):
+            raw = json.loads(Path(loc).read_text())
+            break
+    if raw is None:
+        raise DatasetInfoError(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
+                               f"directory written by launch/prepare_data.py")
+    splits = raw.get("splits")
+    if not isinstance(splits, dict):
+        raise DatasetInfoError(f"'{root}' info file has no 'splits' object keyed by split name")
+    parsed = {}
+    for key, s in splits.items():
+        try:
+            parsed[key] = SplitInfo(name=s.get("name", key), num_samples=int(s["num_samples"]),
+                                    filenames=list(s["filenames"]),
+                                    shard_lengths=[int(n) for n in s.get("shard_lengths", [])])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DatasetInfoError(f"'{root}' info file: split '{key}' is malformed ({e})") from None
+    extra = {k: v for k, v in raw.items() if k not in ("name", "splits", "classes")}
+    return DatasetInfo(name=raw.get("name", Path(root).name), splits=parsed,
+                       classes=raw.get("classes"), extra=extra)
+
+
+def write_info(root: str | os.PathLike, info: DatasetInfo, name: str = INFO_NAMES[0]) -> Path:
+    """Write the info file atomically, so a reader never sees half of it."""
+    path = Path(root) / name
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info.to_json(), indent=1))
+    os.replace(tmp, path)
+    return path

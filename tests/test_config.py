@@ -1,0 +1,120 @@
+"""The typed config: recipes, dotted overrides, one-line errors with suggestions."""
+import pytest
+import yaml
+
+from finetune.config import FinetuneConfig
+from pretrain.config import (ConfigError, PretrainConfig, TrainConfig, config_keys, load_config,
+                             save_config)
+
+from conftest import REPO
+
+RECIPES = sorted((REPO / "configs" / "pretrain").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(recipe):
+    cfg = load_config(PretrainConfig, recipe)
+    assert cfg.model.name.startswith("vit_")
+
+
+def test_keys_that_scripts_rely_on_exist():
+    keys = set(config_keys(PretrainConfig))
+    for key in ["optimizer.lr", "train.total_steps", "checkpoint.every_steps", "output_dir", "seed",
+                "model.name", "model.drop_path_rate", "model.representation_size",
+                "model.num_classes"]:
+        assert key in keys
+
+
+def test_overrides_are_typed_and_win_over_the_recipe():
+    cfg = load_config(PretrainConfig, REPO / "configs/pretrain/vit_l16_i21k.yaml",
+                      ["optimizer.lr=3e-4", "model.drop_path_rate=0.2", "data.crop_scale=[0.08,1]",
+                       "model.representation_size=null"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4)  # YAML reads "3e-4" as text; still a float
+    assert cfg.model.drop_path_rate == 0.2
+    assert cfg.data.crop_scale == (0.08, 1.0)
+    assert cfg.model.representation_size is None
+    assert cfg.model.num_classes == 21843  # untouched keys keep the recipe's value
+
+
+def test_recipe_inheritance():
+    h = load_config(PretrainConfig, REPO / "configs/pretrain/vit_h14_i21k.yaml")
+    assert h.model.name == "vit_huge_patch14_224" and h.model.representation_size == 1280
+    assert h.optimizer.lr == 1e-3 and h.train.loss == "sigmoid"  # from the ViT-L recipe
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("optimizer.lr_rate=1", "unknown config key 'optimizer.lr_rate'; did you mean 'optimizer.lr'?"),
+    ("lr=1", "unknown config key 'lr'; did you mean 'optimizer.lr'?"),
+    ("model.drop_pth_rate=0.1", "did you mean 'model.drop_path_rate'?"),
+    ("optimizer.lr=fast", "config key 'optimizer.lr'"),
+    ("model.num_classes=1.5", "config key 'model.num_classes'"),
+    ("model.drop_path_rate=1.5", "config key 'model.drop_path_rate'"),
+    ("train.precision=fp8", "config key 'train.precision'"),
+    ("seed.value=1", "'seed' is a value, not a section"),
+    ("optimizer.lr", "not of the form key=value"),
+])
+def test_bad_values_name_the_key_in_one_line(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", [override])
+    assert fragment in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp_path):
+    cfg = load_config(PretrainConfig, REPO / "configs/pretrain/vit_l16_i21k.yaml",
+                      ["train.total_steps=1000"])
+    assert cfg.train.total_steps == 1000 and cfg.train.epochs is None
+    bad = tmp_path / "both.yaml"
+    bad.write_text("train: {total_steps: 10, epochs: 2}\n")
+    with pytest.raises(ConfigError, match="exactly one of train.total_steps and train.epochs"):
+        load_config(PretrainConfig, bad)
+
+
+def test_bad_files_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(PretrainConfig, tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(PretrainConfig, broken)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(PretrainConfig, listy)
+
+
+@pytest.mark.parametrize("world,micro,accum,expect", [
+    (8, None, None, (512, 1)),
+    (8, 128, None, (128, 4)),
+    (8, None, 2, (256, 2)),
+    (8, 64, 8, (64, 8)),
+])
+def test_batch_layout(world, micro, accum, expect):
+    train = TrainConfig(global_batch_size=4096, micro_batch_size=micro, grad_accum_steps=accum,
+                        total_steps=1)
+    assert train.batch_layout(world) == expect
+
+
+@pytest.mark.parametrize("world,micro,accum", [(3, None, None), (8, 100, None), (8, 64, 4)])
+def test_impossible_batch_layout_names_global_batch(world, micro, accum):
+    train = TrainConfig(global_batch_size=4096, micro_batch_size=micro, grad_accum_steps=accum,
+                        total_steps=1)
+    with pytest.raises(ConfigError, match="train.global_batch_size=4096"):
+        train.batch_layout(world)
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    cfg = load_config(PretrainConfig, REPO / "configs/pretrain/vit_h14_i21k.yaml", ["seed=7"])
+    path = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert load_config(PretrainConfig, path) == cfg
+    assert yaml.safe_load(path.read_text())["seed"] == 7
+
+
+def test_finetune_config_has_the_paper_transfer_defaults():
+    cfg = load_config(FinetuneConfig, None, ["init=runs/pretrain", "data.dev_fraction=0.02"])
+    assert (cfg.optimizer.name, cfg.optimizer.momentum, cfg.optimizer.weight_decay) == ("sgd", 0.9, 0.0)
+    assert cfg.train.global_batch_size == 512 and cfg.train.total_steps == 20_000
+    assert cfg.model.img_size == 384 and cfg.model.representation_size is None
+    assert cfg.schedule.decay == "cosine"
+    with pytest.raises(ConfigError, match="did you mean 'data.dev_fraction'"):
+        load_config(FinetuneConfig, None, ["data.dev_frac=0.02"])

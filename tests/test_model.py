@@ -1,0 +1,144 @@
+"""The ViT family: sizes against the paper's figures, FLOPs against a real counter, stochastic
+depth, the pre-logits layer and the fine-tuning head swap."""
+import pytest
+import torch
+
+from pretrain.config import ConfigError, ModelConfig
+from pretrain.model import count_parameters, create_model, measure_train_flops, resolve_spec
+
+L16, H14 = "vit_large_patch16_224", "vit_huge_patch14_224"
+
+
+def meta(name, **kw):
+    return create_model(ModelConfig(name=name, **kw), device="meta")
+
+
+def test_backbone_sizes_match_the_published_figures():
+    large, huge = meta(L16, num_classes=0), meta(H14, num_classes=0)
+    assert all(p.is_meta for p in large.parameters())  # sizing allocates nothing
+    l_backbone = count_parameters(large)["backbone"]
+    h_backbone = count_parameters(huge)["backbone"]
+    assert h_backbone / 1e6 == pytest.approx(630.8, abs=0.1)
+    # ViT-L/16 is 303.3 M without any head; the often-quoted 304.3 M (timm's model card)
+    # includes timm's 1000-class ImageNet head: 1024 x 1000 weights + 1000 biases.
+    assert l_backbone / 1e6 == pytest.approx(303.3, abs=0.1)
+    assert (l_backbone + 1024 * 1000 + 1000) / 1e6 == pytest.approx(304.3, abs=0.1)
+
+
+@pytest.mark.parametrize("name,width,total", [(L16, 1024, 326.7), (H14, 1280, 660.4)])
+def test_pretraining_model_with_pre_logits_and_21k_head(name, width, total):
+    params = count_parameters(meta(name, representation_size=width, num_classes=21843))
+    assert params["pre_logits"] == width * width + width
+    assert params["head"] == width * 21843 + 21843
+    assert params["total"] / 1e6 == pytest.approx(total, abs=0.1)
+
+
+@pytest.mark.parametrize("name,tflop", [(L16, 0.37), (H14, 1.00)])
+def test_training_flops_per_image_at_224(name, tflop):
+    spec = resolve_spec(ModelConfig(name=name, representation_size=None, num_classes=0))
+    assert spec.train_flops_per_image() / 1e12 == pytest.approx(tflop, rel=0.03)
+
+
+def test_flop_formula_agrees_with_pytorchs_counter_on_a_real_model():
+    cfg = ModelConfig(name="vit_small_patch16_224", img_size=64, depth=3,
+                      representation_size=384, num_classes=100)
+    model = create_model(cfg)
+    counted = measure_train_flops(model, img_size=64, batch=2) / 2
+    assert model.spec.train_flops_per_image() == pytest.approx(counted, rel=0.03)
+
+
+def test_flop_formula_agrees_with_the_counter_for_vit_large_on_meta():
+    model = meta(L16, representation_size=1024, num_classes=21843)
+    assert model.spec.train_flops_per_image() == pytest.approx(
+        measure_train_flops(model, img_size=224), rel=0.03)
+
+
+def tiny(**kw):
+    base = dict(name="vit_tiny_patch16_224", img_size=16, patch_size=8, embed_dim=32, depth=4,
+                num_heads=2, num_classes=5)
+    return create_model(ModelConfig(**{**base, **kw}))
+
+
+def _branch_drop_fractions(model, x):
+    """Per block: the share of samples whose residual branches contributed exactly nothing."""
+    dropped = {}
+
+    def hook(name):
+        def record(_module, _inputs, out):
+            per_sample = out.flatten(1).abs().sum(1) == 0
+            dropped.setdefault(name, []).append(per_sample.float().mean().item())
+        return record
+
+    handles = [getattr(blk, f"drop_path{i}").register_forward_hook(hook((b, i)))
+               for b, blk in enumerate(model.backbone.blocks) for i in (1, 2)]
+    with torch.no_grad():
+        out = model(x)
+    for h in handles:
+        h.remove()
+    return {k: v[0] for k, v in dropped.items()}, out
+
+
+def test_stochastic_depth_drops_each_block_at_its_linear_rate():
+    torch.manual_seed(0)
+    model = tiny(drop_path_rate=0.3).train()
+    n = 4000
+    fractions, _ = _branch_drop_fractions(model, torch.randn(n, 3, 16, 16))
+    expected = torch.linspace(0, 0.3, 4).tolist()  # rates grow linearly over depth
+    for (block, _branch), frac in fractions.items():
+        rate = expected[block]
+        tolerance = 5 * (rate * (1 - rate) / n) ** 0.5 + 1e-9
+        assert abs(frac - rate) <= tolerance, (block, frac, rate)
+
+
+def test_eval_mode_is_deterministic_and_drops_nothing():
+    model = tiny(drop_path_rate=0.3).eval()
+    x = torch.randn(256, 3, 16, 16)
+    fractions, first = _branch_drop_fractions(model, x)
+    assert all(f == 0 for f in fractions.values())
+    with torch.no_grad():
+        assert torch.equal(first, model(x))
+
+
+def test_pre_logits_are_tanh_bounded_and_head_bias_is_configurable():
+    model = tiny(representation_size=48, head_bias_init=-10.0).eval()
+    x = 50 * torch.randn(64, 3, 16, 16)
+    with torch.no_grad():
+        feats = model.forward_pre_logits(x)
+        logits = model(x)
+    assert feats.shape == (64, 48)
+    assert feats.abs().max() <= 1.0 and feats.abs().max() > 0.5  # bounded, not collapsed
+    # zero-initialised kernel: every logit starts at the bias (sigmoid loss: p ~ 4.5e-5)
+    assert torch.equal(logits, torch.full_like(logits, -10.0))
+
+
+def test_head_swap_drops_pre_logits_and_starts_from_zero_logits():
+    model = tiny(representation_size=48, head_zero_init=False, head_bias_init=-10.0)
+    model.swap_head(num_classes=7)
+    assert not any("pre_logits" in name for name, _ in model.named_parameters())
+    assert model.spec.representation_size is None and model.spec.num_classes == 7
+    x = torch.randn(8, 3, 16, 16)
+    logits = model.eval()(x)
+    assert logits.shape == (8, 7) and torch.equal(logits, torch.zeros_like(logits))
+    # the new head learns: one SGD step moves the logits off zero
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(x), torch.arange(8) % 7)
+    loss.backward()
+    assert model.head.weight.grad.abs().sum() > 0
+
+
+def test_any_timm_vit_with_overrides():
+    model = create_model(ModelConfig(name="vit_small_patch16_224", img_size=32, patch_size=4,
+                                     depth=2, num_classes=3))
+    assert model.spec.seq_len == 65 and model.spec.embed_dim == 384
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("kw,key", [
+    (dict(num_heads=5), "model.num_heads"),
+    (dict(img_size=100), "model.img_size"),
+    (dict(name="resnet50"), "model.name"),
+    (dict(name="vit_larg_patch16_224"), "did you mean 'vit_large_patch16_224'"),
+])
+def test_impossible_architectures_are_rejected(kw, key):
+    with pytest.raises(ConfigError, match=key):
+        resolve_spec(ModelConfig(**kw))
