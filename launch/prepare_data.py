@@ -1,0 +1,96 @@
+"""Turn a raw image dataset into shuffled WebDataset shards plus a timm-compatible ``_info.json``.
+
+    python launch/prepare_data.py imagenet21k --src /data/winter21_whole.tar.gz --out /shards/in21k
+    python launch/prepare_data.py imagenet1k --src /data/imagenet --out /shards/in1k --workers 16
+    python launch/prepare_data.py cifar10 --src /data/cifar-10-batches-py --out /shards/cifar10
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+from pretrain.data.info import DatasetInfoError
+from pretrain.data.shard_writer import DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, prepare
+from pretrain.data.sources import SOURCES, PrepareError
+
+SOURCE_HELP = """\
+SOURCE and what --src points at:
+  imagenet21k  a folder of per-synset tars (n01440764.tar holding n01440764_*.JPEG), or the
+               outer fall11_whole.tar / winter21_whole.tar.gz itself, read as one stream
+               (its images are spilled into DIR/.prepare while the shards are written:
+               that needs free space for about twice the dataset under DIR)
+  imagefolder  ROOT/<class>/<image> (jpg, jpeg, png, webp, any case; classes sorted by name);
+               ROOT/train/<class> + ROOT/val/<class> give a train and a validation split
+  imagenet1k   ROOT/train/<synset>/*.JPEG and ROOT/val/, either in synset folders or flat with
+               LOC_val_solution.csv, val_labels.txt or val.txt (file name, synset or index);
+               labels in timm's 1000-synset order
+  cifar10      cifar-10-batches-py (the python version), splits train and test
+  cifar100     cifar-100-python (fine labels), splits train and test
+
+Output: DIR/<name>-<split>-000000.tar ... with samples __key__, jpg, cls, json
+({label, class_name, width, height}), DIR/_info.json (timm's layout, written last) and
+DIR/_skipped.json (unreadable files). Rerun the same command to resume an interrupted run.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line instead of argparse's usage block
+        sys.stderr.write(f"error: {message}; see {self.prog} --help\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="prepare_data.py", description=__doc__.splitlines()[0], epilog=SOURCE_HELP,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", metavar="SOURCE", choices=SOURCES, help=f"raw layout: {', '.join(SOURCES)}")
+    p.add_argument("--src", required=True, metavar="PATH", help="the raw data (see below)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="output folder; new or empty, or one written before by the same command (resume)")
+    p.add_argument("--name", help="dataset name, the shards' file name prefix (default: SOURCE)")
+    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
+                   help=f"samples per shard (default {DEFAULT_SHARD_SIZE}: ~110 MB of ImageNet JPEGs)")
+    p.add_argument("--val-count", type=int, metavar="N",
+                   help=f"images held out as split 'validation', chosen by a seeded hash of their key so "
+                        f"a rerun picks the same ones (default {DEFAULT_I21K_VAL_COUNT:,} for imagenet21k, "
+                        f"0 otherwise; not for sources with their own held-out split)")
+    p.add_argument("--max-size", type=int, metavar="PX",
+                   help="resize images whose shorter side is longer than PX down to PX (default: keep the "
+                        "original size and, for JPEGs, the original bytes)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="processes writing shards in parallel (default: all %(default)s cores)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of the held-out choice and of the shuffle (default %(default)s)")
+    p.add_argument("--synsets", default="goog", metavar="goog|fall11|PATH",
+                   help="imagenet21k label list: goog = timm's 21843 classes of Google's checkpoints "
+                        "(default), fall11 = timm's 21841 classes of fall11_whole.tar, or a text file "
+                        "with one synset per line; the label is the line number from 0")
+    p.add_argument("--skip-unknown", action="store_true",
+                   help="leave out synsets / class folders missing from the label list (listed in "
+                        "_skipped.json) instead of stopping with an error")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        prepare(args.source, args.src, args.out, name=args.name, shard_size=args.shard_size,
+                val_count=args.val_count, max_size=args.max_size, workers=args.workers, seed=args.seed,
+                synsets=args.synsets, skip_unknown=args.skip_unknown)
+    except (PrepareError, DatasetInfoError) as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    except OSError as e:
+        sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted; rerun the same command to resume\n")
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,695 @@
+"""Streaming train/eval loaders over WebDataset shards described by ``_info.json``.
+
+How the train stream is built
+-----------------------------
+The world has ``world_size x W`` reader *slots* (``W = max(1, data.num_workers)``); slot
+``rank * W + w`` is data-loader worker ``w`` of rank ``rank``. For every epoch the split's shards
+are put in a seeded order and dealt, whole, to the slots -- each shard to the slot with the least
+data so far, counted over all epochs, so no slot falls behind the others as epochs go by. A slot
+reads its shards, shuffles the samples with a seeded buffer, and decodes. Its stream is therefore
+a pure function of (seed, epoch, slot): every sample of an epoch is read exactly once across the
+world, and a slot's position is just "epoch, samples emitted in that epoch".
+
+Epoch boundaries: the stream never ends. When a worker finishes its share of epoch ``e`` it goes
+on with its share of ``e + 1``, and a batch may hold samples of both (each sample carries its
+epoch in ``Batch.epochs``). Ranks therefore always take the same number of steps -- a
+distributed run cannot hang on unequal shards -- and no sample is dropped or padded; the
+training loop counts steps (``train.epochs`` is turned into steps from ``num_samples``).
+
+Exact resume: :meth:`TrainLoader.state_dict` (collective under ``torch.distributed``) returns
+every worker's (epoch, index) plus the rank's round-robin position; restored with the same world
+size and workers, each worker skips the already-emitted samples without decoding them and the run
+continues with exactly the batches it would have produced. Restored with a different layout, the
+shards of the oldest unfinished epoch that were not fully consumed are re-dealt to the new slots
+(samples of shards that were in flight are seen twice; the number is logged) and later epochs
+follow the new layout.
+
+Resampling (``data.resample``): each slot draws ``ceil(shards / slots)`` shards with replacement
+per epoch; an infinite stream without the exactly-once guarantee, for splits with fewer shards
+than slots.
+
+Corrupt input -- undecodable image bytes, a missing or non-integer ``cls``, a truncated or
+unreadable shard -- is skipped and counted (:attr:`TrainLoader.skipped`); it never ends an epoch.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import webdataset as wds
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+from pretrain.data.info import join, read_info
+from pretrain.data.transforms import CorruptImage, EvalTransform, TrainTransform
+
+log = logging.getLogger(__name__)
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+STATE_FORMAT = 1
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class LoaderError(ValueError):
+    """The loader cannot be built as configured (one line naming the problem and the fix)."""
+
+
+class Batch(NamedTuple):
+    images: torch.Tensor   # uint8 (B, 3, S, S); normalise on the device with normalize()
+    labels: torch.Tensor   # int64 (B,); -1 marks padding in eval batches
+    keys: List[str]        # the samples' __key__ ("" for eval padding)
+    epochs: torch.Tensor   # int64 (B,), the epoch each sample belongs to
+
+
+# --------------------------------------------------------------------------------------------
+# Shards and how they are dealt to slots
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ShardSet:
+    """The shards of one split: locations and (when known) sample counts."""
+
+    urls: List[str]
+    lengths: List[int]  # -1 where unknown
+    name: str = "train"
+
+    @property
+    def num_samples(self) -> int:
+        return sum(n for n in self.lengths if n > 0)
+
+    def fingerprint(self) -> str:
+        names = "\n".join(f"{os.path.basename(u)}:{n}" for u, n in zip(self.urls, self.lengths))
+        return hashlib.sha1(names.encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_info(cls, root: str, split: str) -> "ShardSet":
+        info = read_info(root).split(split)
+        lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
+        if len(lengths) != len(info.filenames):
+            raise LoaderError(f"'{root}' split '{split}': {len(info.filenames)} filenames but "
+                              f"{len(lengths)} shard_lengths; rewrite the info file")
+        return cls([join(root, f) for f in info.filenames], lengths, split)
+
+    @classmethod
+    def from_urls(cls, urls: Sequence[str], lengths: Optional[Sequence[int]] = None) -> "ShardSet":
+        return cls(list(urls), list(lengths) if lengths else [-1] * len(urls), "shards")
+
+
+@dataclass
+class ShardPlan:
+    """Which shards each slot reads in each epoch; picklable, shipped to every worker."""
+
+    shards: ShardSet
+    num_slots: int
+    seed: int
+    resample: bool = False
+    # A one-off assignment for one epoch, made when resuming with a different layout.
+    override_epoch: Optional[int] = None
+    override_slots: Optional[List[List[int]]] = None
+    _cache: Dict[int, List[List[int]]] = field(default_factory=dict, repr=False)
+    _loads: Optional[Tuple[int, List[int]]] = field(default=None, repr=False)
+
+    def slot_shards(self, epoch: int, slot: int) -> List[int]:
+        if self.override_slots is not None and epoch == self.override_epoch:
+            return self.override_slots[slot]
+        if self.resample:
+            n = len(self.shards.urls)
+            rng = random.Random(f"resample:{self.seed}:{epoch}:{slot}")
+            return rng.choices(range(n), k=math.ceil(n / self.num_slots))
+        return self._dealt(epoch)[slot]
+
+    def epoch_shards(self, epoch: int) -> List[int]:
+        """Every shard of ``epoch`` (the re-dealt remainder for an override epoch)."""
+        if self.override_slots is not None and epoch == self.override_epoch:
+            return [s for slot in self.override_slots for s in slot]
+        return list(range(len(self.shards.urls)))
+
+    def _dealt(self, epoch: int) -> List[List[int]]:
+        # Loads carry over epochs so a slot that got more data in one epoch gets less in the
+        # next: the slots' positions in the stream never drift more than about one shard apart.
+        if epoch not in self._cache:
+            done, loads = self._loads or (0, [0] * self.num_slots)
+            if done > epoch:
+                done, loads = 0, [0] * self.num_slots
+            for e in range(done, epoch + 1):
+                order = list(range(len(self.shards.urls)))
+                random.Random(f"shards:{self.seed}:{e}").shuffle(order)
+                slots, loads = deal(order, self.shards.lengths, loads)
+            self._loads = (epoch + 1, loads)
+            self._cache = {epoch: slots}
+        return self._cache[epoch]
+
+
+def deal(order: Sequence[int], lengths: Sequence[int], loads: Sequence[int]
+         ) -> Tuple[List[List[int]], List[int]]:
+    """Give each shard in ``order`` to the least-loaded slot (ties: lowest slot)."""
+    heap = [(load, slot) for slot, load in enumerate(loads)]
+    heapq.heapify(heap)
+    slots: List[List[int]] = [[] for _ in loads]
+    for shard in order:
+        load, slot = heapq.heappop(heap)
+        slots[slot].append(shard)
+        heapq.heappush(heap, (load + max(lengths[shard], 1), slot))
+    new_loads = [0] * len(loads)
+    for load, slot in heap:
+        new_loads[slot] = load
+    return slots, new_loads
+
+
+# --------------------------------------------------------------------------------------------
+# One slot's stream: raw records -> seeded shuffle -> (epoch, index, record)
+# --------------------------------------------------------------------------------------------
+class _Lost(NamedTuple):
+    count: int
+    reason: str
+
+
+def _read_shard(url: str) -> Iterator[dict]:
+    with contextlib.closing(wds.gopen(url)) as stream:
+        members = ({**m, "__url__": url} for m in tar_file_iterator(stream))
+        yield from group_by_keys(members)
+
+
+def _records(plan: ShardPlan, shard_ids: Sequence[int], quiet: bool) -> Iterator[Any]:
+    """Raw samples of the given shards in order; a ``_Lost`` marker for what a bad shard lost."""
+    for sid in shard_ids:
+        url, expected = plan.shards.urls[sid], plan.shards.lengths[sid]
+        read, reason = 0, "shorter than _info.json says"
+        try:
+            for sample in _read_shard(url):
+                read += 1
+                yield sample
+        except Exception as e:  # noqa: BLE001 -- truncated tar, unreachable storage, garbage
+            reason = f"{type(e).__name__}: {e}"
+            if expected < 0:  # unknown length: at least the sample being read is gone
+                expected = read + 1
+        if expected > read:
+            if not quiet:
+                log.warning("shard %s: %d sample(s) lost (%s)", url, expected - read, reason)
+            yield _Lost(expected - read, reason)
+
+
+def buffer_shuffle(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Seeded shuffle buffer; ``_Lost`` markers pass straight through without touching the rng."""
+    buf: List[Any] = []
+    for item in items:
+        if isinstance(item, _Lost):
+            yield item
+        elif len(buf) < size:
+            buf.append(item)
+        else:
+            j = rng.randrange(size)
+            item, buf[j] = buf[j], item
+            yield item
+    rng.shuffle(buf)
+    yield from buf
+
+
+@dataclass
+class WorkerPos:
+    """Where one slot is: the next sample to emit is number ``index`` of ``epoch``.
+
+    ``skipped`` counts skipped samples per epoch (keys are str so the state is plain JSON);
+    ``fresh`` means nothing of this position was consumed yet, so the lost-sample markers just
+    before it have not been counted.
+    """
+
+    epoch: int = 0
+    index: int = 0
+    skipped: Dict[str, int] = field(default_factory=dict)
+    fresh: bool = True
+
+
+def _count(skipped: Dict[str, int], epoch: int, n: int = 1) -> None:
+    skipped[str(epoch)] = skipped.get(str(epoch), 0) + n
+
+
+def slot_stream(plan: ShardPlan, slot: int, buffer: int, start: WorkerPos,
+                skipped: Dict[str, int], quiet: bool = True) -> Iterator[Tuple[int, int, dict]]:
+    """(epoch, index, raw sample) of one slot from ``start`` on, forever.
+
+    Lost-sample markers are added to ``skipped`` except those a consumed batch already counted
+    (the ones up to ``start`` when resuming).
+    """
+    empty_epochs = 0
+    for epoch in itertools.count(start.epoch):
+        resuming = epoch == start.epoch
+        skip_to = start.index if resuming else 0
+        rng = random.Random(f"buffer:{plan.seed}:{epoch}:{slot}")
+        shard_ids = plan.slot_shards(epoch, slot)
+        index = 0
+        for item in buffer_shuffle(_records(plan, shard_ids, quiet), buffer, rng):
+            if isinstance(item, _Lost):
+                if not (resuming and not start.fresh and index <= skip_to):
+                    _count(skipped, epoch, item.count)
+                continue
+            if index >= skip_to:
+                yield epoch, index, item
+            index += 1
+        empty_epochs = 0 if index or not shard_ids else empty_epochs + 1
+        if empty_epochs >= 2:
+            raise LoaderError(f"reader slot {slot} found no readable sample in two epochs of its "
+                              f"shards (e.g. {plan.shards.urls[shard_ids[0]]}); check data.root "
+                              f"and the storage")
+
+
+def decode_label(sample: dict, num_classes: Optional[int]) -> int:
+    raw = sample.get("cls")
+    if raw is None:
+        raise CorruptImage("sample has no 'cls'")
+    try:
+        label = int(raw.decode() if isinstance(raw, bytes) else raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptImage(f"'cls' is not an integer: {raw[:20]!r}") from None
+    if label < 0 or (num_classes and label >= num_classes):
+        raise CorruptImage(f"'cls' {label} outside [0, {num_classes})")
+    return label
+
+
+def image_bytes(sample: dict) -> bytes:
+    for name in IMAGE_FIELDS:
+        if name in sample:
+            return sample[name]
+    raise CorruptImage(f"sample has no image ({'/'.join(IMAGE_FIELDS)})")
+
+
+def _new_batch_images(batch_size: int, size: int) -> torch.Tensor:
+    images = torch.empty((batch_size, 3, size, size), dtype=torch.uint8)
+    # In a worker process, allocating in shared memory saves the copy the queue would make.
+    return images.share_memory_() if get_worker_info() is not None else images
+
+
+# --------------------------------------------------------------------------------------------
+# Train loader
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _RankState:
+    workers: List[WorkerPos]
+    next_worker: int = 0
+    # Skips counted before a change of layout (kept on rank 0 so a world sum stays right).
+    skipped_base: Dict[str, int] = field(default_factory=dict)
+
+
+class _TrainDataset(IterableDataset):
+    """Runs inside each data-loader worker: one logical worker's batches, forever."""
+
+    def __init__(self, plan: ShardPlan, rank: int, workers: int, state: _RankState,
+                 buffer: int, batch_size: int, transform: TrainTransform,
+                 num_classes: Optional[int]):
+        self.plan, self.rank, self.workers, self.state = plan, rank, workers, state
+        self.buffer, self.batch_size, self.transform = buffer, batch_size, transform
+        self.num_classes = num_classes
+
+    def __iter__(self):
+        info = get_worker_info()
+        # DataLoader serves its workers round-robin starting at worker 0; rotating the
+        # logical ids makes the rank's batch order continue where the saved state left it.
+        logical = ((info.id if info else 0) + self.state.next_worker) % self.workers
+        slot = self.rank * self.workers + logical
+        start = self.state.workers[logical]
+        skipped = dict(start.skipped)
+        stream = slot_stream(self.plan, slot, self.buffer, start, skipped, quiet=self.rank != 0)
+        good = self._decoded(stream, slot, skipped)
+        # One good sample is always decoded ahead: a batch's position is that of the next
+        # good sample, so the skips before it belong to the batch and a resume never
+        # counts them twice.
+        pending = next(good)
+        while True:
+            images = _new_batch_images(self.batch_size, self.transform.size)
+            labels, keys, epochs = [], [], []
+            for i in range(self.batch_size):
+                epoch, _, key, label, image = pending
+                images[i] = image
+                labels.append(label)
+                keys.append(key)
+                epochs.append(epoch)
+                pending = next(good)
+            meta = (logical, pending[0], pending[1], dict(skipped))
+            yield (images, torch.tensor(labels, dtype=torch.int64), keys,
+                   torch.tensor(epochs, dtype=torch.int64), meta)
+
+    def _decoded(self, stream, slot: int, skipped: Dict[str, int]):
+        for epoch, index, sample in stream:
+            try:
+                label = decode_label(sample, self.num_classes)
+                rng = random.Random(f"aug:{self.plan.seed}:{epoch}:{slot}:{index}")
+                image = self.transform(image_bytes(sample), rng)
+            except CorruptImage as e:
+                _count(skipped, epoch)
+                if self.rank == 0:
+                    log.warning("skipping sample %s: %s", sample.get("__key__"), e)
+                continue
+            yield epoch, index, sample["__key__"], label, image
+
+
+class TrainLoader:
+    """The rank's infinite stream of uint8 train batches; see the module docstring.
+
+    Iterate it (``for batch in loader`` or ``next(it)``); every new ``iter()`` continues from
+    the current state. :meth:`state_dict` / :meth:`load_state_dict` give exact resume.
+    """
+
+    def __init__(self, shards: ShardSet, *, img_size: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, num_workers: int = 0,
+                 shuffle_buffer: int = 5000, resample: bool = False,
+                 crop_scale: Sequence[float] = (0.05, 1.0), hflip: float = 0.5,
+                 randaugment: Optional[str] = None, num_classes: Optional[int] = None,
+                 log_sample_keys: Optional[str] = None, pin_memory: bool = False,
+                 prefetch_factor: int = 2):
+        if not shards.urls:
+            raise LoaderError(f"split '{shards.name}' has no shards; check data.root")
+        self.shards, self.rank, self.world_size = shards, rank, world_size
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
+        self.workers = max(1, num_workers)
+        self.shuffle_buffer, self.resample = shuffle_buffer, resample
+        slots = world_size * self.workers
+        if len(shards.urls) < slots and not resample:
+            raise LoaderError(
+                f"split '{shards.name}' has {len(shards.urls)} shards but world size {world_size} "
+                f"x {self.workers} workers = {slots} reader slots; lower data.num_workers, write "
+                f"smaller shards, or set data.resample=true (no exactly-once epochs)")
+        self.plan = ShardPlan(shards, slots, seed, resample)
+        self.transform = TrainTransform(img_size, crop_scale, hflip, randaugment)
+        self.num_classes = num_classes
+        self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
+        self._state = _RankState([WorkerPos() for _ in range(self.workers)])
+        self._keys_path = (Path(log_sample_keys) / f"rank{rank}.txt") if log_sample_keys else None
+
+    # ---- what the training loop reads ------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        """Samples in one epoch of the split (from _info.json)."""
+        return self.shards.num_samples
+
+    @property
+    def skipped(self) -> int:
+        """Corrupt or lost samples skipped so far by this rank's workers (all-reduce for a total)."""
+        return sum(self.skipped_by_epoch.values())
+
+    @property
+    def skipped_by_epoch(self) -> Dict[int, int]:
+        """Skips per epoch; an epoch's count is final once every worker has moved past it."""
+        total: Dict[str, int] = dict(self._state.skipped_base)
+        for w in self._state.workers:
+            for e, n in w.skipped.items():
+                _count(total, int(e), n)
+        return {int(e): n for e, n in sorted(total.items(), key=lambda kv: int(kv[0]))}
+
+    @property
+    def epoch(self) -> float:
+        """Fractional epoch this rank's workers have reached (for logging)."""
+        per_slot = max(1, self.num_samples) / self.plan.num_slots
+        return sum(w.epoch + w.index / per_slot for w in self._state.workers) / self.workers
+
+    def __iter__(self) -> Iterator[Batch]:
+        state = _RankState([_copy_pos(w) for w in self._state.workers],
+                           self._state.next_worker, dict(self._state.skipped_base))
+        dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
+                                self.batch_size, self.transform, self.num_classes)
+        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                            pin_memory=self.pin_memory,
+                            prefetch_factor=self.prefetch_factor if self.num_workers else None)
+        keys_file = self._open_keys_file()
+        try:
+            for images, labels, keys, epochs, meta in loader:
+                self._advance(meta)
+                if keys_file is not None:
+                    keys_file.write("".join(k + "\n" for k in keys))
+                    keys_file.flush()
+                yield Batch(images, labels, keys, epochs)
+        finally:
+            if keys_file is not None:
+                keys_file.close()
+
+    def _advance(self, meta: Tuple[int, int, int, int]) -> None:
+        logical, epoch, index, skipped = meta
+        if logical != self._state.next_worker:
+            raise RuntimeError(f"data loader served worker {logical} out of turn (expected "
+                               f"{self._state.next_worker}); exact resume needs in-order loading")
+        self._state.workers[logical] = WorkerPos(epoch, index, skipped, fresh=False)
+        self._state.next_worker = (logical + 1) % self.workers
+
+    def _open_keys_file(self):
+        if self._keys_path is None:
+            return None
+        self._keys_path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self._keys_path, "a")
+
+    # ---- resume ----------------------------------------------------------------------------
+    def layout(self) -> dict:
+        return dict(seed=self.seed, world_size=self.world_size, workers=self.workers,
+                    resample=self.resample, shuffle_buffer=self.shuffle_buffer)
+
+    def local_state(self) -> dict:
+        return dict(workers=[vars(_copy_pos(w)) for w in self._state.workers],
+                    next_worker=self._state.next_worker,
+                    skipped_base=dict(self._state.skipped_base))
+
+    def state_dict(self) -> dict:
+        """The whole world's loader position (small, JSON-serialisable).
+
+        Collective under an initialised ``torch.distributed`` with world_size > 1: call it on
+        every rank at the same step; every rank gets the same dict (rank 0 can save it).
+        """
+        local = self.local_state()
+        ranks = [local]
+        if self.world_size > 1 and torch.distributed.is_available() \
+                and torch.distributed.is_initialized():
+            ranks = [None] * self.world_size
+            torch.distributed.all_gather_object(ranks, local)
+        elif self.world_size > 1:
+            raise LoaderError("state_dict() of a multi-rank loader needs torch.distributed "
+                              "initialised (it gathers every rank's position)")
+        return dict(format=STATE_FORMAT, fingerprint=self.shards.fingerprint(), **self.layout(),
+                    override_epoch=self.plan.override_epoch,
+                    override_slots=self.plan.override_slots, ranks=ranks)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``: exactly, when the layout matches; else without losing data."""
+        if state.get("format") != STATE_FORMAT:
+            raise LoaderError(f"loader state format {state.get('format')} is not "
+                              f"{STATE_FORMAT}; it was written by another version")
+        if state["fingerprint"] != self.shards.fingerprint():
+            raise LoaderError("the loader state was saved for different shards than "
+                              f"split '{self.shards.name}' has now; resume with the same data.root")
+        self.plan.override_epoch = state["override_epoch"]
+        self.plan.override_slots = state["override_slots"]
+        old = {k: state[k] for k in self.layout()}
+        if old == self.layout():
+            mine = state["ranks"][self.rank]
+            self._state = _RankState([WorkerPos(**w) for w in mine["workers"]],
+                                     mine["next_worker"], dict(mine["skipped_base"]))
+            return
+        self._replan(state, old)
+
+    def _replan(self, state: dict, old: dict) -> None:
+        old_plan = ShardPlan(self.shards, old["world_size"] * old["workers"], old["seed"],
+                             old["resample"], state["override_epoch"], state["override_slots"])
+        positions = [WorkerPos(**w) for r in state["ranks"] for w in r["workers"]]
+        if self.resample or old["resample"]:
+            # No exactly-once promise to keep: start a fresh epoch in the new layout.
+            epoch = max(p.epoch for p in positions) + 1
+            remaining, duplicates = list(range(len(self.shards.urls))), 0
+            self.plan = ShardPlan(self.shards, self.plan.num_slots, self.seed, self.resample)
+        else:
+            epoch, remaining, duplicates = unfinished_shards(old_plan, positions,
+                                                             old["shuffle_buffer"])
+            slots, _ = deal(remaining, self.shards.lengths, [0] * self.plan.num_slots)
+            self.plan = ShardPlan(self.shards, self.plan.num_slots, self.seed, False, epoch,
+                                  slots)
+        total: Dict[str, int] = {}
+        for counts in [p.skipped for p in positions] + [r["skipped_base"] for r in state["ranks"]]:
+            for e, n in counts.items():
+                _count(total, int(e), n)
+        self._state = _RankState([WorkerPos(epoch=epoch) for _ in range(self.workers)], 0,
+                                 total if self.rank == 0 else {})
+        if self.rank == 0:
+            log.warning(
+                "data loader resumed with a different layout (%s -> %s): epoch %d goes on with "
+                "its %d unfinished of %d shards re-dealt; %d samples already seen will be seen "
+                "again (shards in flight)", _describe(old), _describe(self.layout()), epoch,
+                len(remaining), len(old_plan.epoch_shards(epoch)), duplicates)
+
+
+def _copy_pos(pos: WorkerPos) -> WorkerPos:
+    return WorkerPos(pos.epoch, pos.index, dict(pos.skipped), pos.fresh)
+
+
+def _describe(layout: dict) -> str:
+    return (f"world {layout['world_size']} x {layout['workers']} workers, seed {layout['seed']}, "
+            f"buffer {layout['shuffle_buffer']}")
+
+
+def unfinished_shards(plan: ShardPlan, positions: Sequence[WorkerPos], buffer: int
+                      ) -> Tuple[int, List[int], int]:
+    """(oldest unfinished epoch, its shards not yet fully emitted, samples that will repeat).
+
+    A slot's emission order is replayed from shard indices alone (the shuffle's random draws
+    depend only on the buffer size), so this reads no data; it assumes shards hold the number
+    of samples _info.json records.
+    """
+    epoch = min(p.epoch for p in positions)
+    unfinished, repeats = [], 0
+    for slot, pos in enumerate(positions):
+        if pos.epoch > epoch:
+            repeats += pos.index  # samples of the next epoch: that epoch restarts afresh
+            continue
+        shard_ids = plan.slot_shards(epoch, slot)
+        lengths = [max(plan.shards.lengths[s], 0) for s in shard_ids]
+        emitted = [0] * len(shard_ids)
+        rng = random.Random(f"buffer:{plan.seed}:{epoch}:{slot}")
+        order = itertools.chain.from_iterable([i] * n for i, n in enumerate(lengths))
+        for i in itertools.islice(buffer_shuffle(order, buffer, rng), pos.index):
+            emitted[i] += 1
+        for i, sid in enumerate(shard_ids):
+            if emitted[i] < lengths[i] or lengths[i] == 0:
+                unfinished.append(sid)
+                repeats += emitted[i]
+    return epoch, unfinished, repeats
+
+
+# --------------------------------------------------------------------------------------------
+# Eval loader
+# --------------------------------------------------------------------------------------------
+class _EvalDataset(IterableDataset):
+    def __init__(self, plan: ShardPlan, rank: int, workers: int, batches: int, batch_size: int,
+                 transform: EvalTransform, num_classes: Optional[int]):
+        self.plan, self.rank, self.workers, self.batches = plan, rank, workers, batches
+        self.batch_size, self.transform, self.num_classes = batch_size, transform, num_classes
+
+    def __iter__(self):
+        info = get_worker_info()
+        slot = self.rank * self.workers + (info.id if info else 0)
+        samples = (s for s in _records(self.plan, self.plan.slot_shards(0, slot), quiet=True)
+                   if not isinstance(s, _Lost))
+        for _ in range(self.batches):
+            images = _new_batch_images(self.batch_size, self.transform.size)
+            images.zero_()
+            labels = torch.full((self.batch_size,), -1, dtype=torch.int64)
+            keys = [""] * self.batch_size
+            filled = 0
+            for sample in samples:
+                try:
+                    labels[filled] = decode_label(sample, self.num_classes)
+                    images[filled] = self.transform(image_bytes(sample))
+                except CorruptImage:
+                    labels[filled] = -1
+                    continue
+                keys[filled] = sample["__key__"]
+                filled += 1
+                if filled == self.batch_size:
+                    break
+            yield images, labels, keys, torch.zeros(self.batch_size, dtype=torch.int64)
+
+
+class EvalLoader:
+    """One pass over a split per ``iter()``: every sample once across the world, unshuffled.
+
+    Every rank yields the same number of full-size batches, so sharded models (ZeRO-3) never
+    wait on a rank that ran out; padding rows have label -1 and key "" -- mask them out.
+    Corrupt samples are dropped (they become padding).
+    """
+
+    def __init__(self, shards: ShardSet, *, img_size: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, num_workers: int = 0, num_classes: Optional[int] = None,
+                 crop_pct: float = 0.875):
+        self.shards, self.rank, self.num_workers = shards, rank, num_workers
+        self.workers = max(1, num_workers)
+        slots = world_size * self.workers
+        if any(n < 0 for n in shards.lengths):
+            raise LoaderError(f"eval split '{shards.name}' lacks shard_lengths in its info file; "
+                              f"equal batch counts per rank need them")
+        dealt, loads = deal(range(len(shards.urls)), shards.lengths, [0] * slots)
+        self.plan = ShardPlan(shards, slots, seed=0, override_epoch=0, override_slots=dealt)
+        longest = max(loads)
+        self.batches_per_worker = math.ceil(longest / batch_size)
+        self.batch_size = batch_size
+        self.transform = EvalTransform(img_size, crop_pct)
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return self.batches_per_worker * self.workers
+
+    def __iter__(self) -> Iterator[Batch]:
+        dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
+                               self.batch_size, self.transform, self.num_classes)
+        for images, labels, keys, epochs in DataLoader(dataset, batch_size=None,
+                                                       num_workers=self.num_workers):
+            yield Batch(images, labels, keys, epochs)
+
+
+# --------------------------------------------------------------------------------------------
+# Construction from the config, and the device-side half of the pipeline
+# --------------------------------------------------------------------------------------------
+def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
+                       world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
+                       log_sample_keys: Optional[str] = None, pin_memory: bool = False
+                       ) -> TrainLoader:
+    """The train loader of ``data`` (a :class:`pretrain.config.DataConfig`)."""
+    if not data.root:
+        raise LoaderError("data.root is not set; point it at a directory with _info.json")
+    return TrainLoader(ShardSet.from_info(data.root, data.train_split), img_size=img_size,
+                       batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
+                       num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer,
+                       resample=data.resample, crop_scale=data.crop_scale, hflip=data.hflip,
+                       randaugment=data.randaugment, num_classes=num_classes,
+                       log_sample_keys=log_sample_keys, pin_memory=pin_memory)
+
+
+def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
+                      world_size: int = 1, num_classes: Optional[int] = None,
+                      split: Optional[str] = None) -> EvalLoader:
+    """The eval loader of ``data.val_split`` (or ``split``)."""
+    split = split or data.val_split
+    if not data.root or not split:
+        raise LoaderError("evaluation needs data.root and data.val_split")
+    return EvalLoader(ShardSet.from_info(data.root, split), img_size=img_size,
+                      batch_size=batch_size, rank=rank, world_size=world_size,
+                      num_workers=data.num_workers, num_classes=num_classes)
+
+
+def normalize(images: torch.Tensor, mode: str = "minus_one_one",
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float: [-1, 1] ("minus_one_one") or ImageNet mean/std ("imagenet")."""
+    x = images.to(dtype)
+    if mode == "minus_one_one":
+        return x.div_(127.5).sub_(1.0)
+    if mode == "imagenet":
+        mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=dtype).view(1, 3, 1, 1) * 255
+        std = torch.tensor(IMAGENET_STD, device=x.device, dtype=dtype).view(1, 3, 1, 1) * 255
+        return x.sub_(mean).div_(std)
+    raise LoaderError(f"data.normalize='{mode}' is unknown; use 'minus_one_one' or 'imagenet'")
+
+
+def build_mixup(data, num_classes: int):
+    """timm ``Mixup`` for data.mixup_alpha / cutmix_alpha (None when both are 0).
+
+    Apply it to the normalised float batch on the device: ``x, y = mixup(x, labels)``; ``y``
+    becomes soft targets (B, num_classes) with data.label_smoothing. Needs an even batch.
+    """
+    if data.mixup_alpha <= 0 and data.cutmix_alpha <= 0:
+        return None
+    from timm.data import Mixup
+    return Mixup(mixup_alpha=data.mixup_alpha, cutmix_alpha=data.cutmix_alpha,
+                 label_smoothing=data.label_smoothing, num_classes=num_classes)
+
+
+def prepare_batch(batch: Batch, device: torch.device | str, mode: str = "minus_one_one",
+                  mixup=None, dtype: torch.dtype = torch.float32
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Move a batch to ``device``, normalise it there and apply mixup: (images, targets)."""
+    images = normalize(batch.images.to(device, non_blocking=True), mode, dtype)
+    labels = batch.labels.to(device, non_blocking=True)
+    if mixup is not None:
+        images, labels = mixup(images, labels)
+    return images, labels

@@ -1,0 +1,439 @@
+"""Raw dataset -> shuffled WebDataset shards in timm's layout, resumably and in parallel.
+
+The steps of :func:`prepare`:
+
+1. Check ``DIR``: output written with a different configuration is an error, never overwritten.
+2. Index every sample of the source as compact numpy columns (key, label, where the bytes are):
+   about 60 bytes a sample, so ImageNet-21k's 14 M samples fit in well under 1 GB. The index is
+   cached in ``DIR/.prepare`` so an interrupted run does not scan the source again.
+3. Hold out ``val_count`` samples as ``validation`` by a seeded hash of their key (the same keys
+   on every run), sort by key (so the result does not depend on scan order), then shuffle each
+   split with a seeded permutation and cut it into shards of ``shard_size``.
+4. Write the shards that are not complete yet, ``workers`` at a time: each goes to a temporary
+   name and is renamed when complete, then recorded in a ledger. Unreadable images are skipped.
+5. Write ``_skipped.json`` (the report of skipped files) and, last, ``_info.json``.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+from PIL import Image
+
+from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
+from .sources import Entry, PrepareError, Source, open_source
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "validation", "test")
+DEFAULT_SHARD_SIZE = 1000
+DEFAULT_I21K_VAL_COUNT = 50_000
+JPEG_QUALITY = 95
+WORK_DIR = ".prepare"
+REPORT_NAME = "_skipped.json"
+COLUMNS = ("split", "key", "label", "part", "name", "offset", "size")
+
+Index = Dict[str, np.ndarray]
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and the output directory
+# --------------------------------------------------------------------------------------------
+def make_settings(source: str, src: str, *, name: Optional[str], shard_size: int, val_count: Optional[int],
+                  max_size: Optional[int], seed: int, synsets: str, skip_unknown: bool) -> dict:
+    """Everything that decides the output; stored in ``_info.json`` under ``prepare``."""
+    if shard_size < 1:
+        raise PrepareError(f"--shard-size must be at least 1, got {shard_size}")
+    if max_size is not None and max_size < 1:
+        raise PrepareError(f"--max-size must be a positive pixel count, got {max_size}")
+    if val_count is not None and val_count < 0:
+        raise PrepareError(f"--val-count must be 0 or more, got {val_count}")
+    if seed < 0:
+        raise PrepareError(f"--seed must be 0 or more, got {seed}")
+    name = name or source
+    if not re.fullmatch(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*", name):
+        raise PrepareError(f"--name '{name}' may hold only letters, digits, '_', '.' and single '-'")
+    if val_count is None:
+        val_count = DEFAULT_I21K_VAL_COUNT if source == "imagenet21k" else 0
+    if os.path.isfile(synsets):
+        synsets = os.path.abspath(synsets)
+    return dict(source=source, src=os.path.abspath(src), name=name, shard_size=shard_size,
+                val_count=val_count, max_size=max_size, seed=seed, synsets=synsets, skip_unknown=skip_unknown)
+
+
+def _option(key: str) -> str:
+    return "SOURCE" if key == "source" else "--" + key.replace("_", "-")
+
+
+def check_out_dir(out: Path, settings: dict) -> None:
+    """Refuse a ``DIR`` holding other output; record this run's configuration in it."""
+    work = out / WORK_DIR
+    config = work / "config.json"
+    recorded = None
+    if any((out / n).is_file() for n in INFO_NAMES):
+        recorded = read_info(out).extra.get("prepare")
+        if recorded is None:
+            raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
+    elif config.is_file():
+        recorded = json.loads(config.read_text())
+    elif out.is_dir() and any(out.iterdir()):
+        raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
+                           f"choose a new or empty --out")
+    if recorded is not None and recorded != settings:
+        if _shards_started(out):
+            diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
+            what = ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
+            raise PrepareError(f"{out} was written with {what}; rerun with the same options or choose "
+                               f"another --out")
+        # Nothing was written yet (say the first try stopped at an unknown synset): start afresh.
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    if not config.is_file():
+        _write_atomic(config, json.dumps(settings, indent=1))
+
+
+def _shards_started(out: Path) -> bool:
+    return (out / WORK_DIR / "shards.jsonl").is_file() or any(
+        p.name.endswith((".tar", ".tar.tmp")) for p in out.iterdir())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
+    """The info of a finished ``DIR`` whose shards are all present, else None."""
+    if not (out / INFO_NAMES[0]).is_file():
+        return None
+    info = read_info(out)
+    present = all((out / f).is_file() for s in info.splits.values() for f in s.filenames)
+    return info if present and info.extra.get("prepare") == settings else None
+
+
+# --------------------------------------------------------------------------------------------
+# The index
+# --------------------------------------------------------------------------------------------
+def build_index(entries: Iterable[Entry], chunk: int = 1 << 20) -> Index:
+    """Compact numpy columns of all entries, built a chunk at a time so Python objects stay few."""
+    chunks: List[Index] = []
+    batch: List[Entry] = []
+    for entry in entries:
+        batch.append(entry)
+        if len(batch) == chunk:
+            chunks.append(_columns(batch))
+            batch = []
+    if batch or not chunks:
+        chunks.append(_columns(batch))
+    return {c: np.concatenate([ch[c] for ch in chunks]) for c in COLUMNS}
+
+
+def _columns(batch: List[Entry]) -> Index:
+    return dict(
+        split=np.array([SPLITS.index(e.split) for e in batch], dtype=np.uint8),
+        key=np.array([e.key.encode() for e in batch], dtype=bytes),
+        label=np.array([e.label for e in batch], dtype=np.int32),
+        part=np.array([e.part for e in batch], dtype=np.int32),
+        name=np.array([e.name.encode() for e in batch], dtype=bytes),
+        offset=np.array([e.offset for e in batch], dtype=np.int64),
+        size=np.array([e.size for e in batch], dtype=np.int64),
+    )
+
+
+def _take(index: Index, rows: np.ndarray) -> Index:
+    return {c: index[c][rows] for c in COLUMNS}
+
+
+def _entries(index: Index) -> Iterable[Entry]:
+    for s, k, l, p, n, o, z in zip(*(index[c].tolist() for c in COLUMNS)):
+        yield Entry(SPLITS[s], k.decode(), l, p, n.decode(), o, z)
+
+
+def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
+    """The cached index of an interrupted run, or a fresh scan of the source (then cached)."""
+    cache, scan = work / "index.npz", work / "scan.json"
+    if cache.is_file() and scan.is_file():
+        state = json.loads(scan.read_text())
+        source.parts, source.unknown = state["parts"], state["unknown"]
+        with np.load(cache) as z:
+            return {c: z[c] for c in COLUMNS}
+    shutil.rmtree(work / "spill", ignore_errors=True)
+    from tqdm import tqdm
+
+    entries = tqdm(source.entries(), desc="index", unit="img", disable=not progress, mininterval=1.0)
+    index = build_index(entries)
+    tmp = cache.with_name("index.tmp.npz")
+    with open(tmp, "wb") as f:
+        np.savez(f, **index)
+    _write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}))
+    os.replace(tmp, cache)
+    return index
+
+
+def key_hash(keys: np.ndarray, seed: int) -> np.ndarray:
+    """A seeded 64-bit hash per key: stable across runs, machines and Python versions."""
+    salt = str(seed).encode()
+    return np.fromiter((int.from_bytes(hashlib.blake2b(k, digest_size=8, key=salt).digest(), "little")
+                        for k in keys.tolist()), dtype=np.uint64, count=len(keys))
+
+
+def hold_out(index: Index, val_count: int, seed: int) -> None:
+    """Move the ``val_count`` training samples with the smallest key hash to ``validation``."""
+    train = np.flatnonzero(index["split"] == SPLITS.index("train"))
+    if val_count >= len(train):
+        raise PrepareError(f"--val-count {val_count} leaves no training images ({len(train)} found); "
+                           f"lower it")
+    hashes = key_hash(index["key"][train], seed)
+    chosen = train[np.argpartition(hashes, val_count - 1)[:val_count]] if val_count else train[:0]
+    index["split"][chosen] = SPLITS.index("validation")
+
+
+def sort_by_key(index: Index) -> Index:
+    """Sorted by key, so the output depends on the set of samples, not on the scan order."""
+    index = _take(index, np.argsort(index["key"], kind="stable"))
+    keys = index["key"]
+    dup = np.flatnonzero(keys[1:] == keys[:-1])
+    if len(dup):
+        raise PrepareError(f"two images share the key '{keys[dup[0]].decode()}'; rename one of them")
+    return index
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: which rows go to which shard
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Shard:
+    split: str
+    filename: str
+    rows: np.ndarray  # positions in the index, in the order written
+
+
+def plan_shards(index: Index, name: str, shard_size: int, seed: int) -> List[Shard]:
+    shards = []
+    for code, split in enumerate(SPLITS):
+        rows = np.flatnonzero(index["split"] == code)
+        # A seeded permutation of the whole split: class-sorted sources come out mixed.
+        rows = rows[np.random.default_rng([seed, code]).permutation(len(rows))]
+        for j, start in enumerate(range(0, len(rows), shard_size)):
+            shards.append(Shard(split, f"{name}-{split}-{j:06d}.tar", rows[start:start + shard_size]))
+    return shards
+
+
+# --------------------------------------------------------------------------------------------
+# Image bytes -> the stored JPEG
+# --------------------------------------------------------------------------------------------
+def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, int]:
+    """(JPEG bytes, original width, original height); raises on an unreadable image.
+
+    RGB and grayscale JPEGs within ``max_size`` keep their original bytes (every decoder turns
+    grayscale into RGB); CMYK JPEGs, PNG/WebP (even when named .JPEG) and larger images are
+    re-encoded as RGB JPEG, the shorter side resized down to ``max_size``.
+    """
+    with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+        too_big = max_size is not None and min(width, height) > max_size
+        if img.format == "JPEG" and img.mode in ("RGB", "L") and not too_big:
+            # A 1/8-scale decode still reads every byte, so truncated files are caught cheaply.
+            img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+            img.load()
+            return data, width, height
+        size = _shorter_side_to(width, height, max_size) if too_big else None
+        if size and img.format == "JPEG":
+            img.draft("RGB", size)  # libjpeg decodes at a power-of-two scale no smaller than `size`
+        rgb = _as_rgb(img)
+        if size:
+            rgb = rgb.resize(size, Image.BICUBIC, reducing_gap=3.0)
+        out = io.BytesIO()
+        rgb.save(out, format="JPEG", quality=JPEG_QUALITY, subsampling=0)  # 4:4:4 keeps small images sharp
+        return out.getvalue(), width, height
+
+
+def _shorter_side_to(width: int, height: int, target: int) -> Tuple[int, int]:
+    if width <= height:
+        return target, max(1, round(height * target / width))
+    return max(1, round(width * target / height)), target
+
+
+def _as_rgb(img: Image.Image) -> Image.Image:
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+# --------------------------------------------------------------------------------------------
+# Writing one shard (runs in the worker processes)
+# --------------------------------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
+    _WORKER.update(source=source, out=out, max_size=max_size)
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    # Fixed metadata (mtime 0, no owner) makes a shard's bytes depend on its samples only.
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o444
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shard(job: Tuple[str, str, Index]) -> Tuple[str, int, list]:
+    """Write one shard under a temporary name, then rename it: (file name, samples, skipped)."""
+    filename, split, rows = job
+    source, out, max_size = _WORKER["source"], _WORKER["out"], _WORKER["max_size"]
+    final = os.path.join(out, filename)
+    tmp = final + ".tmp"
+    count, skipped = 0, []
+    with open(tmp, "wb") as f:
+        with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for entry in _entries(rows):
+                # An I/O error (a file gone, a failing disk) stops the run, which resumes later
+                # without loss; only an image that does not decode is skipped.
+                data = source.read(entry)
+                try:
+                    jpg, width, height = to_jpeg(data, max_size)
+                # PIL raises many types (OSError, SyntaxError, struct.error...) on broken files,
+                # and one broken file among millions must not stop the run: it is reported.
+                except Exception as e:  # noqa: BLE001
+                    skipped.append(dict(key=entry.key, split=split, shard=filename,
+                                        source=source.describe(entry), error=f"{type(e).__name__}: {e}"))
+                    continue
+                meta = dict(label=entry.label, class_name=source.classes[entry.label],
+                            width=width, height=height)
+                _add(tar, entry.key + ".jpg", jpg)
+                _add(tar, entry.key + ".cls", str(entry.label).encode())
+                _add(tar, entry.key + ".json", json.dumps(meta).encode())
+                count += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return filename, count, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# The ledger of complete shards
+# --------------------------------------------------------------------------------------------
+def _read_ledger(path: Path) -> Dict[str, dict]:
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed mid-write
+                continue
+            done[record["file"]] = record
+    return done
+
+
+def _run(jobs: List[Tuple[str, str, Index]], source: Source, out: Path, max_size: Optional[int],
+         workers: int, ledger: Path, progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = sum(len(rows["key"]) for _, _, rows in jobs)
+    bar = tqdm(total=total, desc="write", unit="img", disable=not progress, smoothing=0.1)
+    args = (source, str(out), max_size)
+    with open(ledger, "a") as book:
+        if workers <= 1:
+            _init_worker(*args)
+            results = map(write_shard, jobs)
+            pool = None
+        else:
+            pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=args)
+            results = pool.imap_unordered(write_shard, jobs)
+        try:
+            sizes = {filename: len(rows["key"]) for filename, _, rows in jobs}
+            for filename, count, skipped in results:
+                book.write(json.dumps(dict(file=filename, count=count, skipped=skipped)) + "\n")
+                book.flush()
+                bar.update(sizes[filename])
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+            bar.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The whole pipeline
+# --------------------------------------------------------------------------------------------
+def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
+            shard_size: int = DEFAULT_SHARD_SIZE, val_count: Optional[int] = None,
+            max_size: Optional[int] = None, workers: int = 1, seed: int = 0, synsets: str = "goog",
+            skip_unknown: bool = False, progress: bool = True) -> DatasetInfo:
+    """Write ``src`` (a raw ``source`` layout) as shuffled shards + ``_info.json`` into ``out``.
+
+    ``val_count`` (default 50,000 for imagenet21k, else 0) samples of a source without its own
+    held-out split become ``validation``. Re-running resumes: complete shards are kept.
+    """
+    settings = make_settings(source, src, name=name, shard_size=shard_size, val_count=val_count,
+                             max_size=max_size, seed=seed, synsets=synsets, skip_unknown=skip_unknown)
+    out_dir = Path(out)
+    work = out_dir / WORK_DIR
+    raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work))
+    if raw.has_validation and settings["val_count"]:
+        raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
+    check_out_dir(out_dir, settings)
+    done_info = _complete(out_dir, settings)
+    if done_info is not None:
+        log.info("%s is already complete; nothing to do", out_dir)
+        return done_info
+
+    index = load_or_build_index(raw, work, progress)
+    if not (index["split"] == 0).any():
+        raise PrepareError(f"no images found in {src}; check --src and SOURCE")
+    if settings["val_count"]:
+        hold_out(index, settings["val_count"], seed)
+    index = sort_by_key(index)
+    shards = plan_shards(index, settings["name"], shard_size, seed)
+
+    ledger = work / "shards.jsonl"
+    done = _read_ledger(ledger)
+    todo = [s for s in shards if not (s.filename in done and (out_dir / s.filename).is_file())]
+    if len(todo) < len(shards):
+        log.info("resuming: %d of %d shards are complete", len(shards) - len(todo), len(shards))
+    jobs = [(s.filename, s.split, _take(index, s.rows)) for s in todo]
+    _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
+
+    done = _read_ledger(ledger)
+    info = _finish(out_dir, settings, raw, shards, done)
+    shutil.rmtree(work / "spill", ignore_errors=True)
+    for leftover in ("index.npz", "scan.json"):
+        (work / leftover).unlink(missing_ok=True)
+    return info
+
+
+def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
+            done: Dict[str, dict]) -> DatasetInfo:
+    """Write the report of skipped files, then ``_info.json`` (last: its presence means complete)."""
+    splits: Dict[str, SplitInfo] = {}
+    skipped = []
+    for shard in shards:
+        record = done[shard.filename]
+        split = splits.setdefault(shard.split, SplitInfo(shard.split, 0, [], []))
+        split.filenames.append(shard.filename)
+        split.shard_lengths.append(record["count"])
+        split.num_samples += record["count"]
+        skipped.extend(record["skipped"])
+    report = dict(num_skipped=len(skipped), unknown_classes=sorted(set(source.unknown)), skipped=skipped)
+    _write_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
+    info = DatasetInfo(name=settings["name"], splits=splits, classes=list(source.classes),
+                       extra=dict(prepare=settings, num_skipped=len(skipped)))
+    write_info(out, info)
+    counts = ", ".join(f"{s.num_samples} {s.name} in {len(s.filenames)} shards" for s in splits.values())
+    log.info("wrote %s to %s; skipped %d unreadable files (listed in %s)",
+             counts, out, len(skipped), REPORT_NAME)
+    return info

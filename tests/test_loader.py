@@ -1,0 +1,263 @@
+"""The streaming loader: exactly-once epochs over a real 2-rank world, exact resume, corrupt input."""
+from __future__ import annotations
+
+import collections
+import io
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from _loader_fixtures import LOADER_ARGS, jpeg_bytes, truncate_inside, write_split
+from pretrain.config import DataConfig
+from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
+                                  build_mixup, build_train_loader, normalize, prepare_batch)
+from pretrain.data.transforms import EvalTransform
+
+SHARD_LENGTHS = [5, 7, 6, 9, 4, 8, 6, 7, 5, 9, 6, 8]  # 80 samples, 12 shards of unequal size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _take(loader, steps):
+    it = iter(loader)
+    out = [next(it) for _ in range(steps)]
+    del it
+    return out
+
+
+def _epoch_keys(batches, epoch):
+    return [k for b in batches for k, e in zip(b["keys"], b["epochs"]) if e == epoch]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    keys = write_split(root, SHARD_LENGTHS)
+    out = tmp_path_factory.mktemp("run")
+    # 80 samples over 2 ranks x 4 per batch: 10 steps an epoch; 16 steps take every worker
+    # well into epoch 1 even with one shard of imbalance between workers.
+    steps, save_at = 16, 6
+    # Plain processes, as a launcher starts them (torch.multiprocessing.spawn would make the
+    # data-loader workers spawn too, re-importing torch for each).
+    tests_dir = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    port = _free_port()
+    code = ("import sys; from _loader_fixtures import two_rank_main; "
+            "two_rank_main(int(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(root),
+                               str(out), str(steps), str(save_at)], env=env)
+             for rank in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return dict(root=root, keys=keys, out=out, ranks=ranks, save_at=save_at)
+
+
+def test_two_ranks_see_every_key_of_an_epoch_exactly_once(two_rank_run):
+    epoch0 = [k for r in two_rank_run["ranks"] for k in _epoch_keys(r["seen"], 0)]
+    counts = collections.Counter(epoch0)
+    assert sorted(counts) == sorted(two_rank_run["keys"])
+    assert set(counts.values()) == {1}
+    # Both ranks took part, and the stream went on into the next epoch without a stop.
+    assert all(_epoch_keys(r["seen"], 0) and _epoch_keys(r["seen"], 1)
+               for r in two_rank_run["ranks"])
+
+
+def test_key_log_lists_consumed_keys_in_order(two_rank_run):
+    for rank, r in enumerate(two_rank_run["ranks"]):
+        logged = (two_rank_run["out"] / "keys" / f"rank{rank}.txt").read_text().split("\n")[:-1]
+        assert logged == [k for b in r["seen"] for k in b["keys"]]
+
+
+def test_resume_mid_epoch_reproduces_the_rest_exactly(two_rank_run):
+    save_at = two_rank_run["save_at"]
+    for r in two_rank_run["ranks"]:
+        assert r["resumed"] == r["seen"][save_at:]  # keys, epochs and augmented pixels
+
+
+def test_resume_on_one_rank_loses_no_key(two_rank_run, caplog):
+    ranks, save_at = two_rank_run["ranks"], two_rank_run["save_at"]
+    state = ranks[0]["state"]
+    assert state == ranks[1]["state"]  # the gathered state is the same on every rank
+    before = {k for r in ranks for k in _epoch_keys(r["seen"][:save_at], 0)}
+    assert 0 < len(before) < len(two_rank_run["keys"])
+    loader = TrainLoader(ShardSet.from_info(str(two_rank_run["root"]), "train"),
+                         rank=0, world_size=1, **LOADER_ARGS)
+    with caplog.at_level(logging.WARNING, logger="pretrain.data.loader"):
+        loader.load_state_dict(state)
+    assert "different layout" in caplog.text
+    after = []
+    it = iter(loader)
+    # Every worker's stream is in epoch order, so two consecutive batches of epoch >= 1
+    # (one per worker) mean epoch 0 is done.
+    recent = collections.deque(maxlen=2)
+    for _ in range(40):
+        b = next(it)
+        after += [k for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
+        recent.append(min(b.epochs.tolist()))
+        if len(recent) == 2 and min(recent) >= 1:
+            break
+    del it
+    assert min(recent) >= 1
+    assert before | set(after) == set(two_rank_run["keys"])
+    assert len(after) == len(set(after))
+    # Repeats come only from shards that were in flight: a shard fully seen before the save
+    # is not read again.
+    shard_of = lambda key: key.rsplit("_", 1)[0]  # noqa: E731
+    shard_keys = collections.defaultdict(set)
+    for key in two_rank_run["keys"]:
+        shard_keys[shard_of(key)].add(key)
+    finished = {s for s, ks in shard_keys.items() if ks <= before}
+    assert finished and not {shard_of(k) for k in after} & finished
+
+
+def test_same_seed_same_stream_other_seed_other_order(tmp_path):
+    write_split(tmp_path, SHARD_LENGTHS[:6])
+    shards = ShardSet.from_info(str(tmp_path), "train")
+    args = dict(LOADER_ARGS, seed=7)
+
+    def run(**kw):
+        return [(b.keys, b.images.clone()) for b in _take(TrainLoader(shards, **{**args, **kw}), 6)]
+
+    first, second = run(), run()
+    assert [k for k, _ in first] == [k for k, _ in second]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, second))
+    assert [k for k, _ in run(seed=8)] != [k for k, _ in first]
+
+
+def test_resume_in_process_with_workers(tmp_path):
+    write_split(tmp_path, SHARD_LENGTHS[:6])
+    shards = ShardSet.from_info(str(tmp_path), "train")
+    loader = TrainLoader(shards, **LOADER_ARGS)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [next(it).keys for _ in range(8)]
+    del it
+    again = TrainLoader(shards, **LOADER_ARGS)
+    again.load_state_dict(state)
+    assert [b.keys for b in _take(again, 8)] == rest
+
+
+def test_corrupt_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):
+    bad = {"train_000_001": "garbage", "train_001_002": "no_cls", "train_001_004": "bad_cls"}
+    keys = write_split(tmp_path, [6, 6, 6], corrupt=bad)
+    truncate_inside(tmp_path / "toy-train-000002.tar", "train_002_003")
+    lost = {"train_002_003", "train_002_004", "train_002_005"}
+    good = set(keys) - set(bad) - lost
+    loader = TrainLoader(ShardSet.from_info(str(tmp_path), "train"), img_size=32, batch_size=4,
+                         num_workers=0, shuffle_buffer=5, seed=0, num_classes=10)
+    with caplog.at_level(logging.WARNING, logger="pretrain.data.loader"):
+        batches = _take(loader, 7)  # 12 good samples an epoch: epoch 0, epoch 1, into epoch 2
+    seen = [(k, e) for b in batches for k, e in zip(b.keys, b.epochs.tolist())]
+    for epoch in (0, 1):
+        epoch_keys = [k for k, e in seen if e == epoch]
+        assert sorted(epoch_keys) == sorted(good)
+    assert loader.skipped_by_epoch[0] == loader.skipped_by_epoch[1] == 6
+    assert loader.skipped >= 12
+    assert "toy-train-000002.tar" in caplog.text and "train_000_001" in caplog.text
+
+    # Resuming anywhere neither re-counts nor forgets a skip, and yields the same samples.
+    def fresh():
+        return TrainLoader(ShardSet.from_info(str(tmp_path), "train"), img_size=32,
+                           batch_size=4, num_workers=0, shuffle_buffer=5, seed=0, num_classes=10)
+
+    for cut in range(1, 7):
+        first = fresh()
+        head = _take(first, cut)
+        second = fresh()
+        second.load_state_dict(first.state_dict())
+        tail = _take(second, 7 - cut)
+        assert [b.keys for b in head + tail] == [b.keys for b in batches]
+        assert second.skipped_by_epoch == loader.skipped_by_epoch
+
+
+def test_fewer_shards_than_reader_slots_is_a_clear_error(tmp_path):
+    write_split(tmp_path, [4, 4])
+    shards = ShardSet.from_info(str(tmp_path), "train")
+    with pytest.raises(LoaderError, match=r"2 shards but world size 2 x 2 workers = 4 .*"
+                                          r"data.resample=true"):
+        TrainLoader(shards, img_size=32, batch_size=4, rank=0, world_size=2, num_workers=2)
+    resampled = TrainLoader(shards, img_size=32, batch_size=4, rank=1, world_size=2,
+                            num_workers=2, resample=True, shuffle_buffer=4)
+    batches = _take(resampled, 6)  # 8 samples, 24 drawn: the stream does not run dry
+    assert {k for b in batches for k in b.keys} <= {f"train_{i:03d}_{j:03d}" for i in range(2)
+                                                    for j in range(4)}
+
+
+def test_build_from_config_gives_uint8_batches_and_normalises_on_device(tmp_path):
+    write_split(tmp_path, [8, 8])
+    cfg = DataConfig(root=str(tmp_path), num_workers=1, shuffle_buffer=4, normalize="imagenet")
+    loader = build_train_loader(cfg, img_size=32, batch_size=4, seed=0, num_classes=10)
+    (batch,) = _take(loader, 1)
+    assert batch.images.dtype == torch.uint8 and batch.images.shape == (4, 3, 32, 32)
+    assert batch.labels.dtype == torch.int64 and batch.labels.max() < 10
+
+    extremes = torch.tensor([0, 255], dtype=torch.uint8).view(1, 1, 1, 2).expand(1, 3, 1, 2)
+    scaled = normalize(extremes, "minus_one_one")
+    assert torch.equal(scaled[0, :, 0, 0], torch.full((3,), -1.0))
+    assert torch.equal(scaled[0, :, 0, 1], torch.full((3,), 1.0))
+    x, y = prepare_batch(batch, "cpu", cfg.normalize)
+    assert x.dtype == torch.float32 and torch.equal(y, batch.labels)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    assert torch.allclose(x, (batch.images / 255.0 - mean) / std, atol=1e-5)
+
+
+def test_mixup_turns_labels_into_soft_targets(tmp_path):
+    write_split(tmp_path, [8, 8])
+    cfg = DataConfig(root=str(tmp_path), num_workers=0, mixup_alpha=0.8, label_smoothing=0.1)
+    assert build_mixup(DataConfig(), num_classes=10) is None
+    (batch,) = _take(build_train_loader(cfg, img_size=32, batch_size=4, num_classes=10), 1)
+    x, y = prepare_batch(batch, "cpu", cfg.normalize, mixup=build_mixup(cfg, num_classes=10))
+    assert y.shape == (4, 10) and torch.allclose(y.sum(1), torch.ones(4))
+    assert x.min() >= -1 and x.max() <= 1
+
+
+def test_eval_loader_covers_split_once_with_equal_batches_per_rank(tmp_path):
+    keys = write_split(tmp_path, [5, 3, 7, 2, 6], split="validation")
+    shards = ShardSet.from_info(str(tmp_path), "validation")
+    per_rank = []
+    for rank in range(2):
+        loader = EvalLoader(shards, img_size=32, batch_size=4, rank=rank, world_size=2,
+                            num_workers=2)
+        batches = list(loader)
+        assert len(batches) == len(loader)
+        per_rank.append(batches)
+    assert len(per_rank[0]) == len(per_rank[1])  # no rank waits for another at the end
+    real = [k for bs in per_rank for b in bs for k, y in zip(b.keys, b.labels) if y >= 0]
+    assert sorted(real) == sorted(keys)
+    padding = [y for bs in per_rank for b in bs for k, y in zip(b.keys, b.labels) if k == ""]
+    assert padding and all(y == -1 for y in padding)
+
+
+def test_draft_decoding_of_a_large_jpeg_keeps_the_quality(tmp_path):
+    # A large, detailed photo-like image: decoding it at reduced DCT scale must give nearly
+    # the pixels a full decode + high-quality resize gives.
+    rng = np.random.default_rng(0)
+    small = jpeg_bytes(rng, size=(200, 150))
+    big = Image.open(io.BytesIO(small)).resize((1600, 1200), Image.BICUBIC)
+    buf = io.BytesIO()
+    big.save(buf, "JPEG", quality=92)
+    out = EvalTransform(64)(buf.getvalue())
+    side = int(1200 * 0.875)
+    box = ((1600 - side) // 2, (1200 - side) // 2, (1600 + side) // 2, (1200 + side) // 2)
+    reference = np.asarray(Image.open(buf).convert("RGB").resize((64, 64), Image.BILINEAR,
+                                                                 box=box))
+    diff = np.abs(out.permute(1, 2, 0).numpy().astype(int) - reference.astype(int))
+    assert out.dtype == torch.uint8 and out.shape == (3, 64, 64)
+    assert diff.mean() < 3

@@ -1,0 +1,332 @@
+"""Raw datasets in every layout -> shuffled WebDataset shards, checked the way a user would.
+
+The raw data are real JPEG/PNG/WebP bytes in real tars, folders and pickles (pretrain.data.synthetic);
+the shards are read back with tarfile and with timm's own WebDataset reader.
+"""
+import io
+import json
+import os
+import pickle
+import shutil
+import tarfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_launcher
+from pretrain.data import synthetic
+from pretrain.data.info import read_info
+from pretrain.data.shard_writer import build_index, prepare
+from pretrain.data.sources import Entry, PrepareError, load_synsets, timm_info_file
+
+GOOG = load_synsets("goog")
+FALL11 = load_synsets("fall11")
+# Synsets spread over the list, so a label off by one or taken from the wrong list shows.
+I21K_SYNSETS = [GOOG[i] for i in (3, 1000, 5555, 9999, 15000, 21842)]
+PER_CLASS = 20
+
+
+def read_tar(path):
+    """[(key, {ext: bytes})] in the order stored, grouped the way webdataset groups members."""
+    samples = []
+    with tarfile.open(path) as tar:
+        for m in tar:
+            base = os.path.basename(m.name)
+            key = os.path.join(os.path.dirname(m.name), base.split(".", 1)[0])
+            ext = base.split(".", 1)[1]
+            if not samples or samples[-1][0] != key:
+                samples.append((key, {}))
+            samples[-1][1][ext] = tar.extractfile(m).read()
+    return samples
+
+
+def read_output(out):
+    """Every sample of every split as dicts: split, shard, key, cls, meta, jpg."""
+    info = json.loads((Path(out) / "_info.json").read_text())
+    samples = []
+    for split, s in info["splits"].items():
+        for filename in s["filenames"]:
+            for key, files in read_tar(Path(out) / filename):
+                samples.append(dict(split=split, shard=filename, key=key, cls=int(files["cls"]),
+                                    meta=json.loads(files["json"]), jpg=files["jpg"]))
+    return samples
+
+
+def assert_matches_raw(out, raw):
+    """Each readable raw image exactly once, in its split, with the label of its class."""
+    samples = read_output(out)
+    keys = [s["key"] for s in samples]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == set(raw.samples)
+    for s in samples:
+        split, class_name = raw.samples[s["key"]]
+        assert s["cls"] == s["meta"]["label"] == raw.classes.index(class_name)
+        assert s["meta"]["class_name"] == class_name
+        if split != "train":  # training images may be held out; the others keep their split
+            assert s["split"] == split
+    return samples
+
+
+def snapshot(out):
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(out).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def i21k(tmp_path_factory):
+    """Per-synset tars with gray, CMYK, PNG-as-JPEG and truncated members, and their shards."""
+    root = tmp_path_factory.mktemp("i21k")
+    raw = synthetic.write_synset_tars(root / "raw", I21K_SYNSETS, PER_CLASS, oddities=True)
+    info = prepare("imagenet21k", str(raw.root), str(root / "out"), shard_size=16, val_count=20,
+                   progress=False)
+    return raw, root / "out", info
+
+
+def test_i21k_every_image_once_with_its_synset_label(i21k):
+    raw, out, info = i21k
+    raw.classes = GOOG  # labels are line numbers of the whole 21843-synset list
+    samples = assert_matches_raw(out, raw)
+    assert info.classes == GOOG and len(info.classes) == 21843
+    assert Counter(s["split"] for s in samples) == {"train": len(raw.samples) - 20, "validation": 20}
+
+
+def test_i21k_shards_are_shuffled_across_classes(i21k):
+    _, out, _ = i21k
+    by_shard = defaultdict(list)
+    for s in read_output(out):
+        by_shard[s["shard"]].append(s["cls"])
+    for shard, labels in by_shard.items():
+        if len(labels) >= 12:
+            assert Counter(labels).most_common(1)[0][1] <= len(labels) // 2, (shard, labels)
+    train_shards = [labels for shard, labels in by_shard.items() if "-train-" in shard]
+    assert all(len(set(labels)) >= 4 for labels in train_shards[:-1])
+
+
+def test_i21k_info_counts_match_the_tars(i21k):
+    _, out, _ = i21k
+    info = read_info(out)
+    on_disk = sorted(p.name for p in out.glob("*.tar"))
+    assert sorted(f for s in info.splits.values() for f in s.filenames) == on_disk
+    for split in info.splits.values():
+        lengths = [len(read_tar(out / f)) for f in split.filenames]
+        assert split.shard_lengths == lengths
+        assert split.num_samples == sum(lengths)
+        assert all(f.startswith(f"imagenet21k-{split.name}-") for f in split.filenames)
+    assert info.split("train").shard_lengths[0] == 16
+
+
+def test_i21k_odd_images_become_rgb_jpegs_and_the_corrupt_one_is_reported(i21k):
+    raw, out, info = i21k
+    samples = {s["key"]: s for s in read_output(out)}
+    for s in samples.values():
+        img = Image.open(io.BytesIO(s["jpg"]))
+        assert img.format == "JPEG"
+        assert img.convert("RGB").size == (s["meta"]["width"], s["meta"]["height"]) == (64, 48)
+    assert Image.open(io.BytesIO(samples[raw.special["gray"]]["jpg"])).mode == "L"  # kept as is
+    for odd in ("cmyk", "png"):
+        assert Image.open(io.BytesIO(samples[raw.special[odd]]["jpg"])).mode == "RGB"
+    with tarfile.open(raw.root / f"{I21K_SYNSETS[1]}.tar") as tar:  # plain JPEGs keep their bytes
+        original = tar.extractfile(f"{I21K_SYNSETS[1]}_1.JPEG").read()
+    assert samples[f"{I21K_SYNSETS[1]}_1"]["jpg"] == original
+
+    report = json.loads((out / "_skipped.json").read_text())
+    assert report["num_skipped"] == 1 == info.extra["num_skipped"]
+    assert [r["key"] for r in report["skipped"]] == raw.corrupt
+    assert "truncated" in report["skipped"][0]["error"]
+
+
+def test_outer_tar_gz_stream_gives_the_same_shards(i21k, tmp_path):
+    raw, out, _ = i21k
+    tars = sorted(raw.root.glob("*.tar"), reverse=True)  # stream order must not matter
+    outer = synthetic.write_outer_tar(tmp_path / "winter21_whole.tar.gz", tars)
+    info = prepare("imagenet21k", str(outer), str(tmp_path / "out"), shard_size=16, val_count=20,
+                   progress=False)
+    assert info.splits == read_info(out).splits
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes()
+    assert not (tmp_path / "out" / ".prepare" / "spill").exists()  # the spilled images are cleaned up
+
+
+def test_fall11_list_and_unknown_synsets(tmp_path):
+    synsets = [FALL11[i] for i in (0, 777, 21840)]
+    raw = synthetic.write_synset_tars(tmp_path / "raw", synsets + ["n99999999"], 6)
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError, match="n99999999.*--skip-unknown"):
+        prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8, val_count=3,
+                progress=False)
+    # The failed first try wrote no shard, so the corrected command may use the same DIR.
+    info = prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8, val_count=3,
+                   skip_unknown=True, progress=False)
+    raw.samples = {k: v for k, v in raw.samples.items() if v[1] != "n99999999"}
+    raw.classes = FALL11
+    assert_matches_raw(out, raw)
+    assert len(info.classes) == 21841
+    assert json.loads((out / "_skipped.json").read_text())["unknown_classes"] == ["n99999999"]
+
+
+def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path):
+    raw = synthetic.write_image_folder(tmp_path / "raw", ["zebra", "cat", "dog"], 10)
+    info = prepare("imagefolder", str(raw.root), str(tmp_path / "out"), shard_size=8, max_size=40,
+                   progress=False)
+    assert info.classes == ["cat", "dog", "zebra"]
+    samples = assert_matches_raw(tmp_path / "out", raw)
+    assert len(samples) == 30  # the stray notes.txt files are no images
+    for s in samples:
+        assert Image.open(io.BytesIO(s["jpg"])).size == (53, 40)  # shorter side down to --max-size
+        assert (s["meta"]["width"], s["meta"]["height"]) == (64, 48)  # the original size
+
+
+@pytest.mark.parametrize("flat_val", [False, True], ids=["val-in-folders", "flat-val-with-csv"])
+def test_imagenet1k_uses_timms_synset_order(tmp_path, flat_val):
+    order = timm_info_file("imagenet_synsets.txt").read_text().split()
+    raw = synthetic.write_imagenet1k(tmp_path / "raw", [order[1], order[500], order[999]], 6, 3,
+                                     flat_val=flat_val, all_synsets=order)
+    info = prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), shard_size=8, progress=False)
+    assert info.classes == order
+    samples = assert_matches_raw(tmp_path / "out", raw)
+    assert Counter(s["split"] for s in samples) == {"train": 18, "validation": 9}
+
+
+@pytest.mark.parametrize("kind", ["cifar10", "cifar100"])
+def test_cifar_pickles_keep_labels_and_pixels(tmp_path, kind):
+    raw = synthetic.write_cifar(tmp_path / "raw", kind, n_train=40, n_test=12)
+    info = prepare(kind, str(tmp_path / "raw"), str(tmp_path / "out"), shard_size=16, progress=False)
+    assert {n: s.num_samples for n, s in info.splits.items()} == {"train": 40, "test": 12}
+    samples = assert_matches_raw(tmp_path / "out", raw)
+    with open(raw.root / ("test_batch" if kind == "cifar10" else "test"), "rb") as f:
+        rows = pickle.load(f)["data"]  # our own file: plain pickle is safe here
+    pixels = rows.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)  # CIFAR rows are channel-major
+    for s in samples:
+        if s["split"] == "test":
+            decoded = np.asarray(Image.open(io.BytesIO(s["jpg"])).convert("RGB"), dtype=np.float32)
+            row = int(s["key"].split("_")[1])
+            # JPEG is lossy; a channel-order or transposition mistake would be far off.
+            assert np.abs(decoded - pixels[row]).mean() < 6
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def test_cifar_refuses_pickles_that_are_not_cifar_batches(tmp_path):
+    raw = synthetic.write_cifar(tmp_path / "raw", "cifar10", n_train=10, n_test=5)
+    marker = tmp_path / "code-ran"
+    (raw.root / "data_batch_2").write_bytes(pickle.dumps({"data": _Evil(str(marker)), "labels": []}))
+    with pytest.raises(PrepareError, match="data_batch_2.*not allowed"):
+        prepare("cifar10", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    assert not marker.exists()
+    wrong = {"data": np.zeros((2, 100), np.uint8), "labels": [0, 1]}
+    (raw.root / "data_batch_2").write_bytes(pickle.dumps(wrong))
+    with pytest.raises(PrepareError, match=r"data_batch_2 does not hold .*N x 3072 uint8"):
+        prepare("cifar10", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+
+
+def test_rerun_resumes_an_interrupted_run_with_identical_output(i21k, tmp_path):
+    raw, _, _ = i21k
+    out = tmp_path / "out"
+    args = dict(shard_size=16, val_count=20, progress=False)
+    prepare("imagenet21k", str(raw.root), str(out), **args)
+    first = snapshot(out)
+    # What a run killed mid-way leaves: no _info.json, three shards recorded in the ledger, one
+    # shard renamed but not yet recorded, a half-written temporary file, the rest not started.
+    ledger = out / ".prepare" / "shards.jsonl"
+    lines = ledger.read_text().splitlines()
+    ledger.write_text("\n".join(lines[:3]) + "\n")
+    kept = [json.loads(line)["file"] for line in lines[:3]]
+    unrecorded, *lost = [json.loads(line)["file"] for line in lines[3:]]
+    for f in lost:
+        (out / f).unlink()
+    (out / (lost[0] + ".tmp")).write_bytes(b"half a shard")
+    (out / "_info.json").unlink()
+    (out / "_skipped.json").unlink()
+
+    prepare("imagenet21k", str(raw.root), str(out), **args)
+    second = snapshot(out)
+    assert not list(out.glob("*.tmp"))
+    for f in kept:  # complete shards are not written again
+        assert second[out / f][1] == first[out / f][1]
+    assert second[out / unrecorded][1] != first[out / unrecorded][1]
+    for path, (data, _) in first.items():
+        if path.parent == out:  # the shards, _info.json and the report: byte for byte the same
+            assert second[path][0] == data, path.name
+
+
+def test_a_different_configuration_on_the_same_dir_is_refused(i21k, tmp_path):
+    raw, _, _ = i21k
+    out = tmp_path / "out"
+    prepare("imagenet21k", str(raw.root), str(out), shard_size=16, val_count=20, progress=False)
+    before = snapshot(out)
+    with pytest.raises(PrepareError, match=r"--shard-size 16 \(now 8\).*choose another --out"):
+        prepare("imagenet21k", str(raw.root), str(out), shard_size=8, val_count=20, progress=False)
+    (out / "_info.json").unlink()  # a run that stopped before the end records its options too
+    del before[out / "_info.json"]
+    with pytest.raises(PrepareError, match=r"--seed 0 \(now 1\)"):
+        prepare("imagenet21k", str(raw.root), str(out), shard_size=16, val_count=20, seed=1, progress=False)
+    assert snapshot(out) == before
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mine.txt").write_text("keep me")
+    with pytest.raises(PrepareError, match="not empty"):
+        prepare("imagenet21k", str(raw.root), str(tmp_path / "other"), progress=False)
+
+
+def test_parallel_workers_write_the_same_shards(i21k, tmp_path):
+    raw, out, _ = i21k
+    prepare("imagenet21k", str(raw.root), str(tmp_path / "out"), shard_size=16, val_count=20, workers=2,
+            progress=False)
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes()
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_timm_reads_the_shards(i21k, split):
+    from timm.data import create_dataset
+
+    _, out, info = i21k
+    expected = Counter(s["cls"] for s in read_output(out) if s["split"] == split)
+    dataset = create_dataset("wds/imagenet21k", root=str(out), split=split)
+    seen = Counter()
+    for img, target in dataset:
+        assert img.mode == "RGB" and img.size == (64, 48)
+        seen[target] += 1
+    assert seen == expected
+    assert sum(seen.values()) == info.split(split).num_samples
+
+
+def test_index_of_14m_samples_fits_in_memory():
+    n = 200_000
+    index = build_index(Entry("train", f"n{i % 21843:08d}_{i}", i % 21843, i % 21843, "", i * 512, 110_000)
+                        for i in range(n))
+    per_sample = sum(col.nbytes for col in index.values()) / n
+    assert per_sample * 14_000_000 < 1.5e9, per_sample
+
+
+def test_cli_writes_shards(i21k, tmp_path):
+    raw, out, _ = i21k
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(raw.root),
+                        "--out", str(tmp_path / "cli"), "--shard-size", "16", "--val-count", "20",
+                        "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "103 train in 7 shards, 20 validation in 2 shards" in proc.stderr
+    assert read_info(tmp_path / "cli").splits.keys() == {"train", "validation"}
+
+
+def test_cli_bad_input_is_one_line_naming_the_fix(i21k, tmp_path):
+    raw, _, _ = i21k
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: the following arguments are required: --src; see prepare_data.py --help"]
+    bad = tmp_path / "bad"
+    shutil.copytree(raw.root, bad)
+    shutil.copy(bad / f"{I21K_SYNSETS[0]}.tar", bad / "n00000001.tar")
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(bad), "--out", str(tmp_path / "y"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: synset n00000001 (") and "pass --skip-unknown" in lines[-1]
+    assert "Traceback" not in proc.stderr
