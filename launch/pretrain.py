@@ -22,9 +22,11 @@ def main(argv=None) -> None:
     if args.dry_run:
         cli.dry_run(args, cfg)
         return
-    # The DeepSpeed engine, checkpoints and the demo land with the pretraining issue (#4).
-    cli.fail("training is not implemented yet (pretraining engine: issue #4); "
-             "use --dry-run or --print-config")
+    from pretrain.trainer import train
+    try:
+        train(cfg)
+    except cli.user_errors() as e:
+        cli.fail(str(e))
 
 
 if __name__ == "__main__":

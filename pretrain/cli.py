@@ -14,6 +14,14 @@ from pretrain.config import ConfigError, Section, config_keys, load_config
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def user_errors() -> tuple:
+    """Exceptions that mean "bad input" (config, data, checkpoint): one line, no traceback."""
+    from pretrain.data.info import DatasetInfoError
+    from pretrain.data.loader import LoaderError
+    from pretrain.data.sources import PrepareError
+    return ConfigError, DatasetInfoError, LoaderError, PrepareError
+
+
 def _describe_keys(schema: Type[Section]) -> str:
     """Every config key with its default, for ``--help``."""
     lines = []
@@ -54,8 +62,14 @@ def build_parser(prog: str, description: str, schema: Type[Section],
                    help="check the config, print it with the model size, training FLOPs per "
                         "image and batch layout, and exit without allocating the model")
     p.add_argument("--world-size", type=int, default=None,
-                   help="with --dry-run: check the batch layout for this many ranks "
-                        "(default: $WORLD_SIZE or 1)")
+                   help="with --dry-run: plan for this many ranks (default: $WORLD_SIZE or 1)")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="with --dry-run: GPUs per node, for the memory estimate (default 8)")
+    p.add_argument("--mfu", type=float, default=0.45,
+                   help="with --dry-run: the MFU the time-to-finish estimate assumes")
+    p.add_argument("--samples", type=int, default=None,
+                   help="with --dry-run: samples per epoch when data.root is not readable "
+                        "here (ImageNet-21k fall11: about 14.15 M after the 50k held out)")
     # The DeepSpeed launcher appends --local_rank=N; torchrun sets $LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help=argparse.SUPPRESS)
@@ -85,36 +99,12 @@ def world_size(args) -> int:
     return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _millions(n: int) -> str:
-    return f"{n / 1e6:.1f} M"
-
-
-def summarize(cfg, world: int) -> str:
-    """The dry-run report: architecture, parameter counts, training FLOPs, batch layout.
-
-    Raises ConfigError for an impossible architecture or batch layout.
-    """
-    from pretrain.model import count_parameters, create_model
-
-    micro, accum = cfg.train.batch_layout(world)
-    model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
-    spec, params = model.spec, count_parameters(model)
-    flops = spec.train_flops_per_image()
-    return "\n".join([
-        f"model: {spec.name}: {spec.img_size} px, patch {spec.patch_size}, width "
-        f"{spec.embed_dim}, depth {spec.depth}, heads {spec.num_heads}, MLP {spec.mlp_dim}, "
-        f"{spec.seq_len} tokens",
-        f"params: {_millions(params['total'])} (backbone {_millions(params['backbone'])}, "
-        f"pre-logits {_millions(params['pre_logits'])}, head {_millions(params['head'])})",
-        f"train FLOPs per image: {flops / 1e12:.3f} TFLOP (3 x forward {flops / 3e9:.1f} GFLOP)",
-        f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
-        f"x accumulation {accum}",
-    ])
-
-
 def dry_run(args, cfg) -> None:
+    from pretrain.plan import plan
+
     try:
-        summary = summarize(cfg, world_size(args))
-    except ConfigError as e:
+        summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+                       samples_per_epoch=args.samples)
+    except user_errors() as e:
         fail(str(e))
     print(cfg.to_yaml() + summary)

@@ -101,6 +101,10 @@ class DataConfig(Section):
     mixup_alpha: float = Field(0.0, ge=0)
     cutmix_alpha: float = Field(0.0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
+    # The built-in demo: procedural images of model.num_classes classes, written in the raw
+    # ImageNet-21k layout and prepared like real data, at data.root when it has no _info.json.
+    generate_demo: bool = Field(False, description="create the procedural demo dataset at "
+                                "data.root if missing")
 
     @model_validator(mode="after")
     def _check_crop(self) -> "DataConfig":
@@ -160,8 +164,36 @@ class CheckpointConfig(Section):
     resume: bool = Field(True, description="continue from the newest complete checkpoint")
 
 
+class DeepSpeedConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="ZeRO stage (3 partitions the "
+                                            "parameters too: ViT-H at scale)")
+    # A JSON file (path, or a name in configs/deepspeed/) for everything else DeepSpeed offers;
+    # batch sizes, precision and clipping still come from this config.
+    config: Optional[str] = Field(None, description="DeepSpeed JSON (replaces zero_stage)")
+
+
 class LogConfig(Section):
     every_steps: int = Field(10, gt=0)
+    # MFU denominator; unset: looked up from the device name (bf16 dense peak per GPU).
+    peak_tflops: Optional[float] = Field(None, gt=0, description="peak TFLOP/s per device for MFU")
+
+
+class EvalConfig(Section):
+    """Evaluators that run every N steps, aggregated across ranks."""
+
+    # Held-out classification on data.root's data.val_split (top-1/top-5).
+    val_name: str = Field("i21k_val", description="metric prefix: eval/<val_name>/top1")
+    every_steps: int = Field(1000, gt=0, description="held-out classification every N steps")
+    batch_size: int = Field(256, gt=0, description="per-rank evaluation batch")
+    max_samples: Optional[int] = Field(None, gt=0, description="evaluate on the first N only")
+    # Few-shot linear probe (closed-form ridge on pre-logits), as in the ViT paper/big_vision.
+    fewshot_root: Optional[str] = Field(None, description="prepared shards (e.g. CIFAR-100) for "
+                                        "the few-shot probe; unset: no probe")
+    fewshot_train_split: str = "train"
+    fewshot_test_split: str = "test"
+    fewshot_shots: Tuple[int, ...] = (1, 5, 10, 25)
+    fewshot_every_steps: int = Field(5000, gt=0)
+    fewshot_l2_reg: float = Field(1024.0, gt=0, description="ridge penalty of the probe")
 
 
 class DebugConfig(Section):
@@ -184,6 +216,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig(epochs=90)
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    eval: EvalConfig = EvalConfig()
     debug: DebugConfig = DebugConfig()
 
     def to_yaml(self) -> str:
@@ -192,6 +225,8 @@ class RunConfig(Section):
 
 class PretrainConfig(RunConfig):
     """Pretraining (ImageNet-21k recipe defaults: AdamW, warmup + linear decay, 90 epochs)."""
+
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
 
 
 # --------------------------------------------------------------------------------------------

@@ -453,7 +453,22 @@ class TrainLoader:
     def local_state(self) -> dict:
         return dict(workers=[vars(_copy_pos(w)) for w in self._state.workers],
                     next_worker=self._state.next_worker,
-                    skipped_base=dict(self._state.skipped_base))
+                    skipped_base=dict(self._state.skipped_base),
+                    keys_bytes=self._keys_path.stat().st_size
+                    if self._keys_path is not None and self._keys_path.exists() else 0)
+
+    def _rewind_keys_files(self, ranks: Sequence[dict]) -> None:
+        """Cut each rank's key log back to the saved position: batches consumed after the
+        checkpoint were never trained on for good, and the resumed run consumes them again."""
+        if self._keys_path is None:
+            return
+        mine = [self.rank] if len(ranks) == self.world_size else \
+            (range(len(ranks)) if self.rank == 0 else [])
+        for r in mine:
+            path = self._keys_path.with_name(f"rank{r}.txt")
+            if path.exists() and path.stat().st_size > ranks[r].get("keys_bytes", 0):
+                with open(path, "r+b") as f:
+                    f.truncate(ranks[r].get("keys_bytes", 0))
 
     def state_dict(self) -> dict:
         """The whole world's loader position (small, JSON-serialisable).
@@ -485,6 +500,7 @@ class TrainLoader:
         self.plan.override_epoch = state["override_epoch"]
         self.plan.override_slots = state["override_slots"]
         old = {k: state[k] for k in self.layout()}
+        self._rewind_keys_files(state["ranks"])
         if old == self.layout():
             mine = state["ranks"][self.rank]
             self._state = _RankState([WorkerPos(**w) for w in mine["workers"]],

@@ -1,0 +1,191 @@
+"""Checkpoints that survive failures, on top of DeepSpeed's ``save_checkpoint``.
+
+Layout: ``output_dir/checkpoints/step_00001000/`` holds DeepSpeed's files plus ``COMPLETE.json``,
+a manifest written by rank 0 only after every rank has returned from its save. A directory
+without a manifest (a kill mid-write), or whose manifest lists a file that is missing or has
+another size (a lost rank's shard), is never loaded: resume takes the newest valid one and says
+which it skipped. Only the last ``keep_last`` valid checkpoints are kept. The directory must be
+on storage every node sees (as DeepSpeed itself requires to resume).
+
+Changing the world size goes through DeepSpeed's universal checkpoint format: the first resume
+on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_universal/``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "COMPLETE.json"
+TAG_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    world_size: int
+    zero_stage: int
+
+    @property
+    def tag(self) -> str:
+        return self.path.name
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointStore:
+    def __init__(self, root: os.PathLike | str, keep_last: int = 3):
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    # -- writing ---------------------------------------------------------------------------
+    def save(self, engine, step: int, client_state: dict) -> Checkpoint:
+        """Every rank calls this; returns once the checkpoint is complete on all ranks."""
+        tag = tag_for(step)
+        path = self.root / tag
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            (path / MANIFEST).unlink(missing_ok=True)  # re-saving a step: invalid until done
+        _barrier()
+        engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state,
+                               save_latest=False)
+        _barrier()  # every rank has written its shard
+        ckpt = Checkpoint(path, step, engine.world_size, int(engine.zero_optimization_stage()))
+        if _rank() == 0:
+            files = {str(f.relative_to(path)): f.stat().st_size
+                     for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+            manifest = {"step": step, "world_size": ckpt.world_size,
+                        "zero_stage": ckpt.zero_stage, "time": time.time(), "files": files}
+            tmp = path / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, path / MANIFEST)
+            self._prune()
+        _barrier()
+        return ckpt
+
+    def _prune(self) -> None:
+        valid = self.complete()
+        for old in valid[self.keep_last:]:
+            shutil.rmtree(old.path, ignore_errors=True)
+            shutil.rmtree(old.path.with_name(old.tag + "_universal"), ignore_errors=True)
+        # half-written directories older than the newest good one can never be resumed from
+        if valid:
+            for d in self._tag_dirs():
+                step = int(TAG_RE.match(d.name).group(1))
+                if step < valid[0].step and not (d / MANIFEST).exists():
+                    log.warning("removing incomplete checkpoint %s", d)
+                    shutil.rmtree(d, ignore_errors=True)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _tag_dirs(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted((d for d in self.root.iterdir() if d.is_dir() and TAG_RE.match(d.name)),
+                      key=lambda d: int(TAG_RE.match(d.name).group(1)), reverse=True)
+
+    def complete(self, warn: bool = False) -> list[Checkpoint]:
+        """Valid checkpoints, newest first; with ``warn``, say why each skipped one is skipped."""
+        out = []
+        for d in self._tag_dirs():
+            problem = _problem(d)
+            if problem is None:
+                m = json.loads((d / MANIFEST).read_text())
+                out.append(Checkpoint(d, int(m["step"]), int(m["world_size"]),
+                                      int(m["zero_stage"])))
+            elif warn and _rank() == 0:
+                log.warning("skipping checkpoint %s: %s", d, problem)
+        return out
+
+    def latest(self) -> Optional[Checkpoint]:
+        valid = self.complete(warn=True)
+        return valid[0] if valid else None
+
+    def load(self, engine, ckpt: Checkpoint) -> dict:
+        """Load model/optimizer state into ``engine``; returns the client state.
+
+        With a different world size than the one that saved it, the engine must have been
+        built with ``{"checkpoint": {"load_universal": true}}`` and ``prepare_universal`` run.
+        """
+        tag = ckpt.tag if ckpt.world_size == engine.world_size else ckpt.tag + "_universal"
+        path, client = engine.load_checkpoint(str(self.root), tag=tag,
+                                              load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
+        if client is None or "step" not in client:
+            # universal checkpoints keep no client state: it stays in the original's files
+            client = _client_state_of(ckpt)
+        return client
+
+    def prepare_universal(self, ckpt: Checkpoint) -> None:
+        """Convert ``ckpt`` for a new world size (rank 0 converts, the others wait)."""
+        out = ckpt.path.with_name(ckpt.tag + "_universal")
+        if _rank() == 0 and not (out / MANIFEST).exists():
+            log.warning("world size changed (%d -> %d ranks): converting %s to DeepSpeed's "
+                        "universal checkpoint", ckpt.world_size,
+                        dist.get_world_size() if dist.is_initialized() else 1, ckpt.path)
+            shutil.rmtree(out, ignore_errors=True)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                   "--input_folder", str(ckpt.path), "--output_folder", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
+                                   f"{tail[0]}; run: {' '.join(cmd)}")
+            (out / MANIFEST).write_text((ckpt.path / MANIFEST).read_text())
+            # DeepSpeed's universal loader reads the tag's own 'latest_universal' pointer.
+            (self.root / "latest_universal").write_text(out.name)
+        _barrier()
+
+
+def _problem(d: Path) -> Optional[str]:
+    manifest = d / MANIFEST
+    if not manifest.exists():
+        return "no COMPLETE.json (a save was interrupted)"
+    try:
+        m = json.loads(manifest.read_text())
+        files = m["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for name, size in files.items():
+        f = d / name
+        if not f.exists():
+            return f"file {name} is missing"
+        if f.stat().st_size != size:
+            return f"file {name} has {f.stat().st_size} bytes, expected {size}"
+    return None
+
+
+def _client_state_of(ckpt: Checkpoint) -> dict:
+    import torch
+
+    f = ckpt.path / "mp_rank_00_model_states.pt"
+    if not f.exists():
+        candidates = sorted(ckpt.path.glob("*mp_rank_00_model_states.pt"))
+        f = candidates[0]
+    state = torch.load(f, map_location="cpu", weights_only=False)
+    return {k: v for k, v in state.items() if k not in ("module", "optimizer")}

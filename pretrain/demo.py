@@ -1,0 +1,39 @@
+"""The built-in demo dataset: procedural images of a few classes, written in ImageNet-21k's raw
+per-synset-tar layout and converted by the same ``prepare`` step as real data, so the demo runs
+through the path a real run takes. Generated once; later runs reuse the shards."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pretrain.data.info import INFO_NAMES
+
+log = logging.getLogger(__name__)
+
+TRAIN_PER_CLASS = 320
+VAL_COUNT = 600
+SHARD_SIZE = 200
+IMAGE_SIZE = (48, 48)
+
+
+def ensure_demo_data(root: str | Path, num_classes: int) -> None:
+    """Rank 0 writes the dataset when ``root`` has none; every rank waits for it."""
+    root = Path(root)
+    if dist.get_rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
+        from pretrain.data.shard_writer import prepare
+        from pretrain.data.sources import load_synsets
+        from pretrain.data.synthetic import write_synset_tars
+
+        synsets = load_synsets("goog")[:num_classes]  # labels 0..n-1 of the 21k list
+        log.info("generating the demo dataset (%d classes) in %s", num_classes, root)
+        # A fixed raw folder (not a temp one): an interrupted preparation resumes on re-run.
+        raw = root.with_name(root.name + "-raw")
+        write_synset_tars(raw, synsets, TRAIN_PER_CLASS + VAL_COUNT // num_classes,
+                          size=IMAGE_SIZE)
+        prepare("imagenet21k", str(raw), str(root), name="demo", shard_size=SHARD_SIZE,
+                val_count=VAL_COUNT, workers=1, progress=False)
+        shutil.rmtree(raw)
+    dist.barrier()

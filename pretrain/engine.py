@@ -1,0 +1,143 @@
+"""DeepSpeed engine from the typed config: ZeRO stage, precision, optimizer with decoupled
+weight decay, warmup + decay schedule (timm's schedulers), losses, and ZeRO-3 model building."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config import ConfigError, PretrainConfig, RunConfig
+from pretrain.model import ViTClassifier, create_model
+
+DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
+
+
+def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) -> dict:
+    """The DeepSpeed JSON: a file from configs/deepspeed/ (``deepspeed.config``) or the inline
+    ZeRO stage, with batch, precision and clipping always taken from our config."""
+    ds = cfg.deepspeed
+    if ds.config:
+        path = Path(ds.config)
+        if not path.is_file():
+            path = DEEPSPEED_CONFIGS / ds.config
+        if not path.is_file():
+            raise ConfigError(f"config key 'deepspeed.config': file '{ds.config}' not found "
+                              f"(looked in . and {DEEPSPEED_CONFIGS})")
+        out = json.loads(path.read_text())
+    else:
+        out = {"zero_optimization": {"stage": ds.zero_stage, "overlap_comm": True,
+                                     "contiguous_gradients": True}}
+    out.update(
+        train_batch_size=micro * accum * world,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=accum,
+        steps_per_print=10 ** 9,  # our own metrics line replaces DeepSpeed's
+        zero_allow_untested_optimizer=True,
+    )
+    if cfg.optimizer.grad_clip:
+        out["gradient_clipping"] = cfg.optimizer.grad_clip
+    precision = cfg.train.precision
+    out["bf16"] = {"enabled": precision == "bf16"}
+    # loss_scale 0 = dynamic loss scaling
+    out["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16}
+    return out
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
+    """Build the model; under ZeRO-3 inside ``zero.Init`` so no rank ever holds all of it."""
+    if zero_stage(ds_config) < 3:
+        model = create_model(cfg.model)
+    else:
+        import deepspeed
+        # zero.Init patches tensor construction; importing timm (hence torch._dynamo) inside it
+        # fails with a signature mismatch, so import it first.
+        import timm  # noqa: F401
+
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = create_model(cfg.model)
+        # zero.Init partitions each submodule as soon as it is built, so the initialisation a
+        # parent applies to its children afterwards (timm's trunc-normal, our head init) ran on
+        # empty shards and did nothing: redo it on gathered parameters (rank 0's values win).
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            model.backbone.init_weights()
+            model.init_head(bias=cfg.model.head_bias_init, zero=cfg.model.head_zero_init)
+    if cfg.train.activation_checkpointing:
+        model.backbone.set_grad_checkpointing(True)
+    # Lets DeepSpeed's ds_to_universal convert our checkpoints for a new world size; a plain
+    # data-parallel model needs no tensor-parallel patterns, only the format version.
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+            {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    return model
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decoupled weight decay on weight matrices only: never on biases, norms, the position
+    embedding or the class token (AugReg / big_vision)."""
+    no_decay_names = {"pos_embed", "cls_token", "reg_token"}
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        shape = getattr(p, "ds_shape", p.shape)  # ZeRO-3 keeps the full shape aside
+        if len(shape) <= 1 or name.rsplit(".", 1)[-1] in no_decay_names:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    groups = param_groups(model, o.weight_decay)
+    on_gpu = torch.cuda.is_available()
+    if o.name == "adamw":
+        # fused kernels on GPU; foreach elsewhere
+        fast = {"fused": True} if on_gpu else {"foreach": True}
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, **fast)
+    return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, foreach=True)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int):
+    """Linear warmup from 0, then linear (ViT paper) or cosine decay to ``min_lr`` at the end.
+
+    timm's schedulers are pure functions of the update count: resuming only needs the step.
+    """
+    from timm.scheduler import CosineLRScheduler, PolyLRScheduler
+
+    s = cfg.schedule
+    warmup = min(s.warmup_steps, max(total_steps - 1, 0))
+    common = dict(t_initial=max(total_steps - warmup, 1), lr_min=s.min_lr, warmup_t=warmup,
+                  warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
+    if s.decay == "cosine":
+        return CosineLRScheduler(optimizer, **common)
+    return PolyLRScheduler(optimizer, power=1.0, **common)
+
+
+def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
+    """Integer labels -> dense targets; dense (mixup) targets pass through."""
+    if labels.ndim == 2:
+        return labels.float()
+    off = smoothing / num_classes
+    out = torch.full((labels.shape[0], num_classes), off, device=labels.device)
+    return out.scatter_(1, labels.long().unsqueeze(1), 1.0 - smoothing + off)
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str,
+                        smoothing: float = 0.0) -> torch.Tensor:
+    """Softmax cross-entropy, or the paper's sigmoid cross-entropy summed over classes
+    (a per-element mean would shrink the gradient by the 21k classes)."""
+    logits = logits.float()
+    dense = soft_targets(targets, logits.shape[-1], smoothing)
+    if kind == "sigmoid":
+        return F.binary_cross_entropy_with_logits(logits, dense, reduction="none").sum(-1).mean()
+    return torch.sum(-dense * F.log_softmax(logits, dim=-1), dim=-1).mean()

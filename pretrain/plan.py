@@ -1,0 +1,101 @@
+"""The ``--dry-run`` plan: what a run will cost, computed on the meta device in seconds.
+
+Architecture, parameters and training FLOPs per image; the batch layout for a world size; steps
+per epoch and in total; model-state memory per GPU for the ZeRO stage (DeepSpeed's estimators);
+and the time to finish at an assumed MFU.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pretrain.config import PretrainConfig, RunConfig
+from pretrain.metrics import format_duration
+
+# bf16 dense peak of the GPU the time estimate assumes when log.peak_tflops is unset: H100 SXM.
+DEFAULT_PEAK_TFLOPS = 989.0
+
+
+def _m(n: float) -> str:
+    return f"{n / 1e6:.1f} M"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB"
+
+
+def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
+                      gpus_per_node: int) -> int:
+    """Parameters + gradients + Adam states per GPU (mixed precision), without activations."""
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        return estimate_zero3_model_states_mem_needs(
+            params, largest_layer, num_gpus_per_node=min(gpus_per_node, world),
+            num_nodes=max(1, world // gpus_per_node), cpu_offload=False)[1]
+    if stage == 2:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        return estimate_zero2_model_states_mem_needs(
+            params, num_gpus_per_node=min(gpus_per_node, world),
+            num_nodes=max(1, world // gpus_per_node), cpu_offload=False)[1]
+    # DeepSpeed has no estimator for these: 16-bit params and grads (2 + 2 bytes) replicated,
+    # fp32 master weights, fp32 grads and Adam's two moments (16 bytes) sharded (ZeRO-1) or not.
+    return 4 * params + 16 * params // (world if stage == 1 else 1)
+
+
+def epoch_size(cfg: RunConfig) -> Optional[int]:
+    """Train samples per epoch from data.root's _info.json, when it is readable here."""
+    from pretrain.data.info import DatasetInfoError, read_info
+    if not cfg.data.root:
+        return None
+    try:
+        return read_info(cfg.data.root).split(cfg.data.train_split).num_samples
+    except DatasetInfoError:
+        return None
+
+
+def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
+         samples_per_epoch: Optional[int] = None) -> str:
+    """The report; raises ConfigError for an impossible architecture or batch layout."""
+    from pretrain.engine import deepspeed_config, zero_stage
+    from pretrain.model import count_parameters, create_model
+
+    micro, accum = cfg.train.batch_layout(world)
+    model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
+    spec, params = model.spec, count_parameters(model)
+    flops = spec.train_flops_per_image()
+    lines = [
+        f"model: {spec.name}: {spec.img_size} px, patch {spec.patch_size}, width "
+        f"{spec.embed_dim}, depth {spec.depth}, heads {spec.num_heads}, MLP {spec.mlp_dim}, "
+        f"{spec.seq_len} tokens",
+        f"params: {_m(params['total'])} (backbone {_m(params['backbone'])}, "
+        f"pre-logits {_m(params['pre_logits'])}, head {_m(params['head'])})",
+        f"train FLOPs per image: {flops / 1e12:.3f} TFLOP (3 x forward {flops / 3e9:.1f} GFLOP)",
+        f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
+        f"x accumulation {accum}",
+    ]
+    stage = zero_stage(deepspeed_config(cfg, micro, accum, world))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node)
+    ckpt = ", fewer with activation checkpointing" if cfg.train.activation_checkpointing else ""
+    lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
+                 f"(params, grads, optimizer; activations come on top{ckpt})")
+
+    samples = samples_per_epoch or epoch_size(cfg)
+    if cfg.train.total_steps:
+        steps = cfg.train.total_steps
+        per_epoch = f"{samples // cfg.train.global_batch_size:,}" if samples else "unknown"
+        lines.append(f"steps: {steps:,} (steps per epoch: {per_epoch})")
+    elif samples:
+        per_epoch = samples / cfg.train.global_batch_size
+        steps = int(-(-cfg.train.epochs * samples // cfg.train.global_batch_size))
+        lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x {per_epoch:,.0f} steps "
+                     f"per epoch ({samples:,} samples)")
+    else:
+        steps = None
+        lines.append("steps: unknown (data.root has no readable _info.json here; give the "
+                     "epoch size with --samples N)")
+    if steps:
+        peak = cfg.log.peak_tflops or DEFAULT_PEAK_TFLOPS
+        seconds = steps * cfg.train.global_batch_size * flops / (world * peak * 1e12 * mfu)
+        lines.append(f"time to finish at {mfu:.0%} MFU of {peak:g} TFLOP/s per GPU: "
+                     f"{format_duration(seconds)} on {world} GPU(s)")
+    return "\n".join(lines)

@@ -1,0 +1,262 @@
+"""The pretraining loop, top to bottom: distributed setup, resume, the step, evaluation,
+checkpoints. Components (data, engine, checkpoints, evaluators, metrics) live in their modules."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import socket
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pretrain import engine as eng_lib
+from pretrain.checkpoint import Checkpoint, CheckpointStore
+from pretrain.config import ConfigError, PretrainConfig, load_config, save_config, to_yaml
+
+log = logging.getLogger("pretrain")
+
+
+# --------------------------------------------------------------------------------------------
+# Setup
+# --------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size) under the DeepSpeed launcher, torchrun, or a plain single process."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    deepspeed.init_distributed(verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_logging(rank: int) -> None:
+    """Helpful logs on rank 0; other ranks only say something when it is a warning."""
+    # torch.distributed's own deprecation notices, once per rank per call site: noise
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def gather(obj, world: int) -> list:
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_same_run(out: Path, cfg: PretrainConfig, resume: Optional[Checkpoint]) -> None:
+    """Refuse to continue someone else's run: a resumed checkpoint must be of this model."""
+    if resume is None:
+        return
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        return
+    old = load_config(PretrainConfig, saved)
+    if old.model != cfg.model:
+        diff = [k for k in cfg.model.model_fields if getattr(old.model, k) != getattr(cfg.model, k)]
+        raise ConfigError(
+            f"output_dir '{out}' holds a run of another model (model.{diff[0]}: "
+            f"{getattr(old.model, diff[0])!r} there, {getattr(cfg.model, diff[0])!r} now); "
+            f"pick a new output_dir or set checkpoint.resume=false")
+
+
+def total_steps(cfg: PretrainConfig, samples_per_epoch: int) -> int:
+    if cfg.train.total_steps:
+        return cfg.train.total_steps
+    return max(1, math.ceil(cfg.train.epochs * samples_per_epoch / cfg.train.global_batch_size))
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+def train(cfg: PretrainConfig) -> dict:
+    """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view)."""
+    import deepspeed
+
+    from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
+    from pretrain.demo import ensure_demo_data
+    from pretrain.evaluate import run_due
+    from pretrain.metrics import StepTimer, build_logger, peak_tflops
+
+    rank, world = init_distributed()
+    setup_logging(rank)
+    if cfg.data.generate_demo:
+        ensure_demo_data(cfg.data.root, cfg.model.num_classes)
+    micro, accum = cfg.train.batch_layout(world)
+    out = Path(cfg.output_dir)
+    store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
+    resume = store.latest() if cfg.checkpoint.resume else None
+    check_same_run(out, cfg, resume)
+
+    ds_config = eng_lib.deepspeed_config(cfg, micro, accum, world)
+    if resume is not None and resume.world_size != world:
+        ds_config["checkpoint"] = {"load_universal": True}
+        store.prepare_universal(resume)
+
+    seed_everything(cfg.seed)  # identical initial weights on every rank
+    model = eng_lib.build_model(cfg, ds_config)
+    optimizer = eng_lib.build_optimizer(model, cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    device = engine.device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision,
+                                                                 torch.float32)
+    spec = model.spec
+
+    loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
+                                world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
+                                log_sample_keys=cfg.debug.log_sample_keys,
+                                pin_memory=device.type == "cuda")
+    steps = total_steps(cfg, loader.num_samples)
+    scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
+    mixup = build_mixup(cfg.data, spec.num_classes)
+
+    step = 0
+    if resume is not None:
+        client = store.load(engine, resume)
+        step = int(client["step"])
+        loader.load_state_dict(client["loader"])
+        if resume.world_size == world:  # dropout / drop-path draws continue exactly
+            set_rng_state(client["rng"][rank])
+        log.info("resumed from %s at step %d", resume.path, step)
+    elif rank == 0:
+        save_config(cfg, out / "config.yaml")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+
+    evaluators = build_evaluators(cfg, spec, rank, world, device, dtype)
+    sink = build_logger(out, steps, rank)
+    timer = StepTimer(spec.train_flops_per_image(), world_size=world,
+                      peak_tflops=peak_tflops(cfg.log.peak_tflops))
+    if rank == 0:
+        log.info("training %s for %d steps: global batch %d = %d ranks x %d x %d accumulation, "
+                 "%.3f TFLOP per image", spec.name, steps, cfg.train.global_batch_size, world,
+                 micro, accum, spec.train_flops_per_image() / 1e12)
+
+    batches = iter(loader)
+    loss_sum = torch.zeros((), device=device)
+    metrics: dict = {}
+    while step < steps:
+        scheduler.step_update(step)
+        for micro_step in range(accum):
+            images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup,
+                                            dtype)
+            if micro_step == 0:
+                timer.data_ready()
+            loss = eng_lib.classification_loss(engine(images), targets, cfg.train.loss,
+                                               cfg.data.label_smoothing)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+        timer.step_done(images=micro * accum * world)
+        step += 1
+
+        if step % cfg.log.every_steps == 0 or step == steps:
+            dist.all_reduce(loss_sum)
+            skipped = torch.tensor(float(loader.skipped), device=device)
+            dist.all_reduce(skipped)
+            window = cfg.log.every_steps if step % cfg.log.every_steps == 0 \
+                else step % cfg.log.every_steps
+            metrics = {"train/loss": loss_sum.item() / (window * accum * world),
+                       "train/lr": optimizer.param_groups[0]["lr"],
+                       "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                       "data/skipped_samples": skipped.item(),
+                       "train/epoch": loader.epoch,
+                       **timer.summary()}
+            loss_sum.zero_()
+            sink.log(metrics, step)
+        results = run_due(evaluators, engine.module, step, force=step == steps)
+        if results:
+            sink.log(results, step)
+            metrics.update(results)
+            timer.exclude_elapsed()
+        if step % cfg.checkpoint.every_steps == 0 or step == steps:
+            save(store, engine, loader, cfg, step, world)
+            timer.exclude_elapsed()
+    sink.close()
+    peaks = gather(peak_memory_gib(device), world)
+    if rank == 0:
+        log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
+    return metrics
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory, or the process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, dtype) -> list:
+    """Held-out classification on data.val_split; the few-shot probe when eval.fewshot_root."""
+    import functools
+
+    from pretrain.data.info import read_info
+    from pretrain.data.loader import build_eval_loader, normalize
+    from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator
+
+    norm = functools.partial(normalize, mode=cfg.data.normalize)
+    common = dict(normalize=norm, device=device, dtype=dtype)
+
+    def data(root: str, split: str):
+        section = cfg.data.model_copy(update={"root": root})
+        return lambda: build_eval_loader(section, img_size=spec.img_size, split=split,
+                                         batch_size=cfg.eval.batch_size, rank=rank,
+                                         world_size=world)
+
+    out = []
+    if cfg.data.val_split:
+        out.append(ClassificationEvaluator(data(cfg.data.root, cfg.data.val_split),
+                                           name=cfg.eval.val_name,
+                                           every_steps=cfg.eval.every_steps,
+                                           max_samples=cfg.eval.max_samples, **common))
+    e = cfg.eval
+    if e.fewshot_root:
+        classes = read_info(e.fewshot_root).classes
+        out.append(FewShotEvaluator(
+            data(e.fewshot_root, e.fewshot_train_split), data(e.fewshot_root, e.fewshot_test_split),
+            name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name, every_steps=e.fewshot_every_steps,
+            shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
+            num_classes=len(classes) if classes else None, seed=cfg.seed, **common))
+    return out
+
+
+def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int,
+         world: int) -> None:
+    client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
+              "config": to_yaml(cfg), "world_size": world, "tracking_run_id": None}
+    ckpt = store.save(engine, step, client)
+    if dist.get_rank() == 0:
+        log.info("checkpoint %s", ckpt.path)
