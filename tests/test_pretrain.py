@@ -22,11 +22,15 @@ def keys(out, rank):
     return (out / "keys" / f"rank{rank}.txt").read_text().split()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stage_trains_on_two_ranks(stage, tmp_path, tiny_data):
+@pytest.mark.parametrize("stage,how", [
+    (1, "deepspeed.zero_stage=1"),
+    (2, "deepspeed.config=zero2.json"),  # the shipped files in configs/deepspeed/
+    (3, "deepspeed.config=zero3.json"),
+])
+def test_zero_stage_trains_on_two_ranks(stage, how, tmp_path, tiny_data):
     out = tmp_path / "run"
-    run_deepspeed(2, *tiny_run_args(out, tiny_data, f"deepspeed.zero_stage={stage}",
-                                    "train.total_steps=6", "optimizer.lr=3e-3"))
+    run_deepspeed(2, *tiny_run_args(out, tiny_data, how, "train.total_steps=6",
+                                    "optimizer.lr=3e-3"))
     loss = losses(out)
     assert sorted(loss) == [1, 2, 3, 4, 5, 6]
     assert all(torch.isfinite(torch.tensor(v)) for v in loss.values())
