@@ -196,6 +196,28 @@ class EvalConfig(Section):
     fewshot_l2_reg: float = Field(1024.0, gt=0, description="ridge penalty of the probe")
 
 
+class TrackingConfig(Section):
+    """MLflow tracking (rank 0 logs; see pretrain/tracking.py).
+
+    Where: ``tracking.uri`` when set, else ``MLFLOW_TRACKING_URI``, else MLflow's default store
+    in the launch directory (``./mlflow.db``, or ``./mlruns`` if that already holds a file
+    store) -- what a plain ``mlflow ui`` started there shows.
+    """
+
+    enabled: bool = True
+    uri: Optional[str] = Field(None, description="tracking server/store URI (beats "
+                               "MLFLOW_TRACKING_URI; unset: that, else ./mlflow.db)")
+    # One experiment for both stages: fine-tunes can then nest under their pretraining run.
+    experiment: str = Field("vitscale", description="MLflow experiment name")
+    run_name: Optional[str] = Field(None, description="unset: the output_dir's name")
+    system_metrics: bool = Field(True, description="MLflow's CPU/memory/GPU system metrics")
+    flush_every_s: float = Field(2.0, gt=0, description="send queued metrics this often")
+    # At the end of a run, how long to wait for an unreachable server before leaving the rest
+    # in the spool (launch/upload_spool.py sends it later).
+    close_timeout_s: float = Field(120.0, ge=0, description="wait this long at the end for an "
+                                   "unreachable server")
+
+
 class DebugConfig(Section):
     # Every rank writes the __key__ of each consumed sample to DIR/rank{R}.txt.
     log_sample_keys: Optional[str] = Field(None, description="DIR: rank{R}.txt of consumed keys")
@@ -218,6 +240,7 @@ class RunConfig(Section):
     log: LogConfig = LogConfig()
     eval: EvalConfig = EvalConfig()
     debug: DebugConfig = DebugConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     def to_yaml(self) -> str:
         return to_yaml(self)

@@ -2,6 +2,7 @@
 checkpoints. Components (data, engine, checkpoints, evaluators, metrics) live in their modules."""
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -108,7 +109,8 @@ def train(cfg: PretrainConfig) -> dict:
     from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
     from pretrain.demo import ensure_demo_data
     from pretrain.evaluate import run_due
-    from pretrain.metrics import StepTimer, build_logger, peak_tflops
+    from pretrain.metrics import MultiLogger, StepTimer, build_logger, peak_tflops
+    from pretrain.tracking import start_tracking
 
     rank, world = init_distributed()
     setup_logging(rank)
@@ -142,10 +144,10 @@ def train(cfg: PretrainConfig) -> dict:
     scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
     mixup = build_mixup(cfg.data, spec.num_classes)
 
-    step = 0
+    step, run_id = 0, None
     if resume is not None:
         client = store.load(engine, resume)
-        step = int(client["step"])
+        step, run_id = int(client["step"]), client.get("tracking_run_id")
         loader.load_state_dict(client["loader"])
         if resume.world_size == world:  # dropout / drop-path draws continue exactly
             set_rng_state(client["rng"][rank])
@@ -156,7 +158,11 @@ def train(cfg: PretrainConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
 
     evaluators = build_evaluators(cfg, spec, rank, world, device, dtype)
-    sink = build_logger(out, steps, rank)
+    # MLflow on rank 0: one more sink; the same MLflow run when resuming (id from the checkpoint)
+    tracker = start_tracking(cfg, "pretrain", out, rank, world_size=world, ds_config=ds_config,
+                             hosts=gather(socket.gethostname(), world), run_id=run_id,
+                             resumed_at=step if resume is not None else None)
+    sink = MultiLogger(build_logger(out, steps, rank), tracker)
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))
     if rank == 0:
@@ -165,6 +171,10 @@ def train(cfg: PretrainConfig) -> dict:
                  micro, accum, spec.train_flops_per_image() / 1e12)
 
     batches = iter(loader)
+    if resume is None:  # a picture of what the model sees: the first batch, augmented
+        first = next(batches)
+        tracker.log_sample_grid(first.images)
+        batches = itertools.chain([first], batches)
     loss_sum = torch.zeros((), device=device)
     metrics: dict = {}
     while step < steps:
@@ -202,7 +212,7 @@ def train(cfg: PretrainConfig) -> dict:
             metrics.update(results)
             timer.exclude_elapsed()
         if step % cfg.checkpoint.every_steps == 0 or step == steps:
-            save(store, engine, loader, cfg, step, world)
+            save(store, engine, loader, cfg, step, world, tracker.run_id)
             timer.exclude_elapsed()
     sink.close()
     peaks = gather(peak_memory_gib(device), world)
@@ -254,9 +264,10 @@ def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, d
 
 
 def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int,
-         world: int) -> None:
+         world: int, run_id: Optional[str]) -> None:
+    # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
-              "config": to_yaml(cfg), "world_size": world, "tracking_run_id": None}
+              "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id}
     ckpt = store.save(engine, step, client)
     if dist.get_rank() == 0:
         log.info("checkpoint %s", ckpt.path)

@@ -65,3 +65,74 @@ def tiny_data(tmp_path_factory) -> Path:
     prepare("imagenet21k", str(base / "raw"), str(base / "shards"), name="tiny", shard_size=16,
             val_count=64, workers=1, progress=False)
     return base / "shards"
+
+
+class MlflowServer:
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store and a served artifact root under
+    ``root``; ``stop()`` and ``start()`` again give an outage on the same port and store."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 240) -> None:
+        import time
+        import urllib.request
+
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+               "--port", str(self.port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts")]
+        # the server's job runner (huey consumers) only costs start-up time here
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        log = open(self.root / "server.log", "a")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)  # its own group: stop() ends all
+        deadline = time.time() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
+            assert time.time() < deadline, "mlflow server did not come up"
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        import signal
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real tracking server for the whole session (starting one costs ~10 s here)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tracking_store_outside_the_repo(tmp_path_factory):
+    """Every launched run tracks to MLflow; without a URI that is ./mlflow.db in the repository
+    root (the product's default). Tests point runs at a throwaway store instead; the tracking
+    tests point theirs at a real server."""
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = \
+        f"sqlite:///{tmp_path_factory.mktemp('mlflow-default') / 'mlflow.db'}"
+    yield
+    if old is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = old

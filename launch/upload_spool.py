@@ -1,0 +1,36 @@
+"""Send a run's spooled MLflow metrics (and artifacts) that never reached the server.
+
+    python launch/upload_spool.py OUTPUT_DIR [--uri URI]
+
+A job that could not reach its tracking server keeps every metric in OUTPUT_DIR/tracking/spool.jsonl.
+This creates the MLflow run if the job never could, sends the records MLflow does not have yet
+(one value per step: steps MLflow already holds are skipped), and uploads pending artifacts.
+Run it after the job has ended. --uri sends to another server than the one the job was given.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+from pretrain import cli
+from pretrain.tracking import TrackingError, upload_spool
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="upload_spool.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("output_dir", help="the run's output_dir (holds tracking/)")
+    p.add_argument("--uri", help="tracking URI to send to (default: the one the job used)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        for line in upload_spool(args.output_dir, uri=args.uri):
+            print(line)
+    except TrackingError as e:
+        cli.fail(str(e))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,671 @@
+"""MLflow tracking for both stages: one MLflow run per training run, rank 0 only, and never the
+reason a run dies.
+
+Where runs go: ``tracking.uri`` from the config, else ``MLFLOW_TRACKING_URI``, else MLflow's own
+default in the directory the job is launched from -- ``sqlite:///mlflow.db`` (``./mlruns`` when
+that already holds a file store, as MLflow 3 decides), i.e. what a plain ``mlflow ui`` started
+there shows.
+
+What a run records: the resolved config flattened into params (``optimizer.lr``, ...); tags
+``stage``, ``model``, ``dataset``, ``git.commit``, ``git.dirty``, ``world_size``, ``hosts``
+(+ lineage tags for fine-tunes, :func:`lineage_tags`); artifacts ``config.yaml``,
+``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the trainer's metrics
+against the global step; MLflow's own ``system/*`` metrics.
+
+How it stays out of the way (:class:`MlflowTracker`):
+
+- ``log()`` on the training thread only appends one JSON line to the spool
+  ``output_dir/tracking/spool.jsonl`` and puts the record on an in-memory queue. A background
+  thread sends the queue in batches (``log_batch``) every ``tracking.flush_every_s``.
+- Server unreachable: ONE warning per outage; records stay queued (and are in the spool), the
+  thread retries with backoff and delivers them when the server is back, or at the end
+  (``close`` waits up to ``tracking.close_timeout_s``). A run that cannot reach the server at
+  start trains anyway; its MLflow run is created once the server answers. Whatever is still
+  undelivered when the process ends stays in the spool: ``python launch/upload_spool.py
+  OUTPUT_DIR`` sends it. ``output_dir/tracking/delivered`` holds the spool's byte offset up to
+  which everything reached MLflow.
+- Resume: the run id comes from the checkpoint (``tracking_run_id``; ``tracking/run.json`` when
+  the checkpoint was written before the run existed). The resumed job re-sends what the killed
+  one spooled but never delivered, and then, per metric, only steps above the highest step
+  MLflow already holds. MLflow keeps every value logged at a step (``get_metric_history``
+  returns duplicates), so this filter is what keeps one value per step: steps the killed job
+  delivered after its last checkpoint keep the killed job's values (identical on an exact resume).
+
+Spool line: ``{"step": 12, "time": <unix ms>, "metrics": {"train/loss": 2.1, ...}}``.
+"""
+from __future__ import annotations
+
+import collections
+import atexit
+import fcntl
+import io
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+TRACKING_DIR = "tracking"
+SPOOL = "spool.jsonl"
+STATE = "run.json"
+CURSOR = "delivered"
+ARTIFACTS = "artifacts"
+LOCK = "lock"
+SAMPLES_PNG = "train_samples.png"
+
+# MLflow's HTTP client retries 7 times with exponential backoff (minutes) and waits 120 s per
+# request by default; our thread retries by itself, so each attempt should fail fast. Set only
+# when the user has not chosen values.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
+MAX_PARAMS_PER_BATCH = 100
+MAX_RETRY_WAIT_S = 30.0
+
+
+class TrackingError(RuntimeError):
+    """A tracking problem the user has to act on (one line)."""
+
+
+# --------------------------------------------------------------------------------------------
+# What a run records
+# --------------------------------------------------------------------------------------------
+def resolve_uri(configured: Optional[str] = None) -> str:
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default for the current
+    directory (what ``mlflow ui`` started there reads), as an absolute URI."""
+    if configured:
+        return configured
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    mlruns = Path.cwd() / "mlruns"
+    # MLflow 3 keeps using a ./mlruns file store that already holds experiments; else sqlite
+    if mlruns.is_dir() and any(d.name.isdigit() and (d / "meta.yaml").exists()
+                               for d in mlruns.iterdir()):
+        return mlruns.as_uri()
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
+    """``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": "0.001"}`` (MLflow params are text)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
+def git_info(root: Path) -> dict[str, str]:
+    """Commit and dirty flag of the checkout the code runs from (empty outside a checkout)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=20, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    # mlflow.source.git.commit is the tag the UI shows in the run's header
+    return {"git.commit": commit, "git.dirty": str(dirty).lower(),
+            "mlflow.source.git.commit": commit}
+
+
+def environment() -> dict:
+    """Interpreter, platform, accelerator and every installed distribution's version."""
+    from importlib import metadata
+
+    import torch
+    env = {"python": sys.version.split()[0], "platform": platform.platform(),
+           "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    env["packages"] = dict(sorted((d.metadata["Name"] or "?", d.version)
+                                  for d in metadata.distributions()))
+    return env
+
+
+def sample_grid_png(images, max_images: int = 64, min_tile: int = 96) -> bytes:
+    """uint8 (B, 3, H, W) -> PNG bytes of a square-ish grid (small images scaled up, nearest)."""
+    import numpy as np
+    from PIL import Image
+
+    arr = images[:max_images].detach().cpu().numpy() if hasattr(images, "detach") \
+        else np.asarray(images[:max_images])
+    n, _, h, w = arr.shape
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    scale = max(1, math.ceil(min_tile / max(h, w)))
+    th, tw, pad = h * scale, w * scale, 2
+    grid = Image.new("RGB", (cols * (tw + pad) + pad, rows * (th + pad) + pad), (255, 255, 255))
+    for i in range(n):
+        tile = Image.fromarray(np.ascontiguousarray(arr[i].transpose(1, 2, 0)).astype(np.uint8))
+        tile = tile.resize((tw, th), Image.NEAREST)
+        grid.paste(tile, (pad + (i % cols) * (tw + pad), pad + (i // cols) * (th + pad)))
+    buf = io.BytesIO()
+    grid.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str, step: int,
+                 nest: bool = True) -> dict[str, str]:
+    """Tags a fine-tune run carries about the pretraining it starts from.
+
+    Find every fine-tune of a pretraining run with the search filter
+    ``tags.`pretrain.run_id` = '<id>'`` (UI search box or ``MlflowClient.search_runs``). With
+    ``nest`` (and both runs in the same experiment) the UI shows the fine-tunes nested under it.
+    """
+    tags = {"pretrain.checkpoint": str(checkpoint), "pretrain.step": str(int(step))}
+    if pretrain_run_id:
+        tags["pretrain.run_id"] = pretrain_run_id
+        if nest:
+            tags["mlflow.parentRunId"] = pretrain_run_id
+    return tags
+
+
+# --------------------------------------------------------------------------------------------
+# Local state: run.json, the spool and its delivery cursor
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """``tracking/run.json``: everything needed to create (or find) the MLflow run later."""
+
+    uri: str
+    experiment: str
+    run_name: Optional[str] = None
+    run_id: Optional[str] = None
+    params: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    params_logged: bool = False
+    uploaded: list = field(default_factory=list)  # artifact paths already in MLflow
+    ended: Optional[str] = None  # FINISHED / FAILED once the job is over
+
+    @classmethod
+    def load(cls, track_dir: Path) -> "RunState":
+        return cls(**json.loads((track_dir / STATE).read_text()))
+
+    def save(self, track_dir: Path) -> None:
+        tmp = track_dir / (STATE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, track_dir / STATE)
+
+
+def read_cursor(track_dir: Path) -> int:
+    try:
+        return int((track_dir / CURSOR).read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def write_cursor(track_dir: Path, offset: int) -> None:
+    tmp = track_dir / (CURSOR + ".tmp")
+    tmp.write_text(str(offset))
+    os.replace(tmp, track_dir / CURSOR)
+
+
+def read_spool(path: Path, offset: int = 0) -> Iterator[tuple[dict, int]]:
+    """(record, byte offset after it) from ``offset`` on; a line a crash cut short is skipped."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        for line in f:
+            pos += len(line)
+            if not line.endswith(b"\n"):
+                break  # being written (or cut by a kill): not a record yet
+            try:
+                yield json.loads(line), pos
+            except json.JSONDecodeError:
+                continue
+
+
+def undelivered(track_dir: Path) -> int:
+    """Records in the spool that never reached MLflow."""
+    return sum(1 for _ in read_spool(track_dir / SPOOL, read_cursor(track_dir)))
+
+
+def lock(track_dir: Path):
+    """Exclusive lock on the tracking directory (a job and the upload command never both send);
+    the returned file holds it until closed. None when someone else holds it."""
+    f = open(track_dir / LOCK, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# Talking to MLflow: shared by the background thread and launch/upload_spool.py
+# --------------------------------------------------------------------------------------------
+def is_permanent(exc: BaseException) -> bool:
+    """A request MLflow rejected (4xx other than 429): retrying cannot help."""
+    from mlflow.exceptions import MlflowException
+    if not isinstance(exc, MlflowException):
+        return False
+    status = exc.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+class Remote:
+    """One run's connection: create or re-attach the run, upload artifacts, send records.
+    Every method may raise when the server is unreachable; the state on disk stays consistent."""
+
+    def __init__(self, track_dir: Path, state: RunState):
+        for k, v in HTTP_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        self.dir = track_dir
+        self.state = state
+        self.client = None  # made on first connect: importing mlflow takes seconds
+        self.connected = False
+        self.resumed = state.run_id is not None  # attaching to a run that exists already
+        self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
+
+    def connect(self, reopen: bool = True) -> str:
+        """Find or create the run; ``reopen`` marks an ended run RUNNING again (a resumed job)."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+        if self.client is None:
+            self.client = MlflowClient(self.state.uri)
+        s = self.state
+        if s.run_id is not None:
+            try:
+                run = self.client.get_run(s.run_id)
+            except Exception as e:  # noqa: BLE001
+                if not is_permanent(e):
+                    raise
+                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id, s.uri)
+                s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
+            else:
+                self.last_step = {m.key: m.step for m in run.data._metric_objs}
+                if reopen and run.info.status != "RUNNING":
+                    self.client.update_run(s.run_id, status="RUNNING")
+        if s.run_id is None:
+            exp = self.client.get_experiment_by_name(s.experiment)
+            if exp is None:
+                try:
+                    exp_id = self.client.create_experiment(s.experiment)
+                except Exception:  # noqa: BLE001 -- another job created it meanwhile
+                    exp_id = self.client.get_experiment_by_name(s.experiment).experiment_id
+            else:
+                exp_id = exp.experiment_id
+            run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags)
+            s.run_id = run.info.run_id
+            s.save(self.dir)  # from now on a retry re-attaches instead of creating another
+            self.last_step = {}
+        if not s.params_logged:
+            items = sorted(s.params.items())
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(s.run_id, params=[
+                    Param(k, v) for k, v in items[i:i + MAX_PARAMS_PER_BATCH]])
+            s.params_logged = True
+            s.save(self.dir)
+        self.connected = True
+        return s.run_id
+
+    def upload_artifacts(self) -> int:
+        root = self.dir / ARTIFACTS
+        done = set(self.state.uploaded)
+        new = [p for p in sorted(root.rglob("*")) if p.is_file()
+               and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+        for p in new:
+            sub = p.parent.relative_to(root).as_posix()
+            self.client.log_artifact(self.state.run_id, str(p),
+                                     artifact_path=None if sub == "." else sub)
+            self.state.uploaded.append(p.relative_to(root).as_posix())
+            self.state.save(self.dir)
+        return len(new)
+
+    def send(self, records: collections.deque) -> int:
+        """Send ``records`` ((record, spool end offset), oldest first), popping each once it is
+        in MLflow and advancing the cursor. Returns how many were sent."""
+        from mlflow.entities import Metric
+        sent = 0
+        while records:
+            batch, metrics, last = [], [], dict(self.last_step)
+            for rec, end in records:
+                new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
+                       for k, v in rec["metrics"].items()
+                       if rec["step"] > last.get(k, -1 << 62)]
+                if metrics and len(metrics) + len(new) > MAX_METRICS_PER_BATCH:
+                    break
+                for m in new:
+                    last[m.key] = m.step
+                batch.append(end)
+                metrics += new
+            try:
+                if metrics:
+                    self.client.log_batch(self.state.run_id, metrics=metrics)
+            except Exception as e:  # noqa: BLE001
+                if not is_permanent(e):
+                    raise
+                # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones;
+                # the records stay in the spool
+                log.warning("MLflow rejected %d metrics (%s); they stay in %s",
+                            len(metrics), _one_line(e), self.dir / SPOOL)
+            self.last_step = last
+            for _ in batch:
+                records.popleft()
+            write_cursor(self.dir, batch[-1])
+            sent += len(batch)
+        return sent
+
+    def finish(self, status: str) -> None:
+        self.client.set_terminated(self.state.run_id, status)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:200]
+
+
+# --------------------------------------------------------------------------------------------
+# The sink
+# --------------------------------------------------------------------------------------------
+class NoTracking:
+    """Ranks other than 0, or ``tracking.enabled=false``: the same calls, doing nothing."""
+
+    run_id = None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_sample_grid(self, images) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED") -> None:
+        pass
+
+
+class MlflowTracker:
+    """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers."""
+
+    def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
+                 system_metrics: bool = True, flush_every_s: float = 2.0,
+                 close_timeout_s: float = 120.0):
+        self.dir = Path(track_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = lock(self.dir)
+        if self._lock is None:
+            raise TrackingError(f"{self.dir} is locked by another process (a job still running, "
+                                f"or upload_spool.py); wait for it to end")
+        self.state = state
+        state.ended = None
+        state.save(self.dir)
+        self.flush_every_s = flush_every_s
+        self.close_timeout_s = close_timeout_s
+        self.system_metrics = system_metrics
+        self._remote = Remote(self.dir, state)
+        # undelivered records of an earlier job in this output_dir go first
+        self._pending: collections.deque = collections.deque()
+        self._outbox = collections.deque(read_spool(self.dir / SPOOL, read_cursor(self.dir)))
+        spool = self.dir / SPOOL
+        if spool.exists() and spool.stat().st_size and not spool.read_bytes().endswith(b"\n"):
+            with open(spool, "ab") as f:  # a kill cut the last line: start on a fresh one
+                f.write(b"\n")
+        self._spool = open(spool, "ab")
+        self._offset = self._spool.tell()
+        self._stop = threading.Event()
+        self._down = False
+        self._monitor = None
+        self._closed = False
+        self.seconds_in_log = 0.0  # training-thread time inside log(), for the closing note
+        self.seconds_setup = 0.0  # ... and in start_tracking / log_sample_grid (once per job)
+        self.log_calls = 0
+        # MLflow's system-metrics thread warns (and stops) on every failed request; ours says
+        # it once and restarts that thread when the server is back
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
+        self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.state.run_id
+
+    # -- training thread -------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        t0 = time.perf_counter()
+        rec = {"step": int(step), "time": int(time.time() * 1000),
+               "metrics": {k: float(v.item() if hasattr(v, "item") else v)
+                           for k, v in metrics.items()}}
+        line = (json.dumps(rec) + "\n").encode()
+        self._spool.write(line)
+        self._spool.flush()  # in the OS's hands: survives a SIGKILL of this process
+        self._offset += len(line)
+        self._pending.append((rec, self._offset))
+        self.log_calls += 1
+        self.seconds_in_log += time.perf_counter() - t0
+
+    def log_artifact_bytes(self, name: str, data: bytes) -> None:
+        """Queue a file for the run's artifacts (uploaded by the thread)."""
+        path = self.dir / ARTIFACTS / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+
+    def log_sample_grid(self, images) -> None:
+        t0 = time.perf_counter()
+        self.log_artifact_bytes(SAMPLES_PNG, sample_grid_png(images))
+        self.seconds_setup += time.perf_counter() - t0
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Deliver what is pending (waiting up to ``close_timeout_s`` for an unreachable server),
+        end the run, say where anything undelivered is."""
+        if self._closed:
+            return
+        self._closed = True
+        self.state.ended = status
+        self._stop.set()
+        self._thread.join(self.close_timeout_s + 60)
+        self._spool.close()
+        left = len(self._pending) + len(self._outbox)
+        self.state.save(self.dir)
+        if left:
+            log.warning("%d metric records not delivered to MLflow at %s; they are in %s: "
+                        "`python launch/upload_spool.py %s` sends them", left, self.state.uri,
+                        self.dir / SPOOL, self.dir.parent)
+        if self.log_calls:
+            log.info("tracking: %d log calls took %.3f ms in the training thread (%.3f ms per "
+                     "call); setup %.1f ms once", self.log_calls, 1e3 * self.seconds_in_log,
+                     1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
+        self._lock.close()
+
+    def _at_exit(self) -> None:
+        # the training loop raised: send what we have, mark the run failed, do not linger
+        if not self._closed:
+            self.close_timeout_s = min(self.close_timeout_s, 10.0)
+            self.close("FAILED")
+
+    # -- background thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        wait = 0.0  # first attempt at once: create the run while the model is being built
+        deadline = None
+        while True:
+            stopping = self._stop.wait(wait)
+            if stopping and deadline is None:
+                deadline = time.monotonic() + self.close_timeout_s
+            try:
+                self._attempt()
+                if stopping:
+                    self._finish()
+            except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
+                if is_permanent(e) and not self._remote.connected:
+                    log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
+                                self.state.uri, _one_line(e), self.dir / SPOOL)
+                    return
+                if not self._down:
+                    self._down = True
+                    log.warning("MLflow at %s unreachable (%s); training continues, metrics "
+                                "are kept and spooled to %s until it is back", self.state.uri,
+                                _one_line(e), self.dir / SPOOL)
+                wait = min(max(2 * wait, self.flush_every_s),
+                           min(MAX_RETRY_WAIT_S, 10 * self.flush_every_s))
+            else:
+                if self._down:
+                    self._down = False
+                    log.info("MLflow at %s reachable again; pending metrics delivered",
+                             self.state.uri)
+                wait = self.flush_every_s
+                if stopping:
+                    return
+            if stopping:
+                if time.monotonic() >= deadline:
+                    return
+                wait = min(wait, max(deadline - time.monotonic(), 0.0))
+
+    def _attempt(self) -> None:
+        r = self._remote
+        if not r.connected:
+            r.connect()
+            if self.system_metrics:
+                self._start_system_metrics()
+        while self._pending:  # the training thread appends to _pending; only we touch _outbox
+            self._outbox.append(self._pending.popleft())
+        r.send(self._outbox)
+        r.upload_artifacts()
+        monitor = self._monitor
+        if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
+                monitor._process is not None and monitor._process.is_alive()):
+            self._start_system_metrics()  # it stopped during an outage
+
+    def _start_system_metrics(self) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        # resume_logging continues MLflow's system/* step counter after the last logged one
+        self._monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=True,
+                                             tracking_uri=self.state.uri)
+        self._monitor.start()
+
+    def _finish(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+        self._remote.finish(self.state.ended or "FINISHED")
+
+
+# --------------------------------------------------------------------------------------------
+# Wiring for a stage's trainer
+# --------------------------------------------------------------------------------------------
+def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
+                   world_size: int, hosts: Iterable[str] = (), ds_config: Optional[dict] = None,
+                   run_id: Optional[str] = None, resumed_at: Optional[int] = None,
+                   dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None):
+    """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere.
+
+    ``run_id``/``resumed_at``: the MLflow run id from the checkpoint being resumed and its
+    step (None for a fresh run). ``extra_tags``: e.g. :func:`lineage_tags` for a fine-tune.
+    Call it on every rank (cheap: rank 0 does the work).
+    """
+    t = cfg.tracking
+    if rank != 0 or not t.enabled:
+        return NoTracking()
+    from pretrain.cli import REPO_ROOT
+    from pretrain.config import to_yaml
+
+    t0 = time.perf_counter()
+    track_dir = Path(output_dir) / TRACKING_DIR
+    earlier = RunState.load(track_dir) if (track_dir / STATE).is_file() else None
+    if resumed_at is None and earlier is not None:
+        _set_aside(track_dir)
+        earlier = None
+    track_dir.mkdir(parents=True, exist_ok=True)
+    uri = resolve_uri(t.uri)
+    if earlier is not None:  # a resumed job: same run, whether it exists in MLflow yet or not
+        state = earlier
+        state.uri = uri
+        state.run_id = run_id or earlier.run_id
+    else:
+        hosts = sorted(set(hosts))
+        dataset = dataset or _dataset_name(cfg.data.root)
+        tags = {"stage": stage, "model": cfg.model.name,
+                "dataset": dataset,
+                "world_size": str(world_size), "hosts": ",".join(hosts)[:4000],
+                "num_hosts": str(len(hosts)), "output_dir": str(Path(output_dir).resolve()),
+                **git_info(REPO_ROOT), **(extra_tags or {})}
+        state = RunState(uri=uri, experiment=t.experiment, run_id=run_id,
+                         run_name=t.run_name or Path(output_dir).resolve().name,
+                         params=flatten(cfg.model_dump(mode="json")), tags=tags)
+    tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,
+                            flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s)
+    # a resumed job's config and DeepSpeed config go next to the first ones
+    prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"
+    tracker.log_artifact_bytes(prefix + "config.yaml", to_yaml(cfg).encode())
+    if ds_config is not None:
+        tracker.log_artifact_bytes(prefix + "deepspeed_config.json",
+                                   json.dumps(ds_config, indent=1, default=str).encode())
+    tracker.log_artifact_bytes(prefix + "environment.json",
+                               json.dumps(environment(), indent=1).encode())
+    tracker.seconds_setup += time.perf_counter() - t0
+    log.info("tracking to MLflow at %s (experiment '%s'%s)", uri, state.experiment,
+             f", run {state.run_id}" if state.run_id else "")
+    return tracker
+
+
+def _dataset_name(root: Optional[str]) -> str:
+    """The name in the shards' _info.json, else the directory's name."""
+    from pretrain.data.info import read_info
+    try:
+        return read_info(root).name
+    except Exception:  # noqa: BLE001 -- a tag is not worth failing over
+        return Path(str(root or "?").rstrip("/")).name
+
+
+def _set_aside(track_dir: Path) -> None:
+    """A fresh run in an output_dir that held another: keep the old spool if it still has
+    undelivered records (upload_spool.py sends those too), else start clean."""
+    import shutil
+    left = undelivered(track_dir)
+    if left:
+        aside = track_dir.with_name(f"{TRACKING_DIR}.{time.strftime('%Y%m%d-%H%M%S')}")
+        log.warning("%s holds %d undelivered records of an earlier run; moved to %s",
+                    track_dir, left, aside)
+        track_dir.rename(aside)
+    else:
+        shutil.rmtree(track_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# Uploading a spool afterwards
+# --------------------------------------------------------------------------------------------
+def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> list[str]:
+    """Send every undelivered record (and artifact) of ``output_dir``'s tracking directories to
+    MLflow, creating the run if it never was; returns one summary line per directory."""
+    out = Path(output_dir)
+    dirs = [d for d in [out / TRACKING_DIR, *sorted(out.glob(TRACKING_DIR + ".*"))]
+            if (d / STATE).is_file()]
+    if not dirs:
+        raise TrackingError(f"no MLflow spool in '{out}' (expected {out / TRACKING_DIR / STATE})")
+    lines = []
+    for d in dirs:
+        held = lock(d)
+        if held is None:
+            raise TrackingError(f"{d} is in use by a running job; run this after it ends")
+        try:
+            state = RunState.load(d)
+            if uri:
+                state.uri = uri
+            remote = Remote(d, state)
+            try:
+                remote.connect(reopen=False)
+                pending = collections.deque(read_spool(d / SPOOL, read_cursor(d)))
+                n = remote.send(pending)
+                a = remote.upload_artifacts()
+                if state.ended:
+                    remote.finish(state.ended)
+            except Exception as e:  # noqa: BLE001
+                raise TrackingError(f"could not upload {d} to MLflow at {state.uri}: "
+                                    f"{_one_line(e)}") from None
+            state.save(d)
+            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at {state.uri}")
+        finally:
+            held.close()
+    return lines
