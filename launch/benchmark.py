@@ -5,12 +5,20 @@
     # loader images/s against a plain webdataset + torchvision pipeline, same crop/flip/size
     python launch/benchmark.py loader --shards /tmp/photos --workers 2 --batches 20 [--json]
 
+    # training images/s, TFLOP/s, MFU, peak memory through our DeepSpeed engine (synthetic
+    # uint8 batches on the device; --shards DIR feeds the real loader and gives the data wait)
+    python launch/benchmark.py train --model vit_large_patch16_224 --batch 128 [--zero 1]
+        [--image-size 224] [--compile] [--ranks R] [--steps 20] [--precision fp32] [--json]
+    # one step through our DeepSpeed engine (ZeRO-2, 1 rank, bf16) against a plain PyTorch loop
+    python launch/benchmark.py overhead [--json]
+
 ``--shards`` is a directory (or URL prefix) holding ``_info.json``, or a shard pattern such as
-``/data/shards-{000000..000019}.tar``.
+``/data/shards-{000000..000019}.tar``. On the CPU, train figures are relative only (no MFU).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,7 +27,9 @@ import warnings
 from pathlib import Path
 from typing import List
 
-import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+# Ranks spawned by `train --ranks R` re-import this file with launch/ already off sys.path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
 
 # Both pipelines get the inception crop torchvision's RandomResizedCrop uses by default.
 REFERENCE_CROP_SCALE = (0.08, 1.0)
@@ -134,6 +144,86 @@ def print_table(result: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# train: the model step through our DeepSpeed engine; overhead: ours against a plain loop
+# --------------------------------------------------------------------------------------------
+def _quiet() -> None:
+    """DeepSpeed's per-rank info lines would bury the one table or JSON object."""
+    import logging
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """DeepSpeed prints to stdout (its logger, the JIT op builder, spawned ranks): send the
+    process's file descriptor 1 to stderr meanwhile, so stdout carries our output alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_train(args) -> dict:
+    _quiet()
+    from pretrain import benchmark
+
+    if args.batch < 1 or args.ranks < 1:
+        raise SystemExit("--batch and --ranks must be >= 1")
+    cfg = benchmark.bench_config(
+        args.model, args.batch, image_size=args.image_size, zero=args.zero,
+        precision=args.precision, ranks=args.ranks,
+        activation_checkpointing=args.activation_checkpointing, num_classes=args.num_classes,
+        recipe=args.config, overrides=args.overrides)
+    return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
+                         compile=args.compile, shards=args.shards, workers=args.workers)
+
+
+def print_train_table(r: dict) -> None:
+    mfu = "relative only (no peak known)" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
+    rows = [("device", r["device"]),
+            ("model", f"{r['model']} @ {r['image_size']} px"),
+            ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"),
+            ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
+             + (" / compiled" if r["compile"] else "")),
+            ("images/s", f"{r['images_per_sec']:,.1f}"),
+            ("TFLOP/s per device", f"{r['tflops_per_device']:.3f}"),
+            ("MFU", mfu),
+            ("median step", f"{r['step_time_ms_median']:.1f} ms"),
+            ("data wait", f"{100 * r['data_wait_frac']:.1f} %"
+             + (" (synthetic input: 0 by construction)" if r["data"] == "synthetic" else "")),
+            ("peak memory (rank 0)", f"{r['peak_memory_gib']:.2f} GiB"),
+            ("timed / warmup steps", f"{r['steps']} / {r['warmup_steps']}")]
+    for name, value in rows:
+        print(f"{name:<26}{value}")
+
+
+def run_overhead(args) -> dict:
+    _quiet()
+    from pretrain.overhead import measure_overhead
+
+    return measure_overhead(args.model, args.batch, image_size=args.image_size,
+                            num_classes=args.num_classes, steps=args.steps,
+                            repeats=args.repeats, threads=args.threads or None)
+
+
+def print_overhead_table(r: dict) -> None:
+    print(f"{'loop':<34}{'median step ms':>16}")
+    print(f"{'ours (DeepSpeed ZeRO-' + str(r['zero_stage']) + ', ' + r['precision'] + ')':<34}"
+          f"{r['deepspeed_step_ms']:>16.1f}")
+    print(f"{'plain PyTorch (autocast, AdamW)':<34}{r['plain_step_ms']:>16.1f}")
+    print(f"{'ratio':<34}{r['ratio']:>16.3f}")
+    print(f"({r['model']} @ {r['image_size']} px, batch {r['batch']}, {r['device']}, "
+          f"{r['repeats']} alternating blocks of {r['steps_per_block']} steps per side)")
+
+
+# --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,9 +248,47 @@ def build_parser() -> argparse.ArgumentParser:
                         help="alternate the two pipelines this many times, keep each one's best")
     loader.add_argument("--json", action="store_true", help="print one JSON object")
 
-    # The training-throughput and overhead figures ("train": images/s and MFU of the model
-    # step; "overhead": data-loading share of a step) belong here as subcommands too; they
-    # come with the performance work.
+    train = sub.add_parser("train", help="training images/s, TFLOP/s, MFU, peak memory")
+    train.add_argument("--model", default="vit_large_patch16_224", help="timm ViT name")
+    train.add_argument("--batch", type=int, required=True, help="micro-batch per rank")
+    train.add_argument("--image-size", type=int, default=None,
+                       help="resolution (default: the model's own, 224 for the i21k models)")
+    train.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                       help="ZeRO stage (default: the recipe's)")
+    train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                       help="default bf16 (the recipe's); fp32 for quicker CPU runs")
+    train.add_argument("--compile", action="store_true", help="engine.compile() (torch.compile)")
+    train.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                       default=None, help="default: the recipe's")
+    train.add_argument("--num-classes", type=int, default=None, help="default 21843 (i21k)")
+    train.add_argument("--ranks", type=int, default=1,
+                       help="data-parallel ranks spawned on this machine (one per GPU)")
+    train.add_argument("--steps", type=int, default=10, help="timed steps after the warmup")
+    train.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    train.add_argument("--shards", default=None,
+                       help="feed the real loader from these shards (default: synthetic "
+                            "batches on the device, data wait 0 by construction)")
+    train.add_argument("--workers", type=int, default=None, help="loader workers per rank")
+    train.add_argument("--config", default=None,
+                       help="recipe YAML to start from (default configs/pretrain/vit_l16_i21k.yaml "
+                            "with the pre-logits width set to the model's)")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="any config override, repeatable")
+    train.add_argument("--json", action="store_true", help="print one JSON object")
+
+    over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step")
+    over.add_argument("--model", default="vit_tiny_patch16_224")
+    over.add_argument("--batch", type=int, default=32)
+    over.add_argument("--image-size", type=int, default=64)
+    over.add_argument("--num-classes", type=int, default=1000)
+    over.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    over.add_argument("--repeats", type=int, default=6,
+                      help="alternating blocks per side; medians are compared")
+    # One thread by default: on a CPU shared with other processes, a second OpenMP thread
+    # waiting at barriers for a busy core makes step times swing many-fold, which would drown
+    # the difference being measured. Both sides always run with the same thread count.
+    over.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: default)")
+    over.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -170,11 +298,21 @@ def main(argv=None) -> int:
         out = make_photos(args.count, args.out, args.shard_size, args.seed)
         print(f"wrote {args.count} photos to {out}")
         return 0
-    result = run_loader(args)
+    if args.command == "train":
+        with _stdout_to_stderr():
+            result = run_train(args)
+        show = print_train_table
+    elif args.command == "overhead":
+        with _stdout_to_stderr():
+            result = run_overhead(args)
+        show = print_overhead_table
+    else:
+        result = run_loader(args)
+        show = print_table
     if args.json:
         print(json.dumps(result))
     else:
-        print_table(result)
+        show(result)
     return 0
 
 

@@ -1,0 +1,270 @@
+"""Steady-state training throughput through the real DeepSpeed engine.
+
+One step here is the trainer's step, component for component: ``prepare_batch`` (uint8 on the
+device -> normalised input of the run's dtype), ``engine(images)``, ``classification_loss``,
+``engine.backward``, ``engine.step`` and the scheduler update, on the engine that
+``deepspeed.initialize`` builds from :func:`pretrain.engine.deepspeed_config`,
+:func:`pretrain.engine.build_model` and :func:`pretrain.engine.build_optimizer`.
+
+Input is either synthetic -- a few random uint8 batches made on the device once, so the data
+wait is 0 by construction and the figure is the model step alone -- or the real
+:class:`pretrain.data.loader.TrainLoader` over shards (``shards=``), when the data-wait share
+says whether the loader keeps up.
+
+Figures (:func:`measure`): global images/s, achieved TFLOP/s per device
+(images/s x :meth:`ViTSpec.train_flops_per_image` / world), MFU against
+:func:`pretrain.metrics.peak_tflops` (None on the CPU: CPU figures are relative only), the
+data-wait share, the median step time, and the peak memory of rank 0 (GPU: max allocated;
+CPU: peak resident set of the process).
+
+Several ranks (:func:`run`, ``ranks > 1``) are spawned with ``torch.multiprocessing`` on one
+machine -- each a DeepSpeed rank (NCCL on GPUs, gloo on the CPU) set up exactly as the DeepSpeed
+launcher would set it up -- and rank 0's figures are returned.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from pretrain.config import PretrainConfig, load_config
+
+RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
+DEFAULT_RECIPE = RECIPES / "vit_l16_i21k.yaml"
+
+
+def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
+                 zero: Optional[int] = None, precision: Optional[str] = None, ranks: int = 1,
+                 activation_checkpointing: Optional[bool] = None,
+                 num_classes: Optional[int] = None, recipe: Optional[os.PathLike | str] = None,
+                 overrides: Sequence[str] = ()) -> PretrainConfig:
+    """The run config to measure: a pretraining recipe (default: the ViT-L/16 i21k one, so
+    head, loss, drop-path and optimizer are those of the real run) with the model, per-rank
+    batch and the other given settings put in. ``overrides`` are the usual ``key=value``."""
+    from pretrain.model import _timm_arch
+
+    sets = [f"model.name={model}", f"train.micro_batch_size={batch}",
+            f"train.global_batch_size={batch * ranks}", "train.grad_accum_steps=1",
+            "train.total_steps=1000000", "data.val_split=null"]
+    if recipe is None:
+        recipe = DEFAULT_RECIPE
+        # The recipe's pre-logits width is ViT-L's; the paper makes it the model's width.
+        sets.append(f"model.representation_size={_timm_arch(model)[2]}")
+        # ...and its resolution is 224: the named model's own unless --image-size says.
+        sets.append(f"model.img_size={_timm_arch(model)[0]}")
+    if image_size is not None:
+        sets.append(f"model.img_size={image_size}")
+    if zero is not None:
+        sets.append(f"deepspeed.zero_stage={zero}")
+    if precision is not None:
+        sets.append(f"train.precision={precision}")
+    if activation_checkpointing is not None:
+        sets.append(f"train.activation_checkpointing={str(activation_checkpointing).lower()}")
+    if num_classes is not None:
+        sets.append(f"model.num_classes={num_classes}")
+    return load_config(PretrainConfig, recipe, [*sets, *overrides])
+
+
+def build_engine(cfg: PretrainConfig, world: int = 1):
+    """``deepspeed.initialize`` on our model, optimizer and DeepSpeed config, as the trainer
+    does; returns (engine, optimizer, ds_config)."""
+    import deepspeed
+
+    from pretrain import engine as eng
+
+    micro, accum = cfg.train.batch_layout(world)
+    ds_config = eng.deepspeed_config(cfg, micro, accum, world)
+    model = eng.build_model(cfg, ds_config)
+    optimizer = eng.build_optimizer(model, cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine, optimizer, ds_config
+
+
+def input_dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count: int = 2,
+                      seed: int = 0) -> list:
+    """``count`` random uint8 batches already on ``device`` (loader output, minus the loader)."""
+    from pretrain.data.loader import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        images = torch.randint(0, 256, (batch, 3, img_size, img_size), dtype=torch.uint8,
+                               generator=g)
+        labels = torch.randint(0, max(num_classes, 1), (batch,), generator=g)
+        out.append(Batch(images.to(device), labels.to(device), [""] * batch,
+                         torch.zeros(batch, dtype=torch.int64, device=device)))
+    return out
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory allocated, or the process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
+
+
+def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: bool = False,
+            shards: Optional[str] = None, workers: Optional[int] = None, rank: int = 0,
+            world: int = 1) -> dict:
+    """Train ``warmup + steps`` steps on this rank (distributed already set up); the figures
+    of the last ``steps``. Collective: every rank of the world must call it."""
+    from pretrain import engine as eng
+    from pretrain.data.loader import build_train_loader, prepare_batch
+    from pretrain.metrics import StepTimer, peak_tflops
+
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
+    torch.manual_seed(cfg.seed)
+    engine, optimizer, ds_config = build_engine(cfg, world)
+    if compile:
+        engine.compile()  # torch.compile of the module, the way DeepSpeed supports it
+    device = engine.device
+    dtype = input_dtype(cfg.train.precision)
+    spec = engine.module.spec
+    micro = cfg.train.micro_batch_size
+    scheduler = eng.build_scheduler(optimizer, cfg, cfg.train.total_steps)
+
+    if shards:
+        data = cfg.data.model_copy(update={"root": shards, "generate_demo": False,
+                                           **({"num_workers": workers} if workers is not None
+                                              else {})})
+        loader = build_train_loader(data, img_size=spec.img_size, batch_size=micro, rank=rank,
+                                    world_size=world, seed=cfg.seed,
+                                    num_classes=spec.num_classes,
+                                    pin_memory=device.type == "cuda")
+        batches = iter(loader)
+        next_batch = lambda: next(batches)  # noqa: E731
+    else:
+        pool = synthetic_batches(micro, spec.img_size, spec.num_classes, device)
+        counter = iter(range(10 ** 12))
+        next_batch = lambda: pool[next(counter) % len(pool)]  # noqa: E731
+
+    peak = peak_tflops(cfg.log.peak_tflops)
+    timer = StepTimer(spec.train_flops_per_image(), world_size=world, peak_tflops=peak,
+                      cuda_sync=device.type == "cuda")
+    step_times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
+            timer.exclude_elapsed()
+        start = time.perf_counter()
+        scheduler.step_update(step)
+        images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, None, dtype)
+        timer.data_ready()
+        loss = eng.classification_loss(engine(images), targets, cfg.train.loss,
+                                       cfg.data.label_smoothing)
+        engine.backward(loss)
+        engine.step()
+        timer.step_done(images=micro * world)
+        step_times.append(time.perf_counter() - start)
+    perf = timer.summary()
+    loss_value = float(loss.detach().float().item())
+    result = {
+        "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
+        "ranks": world, "zero_stage": eng.zero_stage(ds_config),
+        "precision": cfg.train.precision, "compile": compile,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "device": device_name(device), "steps": steps, "warmup_steps": warmup,
+        "images_per_sec": perf["perf/images_per_sec"],
+        "tflops_per_device": perf["perf/tflops"],
+        "train_flops_per_image": spec.train_flops_per_image(),
+        "peak_tflops": peak,
+        "mfu": perf.get("perf/mfu"),  # None on the CPU: no peak to compare with
+        "data_wait_frac": perf["perf/data_wait_frac"],
+        "data": "loader" if shards else "synthetic",
+        "step_time_ms_median": 1e3 * statistics.median(step_times[warmup:]),
+        "peak_memory_gib": peak_memory_gib(device),
+        "final_loss": loss_value,
+    }
+    return result
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _rank_main(rank: int, world: int, port: int, kwargs: dict, queue) -> None:
+    """One spawned rank: the environment the DeepSpeed launcher would give it, then measure."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if not torch.cuda.is_available():
+        # CPU ranks share the cores: one OpenMP pool per rank sized for the whole machine
+        # would oversubscribe them many times over (the DeepSpeed launcher splits them too).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        result = _measure_here(**kwargs)
+        if rank == 0:
+            queue.put(("ok", result))
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+        raise
+
+
+def _measure_here(cfg_json: str, **kwargs) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+
+    cfg = PretrainConfig.model_validate_json(cfg_json)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(verbose=False)
+    try:
+        return measure(cfg, rank=dist.get_rank(), world=dist.get_world_size(), **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
+    """:func:`measure` in a world of ``ranks`` processes; rank 0's figures.
+
+    ``ranks == 1`` runs in this process (a world of one, as ``python launch/pretrain.py``);
+    more are spawned, one per GPU on a GPU machine, gloo ranks on the CPU.
+    """
+    if ranks == 1:
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        return _measure_here(cfg.model_dump_json(), **kwargs)
+    if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+        raise ValueError(f"--ranks {ranks} but only {torch.cuda.device_count()} GPU(s)")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    payload = dict(cfg_json=cfg.model_dump_json(), **kwargs)
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, payload, queue))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    messages = []
+    while not queue.empty():
+        messages.append(queue.get())
+    errors = [m for kind, m in messages if kind == "error"]
+    results = [m for kind, m in messages if kind == "ok"]
+    if errors or not results or any(p.exitcode for p in procs):
+        raise RuntimeError("benchmark ranks failed: " + ("; ".join(errors) or
+                           f"exit codes {[p.exitcode for p in procs]}"))
+    return results[0]

@@ -1,0 +1,57 @@
+"""`benchmark.py train` and `benchmark.py overhead` end to end on a tiny ViT, through the real
+DeepSpeed engine on the CPU. Figures are checked for consistency, never against a time."""
+from __future__ import annotations
+
+import json
+
+from conftest import run_launcher
+
+TINY = ["--model", "vit_tiny_patch16_224", "--image-size", "32", "--num-classes", "10"]
+
+
+def _json(*args: str, timeout: float = 240) -> dict:
+    done = run_launcher("benchmark.py", *args, "--json", timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1, done.stdout[-2000:]  # one JSON object and nothing else on stdout
+    return json.loads(lines[0])
+
+
+def test_train_reports_consistent_throughput_on_synthetic_input():
+    r = _json("train", *TINY, "--batch", "4", "--precision", "fp32", "--zero", "2",
+              "--steps", "2", "--warmup", "1")
+    assert r["model"] == "vit_tiny_patch16_224" and r["image_size"] == 32
+    assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
+    assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
+    # TFLOP/s is images/s x the model's FLOPs per image (one rank)
+    expected = r["images_per_sec"] * r["train_flops_per_image"] / 1e12
+    assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected
+    # a CPU has no bf16 peak in the table: MFU is not made up
+    assert r["peak_tflops"] is None and r["mfu"] is None
+    assert r["data"] == "synthetic" and 0 <= r["data_wait_frac"] < 0.5
+    assert r["peak_memory_gib"] > 0
+    # the recipe's sigmoid loss on an untrained 10-class head: finite and positive
+    assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0
+
+
+def test_train_two_ranks_fed_by_the_real_loader(tiny_data):
+    r = _json("train", "--model", "vit_tiny_patch16_224", "--image-size", "16",
+              "--num-classes", "8", "--batch", "4", "--precision", "fp32", "--ranks", "2",
+              "--steps", "2", "--warmup", "1", "--shards", str(tiny_data), "--workers", "1")
+    assert r["ranks"] == 2 and r["data"] == "loader" and r["zero_stage"] == 1
+    assert r["images_per_sec"] > 0 and 0 <= r["data_wait_frac"] <= 1
+    # per-device TFLOP/s: the global images/s shared by the two ranks
+    expected = r["images_per_sec"] * r["train_flops_per_image"] / 2 / 1e12
+    assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected
+
+
+def test_overhead_compares_both_loops_from_the_same_start():
+    r = _json("overhead", *TINY, "--batch", "4", "--steps", "1", "--repeats", "2")
+    assert r["zero_stage"] == 2 and r["precision"] == "bf16" and r["threads"] == 1
+    assert r["deepspeed_step_ms"] > 0 and r["plain_step_ms"] > 0
+    assert abs(r["ratio"] - r["deepspeed_step_ms"] / r["plain_step_ms"]) < 1e-9
+    # Same initial weights and batch: the first losses agree up to bf16 rounding, so the two
+    # loops really train the same model.
+    first = r["first_loss"]
+    assert abs(first["deepspeed"] - first["plain"]) < 0.05 * abs(first["plain"])
+
