@@ -181,11 +181,5 @@ def _problem(d: Path) -> Optional[str]:
 
 
 def _client_state_of(ckpt: Checkpoint) -> dict:
-    import torch
-
-    f = ckpt.path / "mp_rank_00_model_states.pt"
-    if not f.exists():
-        candidates = sorted(ckpt.path.glob("*mp_rank_00_model_states.pt"))
-        f = candidates[0]
-    state = torch.load(f, map_location="cpu", weights_only=False)
-    return {k: v for k, v in state.items() if k not in ("module", "optimizer")}
+    from pretrain.export import read_client_state  # weights-only: a checkpoint runs no code
+    return read_client_state(ckpt.path)

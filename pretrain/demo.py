@@ -17,23 +17,41 @@ TRAIN_PER_CLASS = 320
 VAL_COUNT = 600
 SHARD_SIZE = 200
 IMAGE_SIZE = (48, 48)
+# the fine-tune demo: a CIFAR-10-format set of new images of the same procedural classes
+CIFAR_TRAIN = 2000
+CIFAR_TEST = 500
 
 
-def ensure_demo_data(root: str | Path, num_classes: int) -> None:
-    """Rank 0 writes the dataset when ``root`` has none; every rank waits for it."""
+def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet21k") -> None:
+    """Rank 0 writes the dataset when ``root`` has none; every rank waits for it.
+
+    ``layout`` "imagenet21k": per-synset tars with a held-out ``validation`` split (the
+    pretraining demo); "cifar10": CIFAR-10's pickles with ``train``/``test`` (the fine-tune demo).
+    """
     root = Path(root)
-    if dist.get_rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
+    if _rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
         from pretrain.data.shard_writer import prepare
         from pretrain.data.sources import load_synsets
-        from pretrain.data.synthetic import write_synset_tars
+        from pretrain.data.synthetic import write_cifar, write_synset_tars
 
-        synsets = load_synsets("goog")[:num_classes]  # labels 0..n-1 of the 21k list
-        log.info("generating the demo dataset (%d classes) in %s", num_classes, root)
+        log.info("generating the demo dataset (%s layout, %d classes) in %s", layout,
+                 num_classes, root)
         # A fixed raw folder (not a temp one): an interrupted preparation resumes on re-run.
         raw = root.with_name(root.name + "-raw")
-        write_synset_tars(raw, synsets, TRAIN_PER_CLASS + VAL_COUNT // num_classes,
-                          size=IMAGE_SIZE)
-        prepare("imagenet21k", str(raw), str(root), name="demo", shard_size=SHARD_SIZE,
-                val_count=VAL_COUNT, workers=1, progress=False)
+        if layout == "cifar10":
+            write_cifar(raw, "cifar10", n_train=CIFAR_TRAIN, n_test=CIFAR_TEST, seed=1)
+            prepare("cifar10", str(raw / "cifar-10-batches-py"), str(root), name="demo_cifar10",
+                    shard_size=SHARD_SIZE, workers=1, progress=False)
+        else:
+            synsets = load_synsets("goog")[:num_classes]  # labels 0..n-1 of the 21k list
+            write_synset_tars(raw, synsets, TRAIN_PER_CLASS + VAL_COUNT // num_classes,
+                              size=IMAGE_SIZE)
+            prepare("imagenet21k", str(raw), str(root), name="demo", shard_size=SHARD_SIZE,
+                    val_count=VAL_COUNT, workers=1, progress=False)
         shutil.rmtree(raw)
-    dist.barrier()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -208,6 +208,7 @@ class ClassificationEvaluator:
     def run(self, model: nn.Module, step: int) -> Dict[str, float]:
         forward = _Forward(model, _unwrap(model), self.normalize, self.device, self.dtype)
         hits = torch.zeros(len(self.topk) + 1, dtype=torch.int64, device=forward.device)
+        per_class = None  # (correct, total) per class, sized on the first batch
         with _EvalMode(model):
             for logits, labels in forward.lockstep(self._batches()):
                 k = min(max(self.topk), logits.shape[1])
@@ -215,11 +216,23 @@ class ClassificationEvaluator:
                 for i, kk in enumerate(self.topk):
                     hits[i] += ranked[:, :kk].any(dim=1).sum()
                 hits[-1] += len(labels)
+                if per_class is None:
+                    per_class = torch.zeros(2, logits.shape[1], dtype=torch.int64,
+                                            device=forward.device)
+                per_class[0].index_add_(0, labels, ranked[:, 0].long())
+                per_class[1].index_add_(0, labels, torch.ones_like(labels))
         hits = _all_reduce(hits)
         total = int(hits[-1])
         if total == 0:
             raise RuntimeError(f"evaluator '{self.name}' got no labelled samples on any rank; "
                                f"check its split (data.val_split) and eval.max_samples")
+        if per_class is None:  # this rank had no real batch: contribute zeros of the same size
+            per_class = torch.zeros(2, _unwrap(model).spec.num_classes, dtype=torch.int64,
+                                    device=forward.device)
+        counts = _all_reduce(per_class)
+        # Top-1 per class (None for a class absent from the split): what a confusion-style
+        # report needs at the end of a fine-tune; not logged as metrics (there are 21k classes).
+        self.per_class_top1 = [int(c) / int(n) if n else None for c, n in zip(*counts.tolist())]
         return {f"top{k}": int(hits[i]) / total for i, k in enumerate(self.topk)}
 
 

@@ -19,7 +19,8 @@ from PIL import Image
 from _loader_fixtures import LOADER_ARGS, jpeg_bytes, truncate_inside, write_split
 from pretrain.config import DataConfig
 from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
-                                  build_mixup, build_train_loader, normalize, prepare_batch)
+                                  build_eval_loader, build_mixup, build_train_loader, normalize,
+                                  prepare_batch)
 from pretrain.data.transforms import EvalTransform
 
 SHARD_LENGTHS = [5, 7, 6, 9, 4, 8, 6, 7, 5, 9, 6, 8]  # 80 samples, 12 shards of unequal size
@@ -261,3 +262,22 @@ def test_draft_decoding_of_a_large_jpeg_keeps_the_quality(tmp_path):
     diff = np.abs(out.permute(1, 2, 0).numpy().astype(int) - reference.astype(int))
     assert out.dtype == torch.uint8 and out.shape == (3, 64, 64)
     assert diff.mean() < 3
+
+
+def test_a_hashed_holdout_splits_train_into_disjoint_rest_and_dev(tmp_path):
+    """Fine-tuning's dev split: carved from train by key hash, never trained on."""
+    keys = write_split(tmp_path, [20, 20, 20, 20], size=(24, 24))
+    data = DataConfig(root=str(tmp_path), num_workers=0, shuffle_buffer=10)
+    train = build_train_loader(data, img_size=16, batch_size=4, holdout=0.25)
+    it = iter(train)
+    batches = [next(it) for _ in range(30)]  # 120 samples: past the end of epoch 0
+    rest = [k for b in batches for k, e in zip(b.keys, b.epochs.tolist()) if e == 0]
+    assert len(rest) == len(set(rest))
+    dev = [k for b in build_eval_loader(data, img_size=16, batch_size=8, split="train",
+                                        holdout=0.25) for k in b.keys if k]
+    assert not set(rest) & set(dev)
+    assert sorted(set(rest) | set(dev)) == sorted(keys)  # nothing lost between the two
+    assert 8 <= len(dev) <= 32  # ~25 % of 80
+    again = [k for b in build_eval_loader(data, img_size=16, batch_size=8, split="train",
+                                          holdout=0.25) for k in b.keys if k]
+    assert again == dev  # the same dev split every time

@@ -34,6 +34,7 @@ unreadable shard -- is skipped and counted (:attr:`TrainLoader.skipped`); it nev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -82,14 +83,37 @@ class ShardSet:
     urls: List[str]
     lengths: List[int]  # -1 where unknown
     name: str = "train"
+    # A held-out part carved from the split by a seeded hash of each key (e.g. fine-tuning's
+    # dev split): ``holdout_side`` "rest" reads the split without it, "held" only it.
+    holdout_fraction: float = 0.0
+    holdout_side: str = "rest"
+    holdout_seed: int = 0
 
     @property
     def num_samples(self) -> int:
-        return sum(n for n in self.lengths if n > 0)
+        total = sum(n for n in self.lengths if n > 0)
+        if not self.holdout_fraction:
+            return total
+        held = round(total * self.holdout_fraction)  # expected size; the hash decides exactly
+        return held if self.holdout_side == "held" else total - held
 
     def fingerprint(self) -> str:
         names = "\n".join(f"{os.path.basename(u)}:{n}" for u, n in zip(self.urls, self.lengths))
+        if self.holdout_fraction:
+            names += f"\nholdout:{self.holdout_fraction}:{self.holdout_side}:{self.holdout_seed}"
         return hashlib.sha1(names.encode()).hexdigest()[:16]
+
+    def holding_out(self, fraction: float, side: str, seed: int = 0) -> "ShardSet":
+        """This split without (side "rest") or restricted to (side "held") a hashed share."""
+        return dataclasses.replace(self, holdout_fraction=fraction, holdout_side=side,
+                                   holdout_seed=seed, name=f"{self.name}[{side} {fraction:g}]")
+
+    def keeps(self, key: str) -> bool:
+        if not self.holdout_fraction:
+            return True
+        digest = hashlib.sha1(f"{self.holdout_seed}:{key}".encode()).digest()
+        held = int.from_bytes(digest[:8], "big") < self.holdout_fraction * 2 ** 64
+        return held == (self.holdout_side == "held")
 
     @classmethod
     def from_info(cls, root: str, split: str) -> "ShardSet":
@@ -188,7 +212,8 @@ def _records(plan: ShardPlan, shard_ids: Sequence[int], quiet: bool) -> Iterator
         try:
             for sample in _read_shard(url):
                 read += 1
-                yield sample
+                if plan.shards.keeps(sample.get("__key__", "")):
+                    yield sample
         except Exception as e:  # noqa: BLE001 -- truncated tar, unreachable storage, garbage
             reason = f"{type(e).__name__}: {e}"
             if expected < 0:  # unknown length: at least the sample being read is gone
@@ -649,12 +674,16 @@ class EvalLoader:
 # --------------------------------------------------------------------------------------------
 def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
-                       log_sample_keys: Optional[str] = None, pin_memory: bool = False
-                       ) -> TrainLoader:
-    """The train loader of ``data`` (a :class:`pretrain.config.DataConfig`)."""
+                       log_sample_keys: Optional[str] = None, pin_memory: bool = False,
+                       holdout: float = 0.0) -> TrainLoader:
+    """The train loader of ``data`` (a :class:`pretrain.config.DataConfig`), without the
+    ``holdout`` share of the split (a dev split, see :meth:`ShardSet.holding_out`)."""
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
-    return TrainLoader(ShardSet.from_info(data.root, data.train_split), img_size=img_size,
+    shards = ShardSet.from_info(data.root, data.train_split)
+    if holdout:
+        shards = shards.holding_out(holdout, "rest")
+    return TrainLoader(shards, img_size=img_size,
                        batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
                        num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer,
                        resample=data.resample, crop_scale=data.crop_scale, hflip=data.hflip,
@@ -664,12 +693,16 @@ def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
 
 def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                       world_size: int = 1, num_classes: Optional[int] = None,
-                      split: Optional[str] = None) -> EvalLoader:
-    """The eval loader of ``data.val_split`` (or ``split``)."""
+                      split: Optional[str] = None, holdout: float = 0.0) -> EvalLoader:
+    """The eval loader of ``data.val_split`` (or ``split``); with ``holdout``, only that
+    hashed share of the split (the dev split a train loader with the same share leaves out)."""
     split = split or data.val_split
     if not data.root or not split:
         raise LoaderError("evaluation needs data.root and data.val_split")
-    return EvalLoader(ShardSet.from_info(data.root, split), img_size=img_size,
+    shards = ShardSet.from_info(data.root, split)
+    if holdout:
+        shards = shards.holding_out(holdout, "held")
+    return EvalLoader(shards, img_size=img_size,
                       batch_size=batch_size, rank=rank, world_size=world_size,
                       num_workers=data.num_workers, num_classes=num_classes)
 

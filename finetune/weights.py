@@ -1,0 +1,386 @@
+"""Initialising a model from pretrained weights: ``load_init(model, init)``.
+
+``init`` is a local path (no network access, ever), one of:
+
+* ``deepspeed`` - a pretraining output dir (its newest complete checkpoint) or one DeepSpeed
+  checkpoint dir, consolidated to fp32 by ``pretrain.export.consolidate`` (zero-to-fp32);
+* ``export``    - a file written by ``launch/export.py`` / ``pretrain.export.export_full``;
+* ``state_dict``- any other safetensors / .pth / .bin file keyed like ``ViTClassifier``;
+* ``timm``      - a timm ``VisionTransformer`` state dict (safetensors, .pth, .bin, .pt), as the
+  Hugging Face hub ships them or ``export_timm_backbone`` writes them;
+* ``npz``       - a Google ViT checkpoint: the vision_transformer layout (``Transformer/
+  posembed_input``, ``MultiHeadDotProductAttention_1`` ...; ``opt/target/`` prefix allowed) or
+  the big_vision layout (``params/`` prefix, ``pos_embedding``, ``MultiHeadDotProductAttention_0``,
+  scanned ``encoderblock`` stacks), ``pre_logits`` and ``head`` included.
+
+Every format is first turned into one state dict keyed like ``ViTClassifier.state_dict()``
+(``backbone.<timm name>``, ``pre_logits.fc.*``, ``head.*``); one function then checks it against the
+model, resamples the position embedding in 2-D to the model's grid (``timm.layers.
+resample_abs_pos_embed``, bicubic; class-token position kept as is) and copies it in.
+
+What is copied: the backbone always; ``pre_logits`` when the model has them (a model built with
+``representation_size`` wants them pretrained; if the checkpoint has none, e.g. a timm backbone,
+the model's own stay and the lineage lists them under ``new``); ``head`` only with
+``with_head=True``. So the
+paper's transfer is: build the fine-tuning model (no pre-logits, zero-initialised head for the new
+classes - ``create_model`` with the fine-tune config, or ``ViTClassifier.swap_head``) and call
+``load_init(model, init)``; the checkpoint's pre-logits and head are dropped. ``with_head=True``
+re-loads a pretrained model whole.
+
+A checkpoint that does not fit raises :class:`InitError` (a ``ConfigError``: the launchers print
+it as one line) listing the tensors that differ. Untrusted files never run code: safetensors,
+``torch.load(weights_only=True)``, ``numpy.load(allow_pickle=False)``; DeepSpeed directories are
+screened as ``pretrain.export`` describes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from pretrain.config import ConfigError
+from pretrain.export import BACKBONE_PREFIX, FULL_FORMAT, CheckpointError, read_metadata
+from pretrain.model import ViTClassifier
+
+POS_EMBED = BACKBONE_PREFIX + "pos_embed"
+_SHOWN = 6  # mismatched tensors named in the error; the rest are counted
+
+
+class InitError(ConfigError):
+    """``init`` cannot initialise this model; one line naming the file and what differs."""
+
+
+@dataclass
+class InitSource:
+    """Pretrained weights in ViTClassifier key layout, with what is known about their origin."""
+
+    format: str
+    path: str
+    state: dict  # ViTClassifier keys -> tensors
+    step: Optional[int] = None
+    pretrain_run_id: Optional[str] = None
+    spec: Optional[dict] = None  # ViTSpec fields, when the file says
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Position embeddings
+# --------------------------------------------------------------------------------------------
+def _grid_of(tokens: int, prefix: int) -> Optional[int]:
+    g = math.isqrt(max(tokens - prefix, 0))
+    return g if g * g == tokens - prefix and g > 0 else None
+
+
+def resample_pos_embed(pos_embed: torch.Tensor, grid: int, num_prefix_tokens: int = 1
+                       ) -> torch.Tensor:
+    """(1, prefix + g*g, D) -> (1, prefix + grid*grid, D): the patch positions interpolated in
+    2-D (bicubic, antialiased when shrinking: timm's defaults), prefix (class token) rows kept."""
+    from timm.layers import resample_abs_pos_embed
+
+    old = _grid_of(pos_embed.shape[1], num_prefix_tokens)
+    if old is None:
+        raise ValueError(f"position embedding of {pos_embed.shape[1]} tokens is not "
+                         f"{num_prefix_tokens} prefix tokens + a square grid")
+    if old == grid:
+        return pos_embed
+    out = resample_abs_pos_embed(pos_embed.float(), new_size=[grid, grid], old_size=[old, old],
+                                 num_prefix_tokens=num_prefix_tokens)
+    return out.to(pos_embed.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Readers: each format -> InitSource
+# --------------------------------------------------------------------------------------------
+def _from_deepspeed(path: Path) -> InitSource:
+    from dataclasses import asdict
+
+    from pretrain.export import consolidate
+
+    c = consolidate(path)
+    return InitSource("deepspeed", c.source, c.state_dict, c.step, c.tracking_run_id,
+                      asdict(c.spec))
+
+
+def _read_tensors(path: Path) -> tuple[dict, dict]:
+    """(tensors, safetensors metadata) of a safetensors or torch file, safely."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        try:
+            return load_file(str(path)), read_metadata(path)
+        except Exception as e:  # noqa: BLE001 - a corrupt header is a user error
+            raise InitError(f"init '{path}' is not a readable safetensors file ({e})") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors & containers
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InitError(f"init '{path}' cannot be read as a weights-only torch file: "
+                        f"{first}") from None
+    if isinstance(obj, Mapping):  # training checkpoints nest the weights
+        for key in ("state_dict", "model", "module", "model_state_dict", "params"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)} \
+        if isinstance(obj, Mapping) else {}
+    if not tensors:
+        raise InitError(f"init '{path}' holds no state dict of tensors")
+    return tensors, {}
+
+
+def _from_file(path: Path) -> InitSource:
+    tensors, meta = _read_tensors(path)
+    if all(k.startswith("module.") for k in tensors):  # saved from a DDP-wrapped model
+        tensors = {k[len("module."):]: v for k, v in tensors.items()}
+    ours = ("backbone.", "pre_logits.", "head.")
+    if all(k.startswith(ours) for k in tensors):
+        fmt = "export" if meta.get("format") == FULL_FORMAT else "state_dict"
+        step = meta.get("step")
+        return InitSource(fmt, str(path), tensors, int(step) if step else None,
+                          meta.get("tracking_run_id"),
+                          json.loads(meta["spec"]) if "spec" in meta else None,
+                          extra={"source": meta["source"]} if "source" in meta else {})
+    state = {}
+    for k, v in tensors.items():
+        if k.startswith(("head.", "pre_logits.")):  # timm's classifier / pre-0.6 representation
+            state[k] = v
+        else:
+            state[BACKBONE_PREFIX + k] = v
+    step = meta.get("step")
+    return InitSource("timm", str(path), state, int(step) if step else None,
+                      meta.get("tracking_run_id"),
+                      json.loads(meta["spec"]) if "spec" in meta else None)
+
+
+_NPZ_PREFIXES = ("", "opt/target/", "params/", "params/img/")
+
+
+def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str]:
+    """Arrays of a Google ViT ``.npz`` -> (ViTClassifier-keyed tensors, layout name).
+
+    Flax stores Dense kernels (in, out), the patch conv HWIO and attention as
+    (D, heads, head_dim) / (heads, head_dim, D); PyTorch wants (out, in), OIHW and one fused
+    qkv (3D, D). vision_transformer's position table includes the class token's row; big_vision
+    adds positions before prepending the class token, i.e. the class row is zero.
+    """
+    import numpy as np
+
+    prefix = next((p for p in _NPZ_PREFIXES if f"{p}embedding/kernel" in w), None)
+    if prefix is None:
+        raise InitError(f"init '{path}' is not a Google ViT checkpoint (no 'embedding/kernel' "
+                        f"under any of the prefixes {[p or '/' for p in _NPZ_PREFIXES]})")
+    if f"{prefix}cls" not in w or f"{prefix}MAPHead_0/probe" in w:
+        raise InitError(f"init '{path}' pools without a class token (big_vision pool_type "
+                        f"gap/map); this project's ViT reads the class token")
+    scanned = f"{prefix}Transformer/encoderblock/LayerNorm_0/scale" in w
+    big_vision = prefix.startswith("params/") or f"{prefix}pos_embedding" in w or scanned
+    layout = "big_vision" if big_vision else "vision_transformer"
+
+    def t(name: str, idx: Optional[int] = None) -> Optional[torch.Tensor]:
+        key = prefix + name
+        if key not in w:
+            return None
+        a = w[key]
+        if a.dtype.kind not in "fiu":
+            raise InitError(f"init '{path}': array '{key}' has dtype {a.dtype}, not a number")
+        a = a[idx] if idx is not None else a
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+    out: dict = {}
+
+    def put(key: str, value: Optional[torch.Tensor]) -> None:
+        if value is not None:
+            out[key] = value.contiguous()
+
+    b = BACKBONE_PREFIX
+    kernel = t("embedding/kernel")
+    put(b + "patch_embed.proj.weight", kernel.permute(3, 2, 0, 1))  # HWIO -> OIHW
+    put(b + "patch_embed.proj.bias", t("embedding/bias"))
+    put(b + "cls_token", t("cls"))
+    if big_vision:
+        pos = t("pos_embedding")
+        if pos is not None:
+            pos = pos.reshape(1, -1, pos.shape[-1])  # (1, h*w, D) or (1, h, w, D)
+            pos = torch.cat([torch.zeros_like(pos[:, :1]), pos], dim=1)
+    else:
+        pos = t("Transformer/posembed_input/pos_embedding")
+    put(b + "pos_embed", pos)
+    put(b + "norm.weight", t("Transformer/encoder_norm/scale"))
+    put(b + "norm.bias", t("Transformer/encoder_norm/bias"))
+
+    attn, ln2, mlp = ("MultiHeadDotProductAttention_0", "LayerNorm_1", "MlpBlock_0") \
+        if big_vision else ("MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3")
+    if scanned:
+        depth = w[f"{prefix}Transformer/encoderblock/LayerNorm_0/scale"].shape[0]
+    else:
+        depth = 0
+        while f"{prefix}Transformer/encoderblock_{depth}/LayerNorm_0/scale" in w:
+            depth += 1
+    for i in range(depth):
+        blk, idx = (("Transformer/encoderblock/", i) if scanned
+                    else (f"Transformer/encoderblock_{i}/", None))
+        o = f"{b}blocks.{i}."
+
+        def g(name: str) -> Optional[torch.Tensor]:
+            return t(blk + name, idx)
+
+        put(o + "norm1.weight", g("LayerNorm_0/scale"))
+        put(o + "norm1.bias", g("LayerNorm_0/bias"))
+        qkv = [g(f"{attn}/{n}/kernel") for n in ("query", "key", "value")]
+        if all(k is not None for k in qkv):  # (D, heads, head_dim) each -> (3D, D)
+            put(o + "attn.qkv.weight", torch.cat([k.flatten(1).T for k in qkv]))
+        qkv_b = [g(f"{attn}/{n}/bias") for n in ("query", "key", "value")]
+        if all(k is not None for k in qkv_b):
+            put(o + "attn.qkv.bias", torch.cat([k.flatten() for k in qkv_b]))
+        proj = g(f"{attn}/out/kernel")  # (heads, head_dim, D) -> (D, D)
+        put(o + "attn.proj.weight", proj.flatten(0, 1).T if proj is not None else None)
+        put(o + "attn.proj.bias", g(f"{attn}/out/bias"))
+        put(o + "norm2.weight", g(f"{ln2}/scale"))
+        put(o + "norm2.bias", g(f"{ln2}/bias"))
+        for r in range(2):
+            k = g(f"{mlp}/Dense_{r}/kernel")
+            put(o + f"mlp.fc{r + 1}.weight", k.T if k is not None else None)
+            put(o + f"mlp.fc{r + 1}.bias", g(f"{mlp}/Dense_{r}/bias"))
+    for name, ours in (("pre_logits", "pre_logits.fc"), ("head", "head")):
+        k = t(f"{name}/kernel")
+        if k is not None and k.numel():
+            put(f"{ours}.weight", k.T)
+            put(f"{ours}.bias", t(f"{name}/bias"))
+    return out, layout
+
+
+def _from_npz(path: Path) -> InitSource:
+    import numpy as np
+    import zipfile
+
+    try:
+        with np.load(path, allow_pickle=False) as w:  # object arrays would need pickle: refused
+            state, layout = google_npz_state(w, str(path))
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InitError(f"init '{path}' is not a readable .npz ({first})") from None
+    return InitSource("npz", str(path), state, extra={"layout": layout})
+
+
+def read_init(init: str | os.PathLike) -> InitSource:
+    """Read ``init`` (any supported format) into ViTClassifier key layout, nothing copied yet."""
+    text = str(init)
+    if "://" in text or text.startswith(("hf-hub:", "hf_hub:")):
+        raise InitError(f"init '{text}' must be a local file or directory (no downloads here); "
+                        f"fetch it first, e.g. with huggingface-cli download")
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise InitError(f"init '{text}' not found")
+    try:
+        if path.is_dir():
+            return _from_deepspeed(path)
+    except CheckpointError as e:
+        raise InitError(f"init '{text}': {e}") from None
+    if path.suffix == ".npz":
+        return _from_npz(path)
+    if path.suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt"):
+        return _from_file(path)
+    raise InitError(f"init '{text}': unknown file type '{path.suffix}' (expected a directory, "
+                    f".safetensors, .pth/.pt/.bin or .npz)")
+
+
+# --------------------------------------------------------------------------------------------
+# Copying into the model
+# --------------------------------------------------------------------------------------------
+def _shape(t) -> str:
+    return str(list(t.shape))
+
+
+def _short(key: str) -> str:
+    return key[len(BACKBONE_PREFIX):] if key.startswith(BACKBONE_PREFIX) else key
+
+
+def _describe(model: ViTClassifier) -> str:
+    s = model.spec
+    return (f"{s.name} (width {s.embed_dim}, depth {s.depth}, patch {s.patch_size}, "
+            f"{s.img_size}px)")
+
+
+def _describe_state(state: dict) -> str:
+    """Width, depth and patch of a ViTClassifier-keyed state dict, as far as it tells."""
+    b = BACKBONE_PREFIX
+    parts = []
+    if b + "cls_token" in state:
+        parts.append(f"width {state[b + 'cls_token'].shape[-1]}")
+    blocks = {int(k.split(".")[2]) for k in state if k.startswith(b + "blocks.")}
+    parts.append(f"depth {len(blocks)}")
+    if b + "patch_embed.proj.weight" in state:
+        parts.append(f"patch {state[b + 'patch_embed.proj.weight'].shape[-1]}")
+    return ", ".join(parts)
+
+
+def _natural(key: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+def apply_init(model: ViTClassifier, src: InitSource, with_head: bool = False) -> dict:
+    """Check ``src`` against ``model``, resample the position embedding, copy; returns lineage."""
+    target = model.state_dict()
+    backbone = model.backbone
+    prefix_tokens = 0 if getattr(backbone, "no_embed_class", False) else backbone.num_prefix_tokens
+    grid = model.spec.grid
+    parts = ["backbone"]
+    if isinstance(model.pre_logits, torch.nn.Sequential):
+        parts.append("pre_logits")
+    if with_head:
+        parts.append("head")
+
+    fresh = []
+    if "pre_logits" in parts and not any(k.startswith("pre_logits.") for k in src.state):
+        # e.g. a timm backbone into a model that keeps a pre-logits layer: it stays as built
+        parts.remove("pre_logits")
+        fresh.append("pre_logits")
+    wanted = {k: v for k, v in target.items() if k.split(".", 1)[0] in parts}
+    problems, new, pos_grids = [], {}, None
+    for key, here in wanted.items():
+        there = src.state.get(key)
+        if there is None:
+            problems.append(f"{_short(key)} missing there (here {_shape(here)})")
+            continue
+        if key == POS_EMBED and there.shape != here.shape and there.ndim == 3 \
+                and there.shape[-1] == here.shape[-1]:
+            old = _grid_of(there.shape[1], prefix_tokens)
+            if old is not None:
+                pos_grids = [old, grid]
+                there = resample_pos_embed(there, grid, prefix_tokens)
+        if there.shape != here.shape:
+            problems.append(f"{_short(key)} {_shape(src.state[key])} vs {_shape(here)}")
+            continue
+        new[key] = there
+    unexpected = sorted((k for k in src.state if k.startswith(BACKBONE_PREFIX)
+                         and k not in target), key=_natural)
+    problems += [f"{_short(k)} {_shape(src.state[k])} not in the model" for k in unexpected]
+    if problems:
+        more = f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise InitError(f"init '{src.path}' ({_describe_state(src.state)}) does not match "
+                        f"model {_describe(model)}: {', '.join(problems[:_SHOWN])}{more}")
+    with torch.no_grad():
+        result = model.load_state_dict(new, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys  # only model keys were passed
+
+    patch = src.state[BACKBONE_PREFIX + "patch_embed.proj.weight"].shape[-1]
+    src_grid = pos_grids[0] if pos_grids else grid
+    resolution = (src.spec or {}).get("img_size") or src_grid * patch
+    dropped = [p for p in ("pre_logits", "head")
+               if p not in parts and any(k.startswith(p + ".") for k in src.state)]
+    return {"format": src.format, "path": str(Path(src.path).resolve()), "step": src.step,
+            "pretrain_run_id": src.pretrain_run_id, "resolution": int(resolution),
+            "pos_embed_grid": pos_grids, "loaded": parts, "dropped": dropped, "new": fresh,
+            "source_model": (src.spec or {}).get("name"), **src.extra}
+
+
+def load_init(model: ViTClassifier, init: str | os.PathLike, *, with_head: bool = False) -> dict:
+    """Initialise ``model`` from ``init`` (see the module docstring); returns the lineage:
+    ``{format, path, step, pretrain_run_id, resolution, pos_embed_grid, loaded, dropped, ...}``.
+    Raises :class:`InitError` (one line) when ``init`` is unreadable or does not fit."""
+    return apply_init(model, read_init(init), with_head=with_head)

@@ -1,0 +1,68 @@
+"""Export a pretraining checkpoint as safetensors: one file with the whole model (pre-logits and
+head included, model config in the header) and, optionally, a timm-format backbone file.
+
+    python launch/export.py runs/pretrain --out vit_l16_i21k.safetensors
+    python launch/export.py runs/pretrain/checkpoints/step_00090000 --out full.safetensors \\
+        --timm-backbone vit_l16_timm.safetensors
+
+CHECKPOINT_OR_OUTPUT_DIR is a pretraining output dir (its newest complete checkpoint is used) or
+one checkpoint dir (checkpoints/step_N/). The ZeRO shards (stages 0-3) are merged to fp32 with
+DeepSpeed's zero-to-fp32 utilities. The full file is what `finetune init=FILE` takes; the timm
+file loads with timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE),
+num_classes=0) (plus the architecture arguments printed below when the model is not a stock
+timm size).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+from pretrain import cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="export.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_OUTPUT_DIR",
+                   help="pretraining output dir (newest complete checkpoint) or one "
+                        "checkpoint dir")
+    p.add_argument("--out", required=True, metavar="FILE",
+                   help="safetensors file to write: the whole model + its config")
+    p.add_argument("--timm-backbone", metavar="FILE", default=None,
+                   help="also write the backbone alone with timm's key names")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    for out in filter(None, (args.out, args.timm_backbone)):
+        if not out.endswith(".safetensors"):
+            cli.fail(f"output '{out}' must end in .safetensors")
+    from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
+    from pretrain.export import timm_kwargs
+
+    try:
+        c = consolidate(args.checkpoint)
+        full = export_full(c, args.out)
+        timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
+    except CheckpointError as e:
+        cli.fail(str(e))
+    except OSError as e:  # unwritable output, full disk
+        cli.fail(f"cannot write the export: {e}")
+    s = c.spec
+    params = sum(v.numel() for v in c.state_dict.values())
+    print(f"checkpoint {c.source} (step {c.step}, ZeRO-{c.zero_stage}, "
+          f"{c.world_size} ranks, tracking run {c.tracking_run_id or '-'})")
+    print(f"model {s.name}: {s.img_size}px, patch {s.patch_size}, width {s.embed_dim}, "
+          f"depth {s.depth}, pre-logits {s.representation_size or '-'}, "
+          f"{s.num_classes} classes, {params / 1e6:.2f} M parameters (fp32)")
+    print(f"wrote {full}")
+    if timm_file is not None:
+        extra = "".join(f", {k}={v!r}" for k, v in timm_kwargs(s).items())
+        print(f"wrote {timm_file}; load it with timm.create_model('{s.name}', pretrained=True, "
+              f"pretrained_cfg_overlay=dict(file='{timm_file}'), num_classes=0{extra})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,23 @@
+"""Fine-tune a pretrained ViT: pre-logits and head dropped, one zero-initialised head, higher
+resolution with 2-D interpolated position embeddings (ViT paper, App. B.1.1).
+
+    accelerate launch launch/finetune.py --config configs/finetune/vit_l16_in1k_384.yaml init=runs/vit_l16_i21k
+    torchrun --nproc_per_node 2 launch/finetune.py --config configs/finetune/demo.yaml   # two CPU ranks
+    python launch/finetune.py --config configs/finetune/demo.yaml init=null             # from scratch
+"""
+from __future__ import annotations
+
+import sys
+
+import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the packages)
+from finetune.config import FinetuneConfig
+from pretrain import cli
+
+
+def finetune(cfg: FinetuneConfig) -> None:
+    from finetune.trainer import finetune as run  # imports Accelerate: not for --help/--dry-run
+    run(cfg)
+
+
+if __name__ == "__main__":
+    cli.main(FinetuneConfig, "finetune.py", __doc__, finetune, sys.argv[1:])

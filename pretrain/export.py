@@ -1,0 +1,370 @@
+"""Pretraining checkpoints -> portable weight files.
+
+``consolidate(path)`` turns a pretraining output directory (its newest complete checkpoint) or one
+checkpoint directory into ONE fp32 state dict of the ``ViTClassifier`` plus what produced it
+(resolved config, step, tracking run id, ``ViTSpec``). The ZeRO shards are merged by DeepSpeed's
+own ``zero_to_fp32`` utilities, which read the fp32 master weights from the optimizer shards, so
+ZeRO-1/2/3 and bf16 runs give the full-precision weights, not the bf16 copies. Without ZeRO (stage
+0) the weights are in the single model file (fp32 masters in its optimizer part under bf16/fp16).
+
+Two outputs:
+
+* ``export_full`` - one safetensors file with everything (backbone, pre-logits, head; keys as
+  ``ViTClassifier.state_dict()``) and the model config in the safetensors metadata
+  (``format``, ``spec``, ``config``, ``step``, ``tracking_run_id``, ``source``).
+* ``export_timm_backbone`` - the backbone alone, keys as timm's ``VisionTransformer`` names them:
+  ``timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=PATH),
+  num_classes=0, **timm_kwargs(spec))`` loads it with no missing or unexpected keys
+  (``timm_kwargs`` is empty for an architecture timm registers as NAME, e.g. ViT-L/16 @224).
+
+Safety: DeepSpeed's loaders unpickle with ``weights_only=False`` (its optimizer shards hold a few
+DeepSpeed objects: ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``). Before handing a
+directory to them, every ``.pt`` file's pickle is scanned (``torch.serialization.
+get_unsafe_globals_in_checkpoint``, which executes nothing) and anything that references a Python
+object outside a short list of those known, inert types is refused. Our own reads of the client
+state use ``torch.load(weights_only=True)`` with numpy's array types allowed (the saved RNG state).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from pretrain.checkpoint import MANIFEST, TAG_RE, CheckpointStore
+from pretrain.config import ConfigError, PretrainConfig
+from pretrain.model import ViTSpec
+
+log = logging.getLogger(__name__)
+
+# ``format`` in the safetensors metadata of the two kinds of file written here.
+FULL_FORMAT = "vit-classifier/1"
+TIMM_FORMAT = "timm-vit-backbone/1"
+BACKBONE_PREFIX = "backbone."
+
+# Python objects a DeepSpeed checkpoint of this project may reference in its pickles: numpy's
+# array reconstruction (the RNG state in the client state) and inert DeepSpeed records.
+_SAFE_GLOBAL_PATTERNS = (
+    r"numpy\.(_core|core)\.multiarray\._reconstruct", r"numpy\.ndarray", r"numpy\.dtype",
+    r"numpy\.dtypes\.\w+DType", r"numpy\.(_core|core)\.multiarray\.scalar",
+    r"deepspeed\.runtime\.fp16\.loss_scaler\.(LossScaler|DynamicLossScaler)",
+    r"deepspeed\.runtime\.zero\.config\.ZeroStageEnum",
+    r"deepspeed\.utils\.tensor_fragment\.fragment_address",
+    r"collections\.OrderedDict", r"torch\.Size",
+)
+_SAFE_GLOBAL_RE = re.compile("|".join(f"(?:{p})" for p in _SAFE_GLOBAL_PATTERNS) + r"\Z")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read or exported: one line naming the path and the fix."""
+
+
+@dataclass
+class Consolidated:
+    """A whole ViTClassifier in fp32 plus where it came from."""
+
+    state_dict: dict  # ViTClassifier.state_dict() keys -> fp32 CPU tensors
+    spec: ViTSpec
+    source: str
+    step: Optional[int] = None
+    config_yaml: Optional[str] = None
+    tracking_run_id: Optional[str] = None
+    zero_stage: Optional[int] = None
+    world_size: Optional[int] = None
+    extra: dict = field(default_factory=dict)
+
+    def metadata(self, fmt: str = FULL_FORMAT) -> dict:
+        """safetensors metadata (str -> str); ``None`` values are left out."""
+        meta = {"format": fmt, "spec": json.dumps(asdict(self.spec)), "source": self.source,
+                "step": self.step, "config": self.config_yaml,
+                "tracking_run_id": self.tracking_run_id, "zero_stage": self.zero_stage,
+                "world_size": self.world_size, **self.extra}
+        return {k: str(v) for k, v in meta.items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------
+# Finding the checkpoint
+# --------------------------------------------------------------------------------------------
+def _is_checkpoint_dir(d: Path) -> bool:
+    return any(d.glob("*model_states.pt"))
+
+
+def resolve_checkpoint(path: Union[str, os.PathLike]) -> Path:
+    """A pretraining output dir, its ``checkpoints/`` dir, a plain DeepSpeed save dir with a
+    ``latest`` file, or one checkpoint dir -> the checkpoint dir to read."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint '{p}' not found")
+    if not p.is_dir():
+        raise CheckpointError(f"'{p}' is a file, not a pretraining output dir or a DeepSpeed "
+                              f"checkpoint dir")
+    if _is_checkpoint_dir(p):
+        if TAG_RE.match(p.name):  # one of ours: only a complete one (COMPLETE.json checked)
+            valid = {c.path.name for c in CheckpointStore(p.parent).complete()}
+            if p.name not in valid:
+                raise CheckpointError(
+                    f"checkpoint '{p}' is incomplete (a save was interrupted or a rank's shard "
+                    f"is missing); pick another step in {p.parent} or the output dir itself")
+        return p
+    for store_root in (p / "checkpoints", p):
+        if store_root.is_dir() and any(TAG_RE.match(d.name) for d in store_root.iterdir()):
+            latest = CheckpointStore(store_root).latest()
+            if latest is None:
+                raise CheckpointError(f"no complete checkpoint under '{store_root}' "
+                                      f"(every save there was interrupted)")
+            return latest.path
+    if (p / "latest").is_file():  # DeepSpeed's own save_checkpoint(save_latest=True) layout
+        tag = (p / "latest").read_text().strip()
+        if _is_checkpoint_dir(p / tag):
+            return p / tag
+    raise CheckpointError(f"'{p}' holds no checkpoint: expected a pretraining output dir (with "
+                          f"checkpoints/step_*/) or a DeepSpeed checkpoint dir (*_model_states.pt)")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading it
+# --------------------------------------------------------------------------------------------
+def _numpy_safe_globals() -> list:
+    import numpy as np
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *dtypes]
+
+
+def _model_states_file(ckpt: Path) -> Path:
+    files = sorted(ckpt.glob("*model_states.pt"))
+    if not files:
+        raise CheckpointError(f"'{ckpt}' has no *_model_states.pt: not a DeepSpeed checkpoint")
+    return files[0]  # mp_rank_00_... (ZeRO 0-2) or zero_pp_rank_0_... (ZeRO-3): both rank 0's
+
+
+def read_client_state(ckpt: Path, with_module: bool = False) -> dict:
+    """The rank-0 model-states file (client state: step, config, tracking run id, ...),
+    read with ``weights_only=True``; ``module`` and ``optimizer`` dropped unless asked for."""
+    f = _model_states_file(ckpt)
+    try:
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means "refuse this file"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read '{f}' safely (weights_only): {first}") from None
+    if not with_module:
+        state = {k: v for k, v in state.items() if k not in ("module", "optimizer")}
+    return state
+
+
+def check_pickles_are_inert(ckpt: Path) -> None:
+    """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
+    loaders will unpickle them with ``weights_only=False``."""
+    for f in sorted(ckpt.glob("*.pt")):
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({e})") from None
+        bad = [n for n in names if not _SAFE_GLOBAL_RE.match(n)]
+        if bad:
+            raise CheckpointError(
+                f"'{f}' references Python objects {bad[:3]} that a DeepSpeed checkpoint of this "
+                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run them)")
+
+
+def _config_of(client: dict, ckpt: Path) -> tuple[PretrainConfig, str]:
+    import yaml
+
+    text = client.get("config")
+    if not isinstance(text, str):  # a checkpoint saved before the config was in the client state
+        saved = ckpt.parent.parent / "config.yaml"
+        text = saved.read_text() if saved.is_file() else None
+    if text is None:
+        raise CheckpointError(f"checkpoint '{ckpt}' carries no config (client state 'config' "
+                              f"or ../../config.yaml): cannot tell which architecture it holds")
+    try:
+        return PretrainConfig.model_validate(yaml.safe_load(text)), text
+    except Exception as e:  # noqa: BLE001 - a config this code no longer accepts
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"checkpoint '{ckpt}': its saved config does not validate "
+                              f"({first})") from None
+
+
+def _fp32_from_deepspeed(ckpt: Path, zero_stage: int, cfg: PretrainConfig) -> dict:
+    if zero_stage > 0:
+        import io
+        from contextlib import redirect_stderr, redirect_stdout
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        check_pickles_are_inert(ckpt)
+        # it prints progress lines and tqdm bars; our caller reports what matters
+        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    return _fp32_from_stage0(ckpt, cfg)
+
+
+def _fp32_from_stage0(ckpt: Path, cfg: PretrainConfig) -> dict:
+    """No ZeRO: the whole model is in the one model file. Under bf16/fp16 those are the
+    half-precision copies; the fp32 masters are the optimizer's ``fp32_groups``, in the order of
+    the optimizer's parameter groups, which the trainer builds with ``engine.param_groups``."""
+    from pretrain.engine import param_groups
+    from pretrain.model import create_model
+
+    state = read_client_state(ckpt, with_module=True)
+    module = {k: v.float() for k, v in state["module"].items()}
+    groups = (state.get("optimizer") or {}).get("fp32_groups")
+    half = any(v.dtype in (torch.bfloat16, torch.float16) for v in state["module"].values())
+    if not half:
+        return module
+    if groups is None:  # e.g. DeepSpeed's BF16_Optimizer, whose masters zero_to_fp32 cannot read
+        log.warning("checkpoint %s (no ZeRO, half precision) holds no fp32 master weights that "
+                    "can be read: exporting its %s weights as fp32", ckpt,
+                    next(iter(state["module"].values())).dtype)
+        return module
+    meta = create_model(cfg.model, device="meta")
+    names = {id(p): n for n, p in meta.named_parameters()}
+    order = [names[id(p)] for g in param_groups(meta, 0.0) for p in g["params"]]
+    flat = [t for g in groups or [] for t in g]
+    ok = len(order) == len(flat) and all(
+        tuple(t.shape) == tuple(module[n].shape)
+        and torch.equal(t.to(state["module"][n].dtype), state["module"][n])
+        for n, t in zip(order, flat))
+    if not ok:
+        raise CheckpointError(f"checkpoint '{ckpt}' (no ZeRO, half precision): its fp32 master "
+                              f"weights do not line up with the model's parameters")
+    module.update({n: t.float() for n, t in zip(order, flat)})
+    return module
+
+
+def _tracking_run_id(client: dict, ckpt: Path) -> Optional[str]:
+    """The MLflow run of the pretraining: in the client state, or - for a checkpoint written
+    before the tracker had reached MLflow - in the output dir's ``tracking/run.json``."""
+    if client.get("tracking_run_id"):
+        return str(client["tracking_run_id"])
+    from pretrain.tracking import STATE, TRACKING_DIR
+
+    state = ckpt.parent.parent / TRACKING_DIR / STATE
+    if ckpt.parent.name == "checkpoints" and state.is_file():
+        try:
+            return json.loads(state.read_text()).get("run_id") or None
+        except ValueError:
+            return None
+    return None
+
+
+def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
+    """Pretraining output dir or checkpoint dir -> the whole ViTClassifier in fp32 + metadata."""
+    from pretrain.model import create_model, resolve_spec
+
+    ckpt = resolve_checkpoint(path)
+    client = read_client_state(ckpt)
+    cfg, config_yaml = _config_of(client, ckpt)
+    spec = resolve_spec(cfg.model)
+    manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).is_file() else {}
+    zero_stage = manifest.get("zero_stage")
+    if zero_stage is None:
+        zero_stage = int((client.get("ds_config") or {}).get("zero_optimization", {})
+                         .get("stage", 0))
+    try:
+        sd = _fp32_from_deepspeed(ckpt, int(zero_stage), cfg)
+    except CheckpointError:
+        raise
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"DeepSpeed could not consolidate '{ckpt}': {first}") from None
+    sd = {k: v.detach().float().contiguous().cpu() for k, v in sd.items()}
+
+    # The weights must be exactly the architecture the config describes.
+    expected = {k: tuple(v.shape) for k, v in create_model(cfg.model, "meta").state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in sd.items()}
+    if expected != got:
+        diff = sorted(set(expected) ^ set(got)) + sorted(
+            k for k in set(expected) & set(got) if expected[k] != got[k])
+        raise CheckpointError(f"checkpoint '{ckpt}' does not hold the model its config describes "
+                              f"({len(diff)} tensors differ, e.g. {diff[0]})")
+    step = client.get("step", manifest.get("step"))
+    return Consolidated(state_dict=sd, spec=spec, source=str(ckpt),
+                        step=int(step) if step is not None else None, config_yaml=config_yaml,
+                        tracking_run_id=_tracking_run_id(client, ckpt), zero_stage=int(zero_stage),
+                        world_size=manifest.get("world_size", client.get("world_size")))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing it
+# --------------------------------------------------------------------------------------------
+def _as_consolidated(source) -> Consolidated:
+    return source if isinstance(source, Consolidated) else consolidate(source)
+
+
+def _save(tensors: dict, out: Union[str, os.PathLike], metadata: dict) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, out)  # never a half-written file under the final name
+    return out
+
+
+def export_full(source: Union[str, os.PathLike, Consolidated], out: Union[str, os.PathLike]
+                ) -> Path:
+    """One safetensors file: the whole ViTClassifier (pre-logits and head included) + metadata."""
+    c = _as_consolidated(source)
+    return _save(c.state_dict, out, c.metadata(FULL_FORMAT))
+
+
+def from_model(model, source: str = "model", **metadata) -> Consolidated:
+    """An in-memory ViTClassifier (e.g. fine-tuned weights) as a ``Consolidated``, for
+    ``export_full`` / ``export_timm_backbone``. ``step``, ``config_yaml`` and ``tracking_run_id``
+    are recognised; any other keyword goes into the file header (JSON unless a string)."""
+    known = {k: metadata.pop(k) for k in ("step", "config_yaml", "tracking_run_id")
+             if k in metadata}
+    sd = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    return Consolidated(state_dict=sd, spec=model.spec, source=source,
+                        extra={k: v if isinstance(v, str) else json.dumps(v)
+                               for k, v in metadata.items()}, **known)
+
+
+def timm_backbone_state(state_dict: dict) -> dict:
+    """ViTClassifier keys -> timm VisionTransformer keys (the backbone only)."""
+    return {k[len(BACKBONE_PREFIX):]: v for k, v in state_dict.items()
+            if k.startswith(BACKBONE_PREFIX)}
+
+
+def timm_kwargs(spec: ViTSpec) -> dict:
+    """The ``timm.create_model(spec.name, ...)`` arguments that make timm build this backbone:
+    only what differs from the architecture timm registers under that name."""
+    from pretrain.model import ARCH_FIELDS, _timm_arch
+
+    base = dict(zip(ARCH_FIELDS, _timm_arch(spec.name)[:-1]))
+    out = {k: getattr(spec, k) for k in ARCH_FIELDS if getattr(spec, k) != base[k]}
+    if "mlp_ratio" in out and math.isclose(out["mlp_ratio"], base["mlp_ratio"]):
+        del out["mlp_ratio"]
+    return out
+
+
+def export_timm_backbone(source: Union[str, os.PathLike, Consolidated],
+                         out: Union[str, os.PathLike]) -> Path:
+    """The backbone with timm's key names, for ``timm.create_model(..., pretrained=True,
+    pretrained_cfg_overlay=dict(file=out), num_classes=0, **timm_kwargs(spec))``."""
+    c = _as_consolidated(source)
+    meta = c.metadata(TIMM_FORMAT)
+    meta.pop("config", None)  # timm ignores the header; the spec and timm kwargs are enough
+    meta["timm_model"] = c.spec.name
+    meta["timm_kwargs"] = json.dumps(timm_kwargs(c.spec))
+    return _save(timm_backbone_state(c.state_dict), out, meta)
+
+
+def read_metadata(path: Union[str, os.PathLike]) -> dict:
+    """The safetensors header metadata of a file (empty dict if none)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
