@@ -7,7 +7,7 @@ import os
 import sys
 import typing
 from pathlib import Path
-from typing import Optional, Sequence, Type
+from typing import Callable, Optional, Sequence, Type
 
 from pretrain.config import ConfigError, Section, config_keys, load_config
 
@@ -100,11 +100,33 @@ def world_size(args) -> int:
 
 
 def dry_run(args, cfg) -> None:
-    from pretrain.plan import plan
+    """Print the resolved config and what the run will cost; the pretraining plan adds memory
+    per GPU for its ZeRO stage, steps and the time to finish."""
+    from pretrain.config import PretrainConfig
+    from pretrain.plan import describe, plan
 
     try:
-        summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-                       samples_per_epoch=args.samples)
+        if isinstance(cfg, PretrainConfig):
+            summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+                           samples_per_epoch=args.samples)
+        else:
+            summary = "\n".join(describe(cfg, world_size(args))[0])
     except user_errors() as e:
         fail(str(e))
     print(cfg.to_yaml() + summary)
+
+
+def main(schema: Type[Section], prog: str, description: str, run: Callable[[Section], object],
+         argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None) -> None:
+    """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
+    input (config, data, checkpoint) ends in one line on stderr and exit code 2."""
+    args, cfg = parse(schema, prog, description, argv, default_config=default_config)
+    if args.print_config:
+        print(cfg.to_yaml(), end="")
+    elif args.dry_run:
+        dry_run(args, cfg)
+    else:
+        try:
+            run(cfg)
+        except user_errors() as e:
+            fail(str(e))

@@ -52,10 +52,11 @@ def epoch_size(cfg: RunConfig) -> Optional[int]:
         return None
 
 
-def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
-         samples_per_epoch: Optional[int] = None) -> str:
-    """The report; raises ConfigError for an impossible architecture or batch layout."""
-    from pretrain.engine import deepspeed_config, zero_stage
+def describe(cfg: RunConfig, world: int):
+    """Architecture, parameters, FLOPs and batch layout lines (both stages); with the meta model.
+
+    Raises ConfigError for an impossible architecture or batch layout.
+    """
     from pretrain.model import count_parameters, create_model
 
     micro, accum = cfg.train.batch_layout(world)
@@ -72,6 +73,16 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
         f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
         f"x accumulation {accum}",
     ]
+    return lines, model, params, (micro, accum)
+
+
+def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
+         samples_per_epoch: Optional[int] = None) -> str:
+    """The pretraining report; raises ConfigError for an impossible architecture or batch."""
+    from pretrain.engine import deepspeed_config, zero_stage
+
+    lines, model, params, (micro, accum) = describe(cfg, world)
+    flops = model.spec.train_flops_per_image()
     stage = zero_stage(deepspeed_config(cfg, micro, accum, world))
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node)
