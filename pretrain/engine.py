@@ -146,3 +146,8 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str,
     if kind == "sigmoid":
         return F.binary_cross_entropy_with_logits(logits, dense, reduction="none").sum(-1).mean()
     return torch.sum(-dense * F.log_softmax(logits, dim=-1), dim=-1).mean()
+
+
+def input_dtype(precision: str) -> torch.dtype:
+    """The dtype DeepSpeed's engine expects its inputs in for ``train.precision``."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

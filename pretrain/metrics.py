@@ -319,3 +319,11 @@ def build_logger(output_dir: os.PathLike | str, total_steps: int,
     if (_rank() if rank is None else rank) != 0:
         return NullLogger()
     return MultiLogger(JsonlLogger(Path(output_dir) / METRICS_FILE), ConsoleLogger(total_steps))
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory, or the process's peak resident memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux

@@ -89,13 +89,14 @@ def measure_overhead(model: str = "vit_small_patch16_224", batch: int = 32,
     import torch.distributed as dist
 
     from pretrain import engine as eng
-    from pretrain.benchmark import _free_port, device_name
+    from pretrain.benchmark import device_name
+    from pretrain.distributed import free_port
 
     if threads:
         torch.set_num_threads(threads)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(verbose=False)
     if dist.get_world_size() != 1:
         raise ValueError("the overhead comparison runs in a world of one rank")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import random
 import socket
 import warnings
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from pretrain import engine as eng_lib
 from pretrain.checkpoint import Checkpoint, CheckpointStore
 from pretrain.config import ConfigError, PretrainConfig, load_config, save_config, to_yaml
+from pretrain.distributed import gather, init_distributed
 
 log = logging.getLogger("pretrain")
 
@@ -26,23 +26,6 @@ log = logging.getLogger("pretrain")
 # --------------------------------------------------------------------------------------------
 # Setup
 # --------------------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int]:
-    """(rank, world size) under the DeepSpeed launcher, torchrun, or a plain single process."""
-    import deepspeed
-
-    if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    deepspeed.init_distributed(verbose=False)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_logging(rank: int) -> None:
     """Helpful logs on rank 0; other ranks only say something when it is a warning."""
     # torch.distributed's own deprecation notices, once per rank per call site: noise
@@ -69,12 +52,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-
-
-def gather(obj, world: int) -> list:
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def check_same_run(out: Path, cfg: PretrainConfig, resume: Optional[Checkpoint]) -> None:
@@ -109,7 +86,8 @@ def train(cfg: PretrainConfig) -> dict:
     from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
     from pretrain.demo import ensure_demo_data
     from pretrain.evaluate import run_due
-    from pretrain.metrics import MultiLogger, StepTimer, build_logger, peak_tflops
+    from pretrain.metrics import (MultiLogger, StepTimer, build_logger, peak_memory_gib,
+                                  peak_tflops)
     from pretrain.tracking import start_tracking
 
     rank, world = init_distributed()
@@ -131,9 +109,10 @@ def train(cfg: PretrainConfig) -> dict:
     model = eng_lib.build_model(cfg, ds_config)
     optimizer = eng_lib.build_optimizer(model, cfg)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if cfg.train.compile:
+        engine.compile()
     device = engine.device
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision,
-                                                                 torch.float32)
+    dtype = eng_lib.input_dtype(cfg.train.precision)
     spec = model.spec
 
     loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
@@ -219,14 +198,6 @@ def train(cfg: PretrainConfig) -> dict:
     if rank == 0:
         log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
     return metrics
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak accelerator memory, or the process's peak resident memory on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
 def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, dtype) -> list:

@@ -22,11 +22,7 @@ def repo() -> Path:
     return REPO
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pretrain.distributed import free_port  # noqa: E402  (re-exported for the tests)
 
 
 def deepspeed_cmd(nprocs: int, *args: str) -> list[str]:

@@ -2,10 +2,11 @@
 with and without signal, and a real 2-rank gloo run that must agree with one process."""
 import json
 import logging
-import socket
+
 import torch
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from pretrain.config import ModelConfig
 from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator, run_due
 from pretrain.model import create_model
@@ -124,12 +125,6 @@ def test_fewshot_uses_what_exists_for_a_rare_class_and_says_so_once(caplog):
 
 
 # ---- two ranks on gloo ---------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_slice(batches, rank):
     # Unequal shares (3 batches vs 1 batch + padding) so that averaging per-rank accuracies,
     # or forward passes out of step, would show.
@@ -167,7 +162,7 @@ def _two_rank_worker(rank, port, out):
 
 
 def test_two_ranks_agree_with_one_process_and_with_each_other(tmp_path):
-    mp.spawn(_two_rank_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_two_rank_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     # The union of both ranks' samples, in one process.

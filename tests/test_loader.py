@@ -6,7 +6,6 @@ import io
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from PIL import Image
 
 from _loader_fixtures import LOADER_ARGS, jpeg_bytes, truncate_inside, write_split
+from conftest import free_port
 from pretrain.config import DataConfig
 from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
                                   build_eval_loader, build_mixup, build_train_loader, normalize,
@@ -25,11 +25,6 @@ from pretrain.data.transforms import EvalTransform
 
 SHARD_LENGTHS = [5, 7, 6, 9, 4, 8, 6, 7, 5, 9, 6, 8]  # 80 samples, 12 shards of unequal size
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _take(loader, steps):
@@ -56,7 +51,7 @@ def two_rank_run(tmp_path_factory):
     tests_dir = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    port = _free_port()
+    port = free_port()
     code = ("import sys; from _loader_fixtures import two_rank_main; "
             "two_rank_main(int(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(root),
