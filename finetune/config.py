@@ -39,6 +39,13 @@ class FinetuneDataConfig(DataConfig):
     crop_scale: tuple[float, float] = (0.08, 1.0)
 
 
+class FinetuneTrainConfig(TrainConfig):
+    # Polyak averaging of the weights (big_vision's "polyak"); when set, the dev/test figures
+    # and the exported weights are those of the average.
+    ema_decay: Optional[float] = Field(None, gt=0, lt=1, description="EMA of the weights, e.g. "
+                                       "0.9999 (unset: none)")
+
+
 class FinetuneConfig(RunConfig):
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint, "
                                 "export file, timm state dict or Google .npz")
@@ -47,4 +54,4 @@ class FinetuneConfig(RunConfig):
     data: FinetuneDataConfig = FinetuneDataConfig()
     optimizer: FinetuneOptimizerConfig = FinetuneOptimizerConfig()
     schedule: FinetuneScheduleConfig = FinetuneScheduleConfig()
-    train: TrainConfig = TrainConfig(global_batch_size=512, total_steps=20_000)
+    train: FinetuneTrainConfig = FinetuneTrainConfig(global_batch_size=512, total_steps=20_000)

@@ -59,6 +59,10 @@ def finetune(cfg: FinetuneConfig) -> dict:
     scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     device = accelerator.device
+    ema = None
+    if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
+        from timm.utils import ModelEmaV3
+        ema = ModelEmaV3(accelerator.unwrap_model(model), decay=cfg.train.ema_decay)
     if rank == 0:
         save_config(cfg, out / "config.yaml")
         log.info("fine-tuning %s at %d px from %s for %d steps: global batch %d = %d ranks x %d "
@@ -91,6 +95,10 @@ def finetune(cfg: FinetuneConfig) -> dict:
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))
 
+    def reported():
+        """The weights the figures and exports are of: the EMA when there is one."""
+        return ema.module if ema is not None else model
+
     batches = iter(loader)
     loss_sum = torch.zeros((), device=device)
     best, metrics = -1.0, {}
@@ -112,6 +120,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
                                                 cfg.optimizer.grad_clip or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(accelerator.unwrap_model(model), step=step)
         timer.step_done(images=micro * accum * world)
         done = step + 1
 
@@ -123,16 +133,17 @@ def finetune(cfg: FinetuneConfig) -> dict:
             loss_sum.zero_()
             sink.log(metrics, done)
         if dev is not None and (done % cfg.eval.every_steps == 0 or done == steps):
-            results = {f"eval/dev/{k}": v for k, v in dev.run(model, done).items()}
+            results = {f"eval/dev/{k}": v for k, v in dev.run(reported(), done).items()}
             sink.log(results, done)
             metrics.update(results)
             if results["eval/dev/top1"] > best:
                 best = results["eval/dev/top1"]
-                _export(accelerator, model, out / "best.safetensors", cfg, lineage, done, results)
+                _export(accelerator, reported(), out / "best.safetensors", cfg, lineage, done,
+                        results)
             timer.exclude_elapsed()
 
     if test is not None:
-        results = {f"eval/{test.name}/{k}": v for k, v in test.run(model, steps).items()}
+        results = {f"eval/{test.name}/{k}": v for k, v in test.run(reported(), steps).items()}
         sink.log(results, steps)
         metrics.update(results)
         if rank == 0:
@@ -141,7 +152,7 @@ def finetune(cfg: FinetuneConfig) -> dict:
             tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
             tracker.log_artifact_bytes("per_class_top1.png",
                                        per_class_png(test.per_class_top1, test.name))
-    _export(accelerator, model, out / "final.safetensors", cfg, lineage, steps, metrics)
+    _export(accelerator, reported(), out / "final.safetensors", cfg, lineage, steps, metrics)
     sink.close()
     accelerator.end_training()
     return metrics
@@ -157,6 +168,7 @@ def _export(accelerator, model, path: Path, cfg: FinetuneConfig, lineage: dict, 
         module = accelerator.unwrap_model(model)
         state = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}
         card = {"model": module.spec.name, "resolution": module.spec.img_size,
+                "ema_decay": cfg.train.ema_decay,
                 "num_classes": module.spec.num_classes, "dataset": cfg.data.root, "step": step,
                 "init": lineage, "metrics": {k: v for k, v in metrics.items()
                                              if k.startswith("eval/")}}

@@ -73,3 +73,23 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
     assert tuned.data.tags["pretrain.run_id"] == pretrain_run.info.run_id
     assert tuned.data.tags["pretrain.step"] == "60"
     assert "eval/test/top1" in tuned.data.metrics
+
+
+def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path, tiny_cifar):
+    """A decay so close to 1 that the average stays where it started (timm's EMA starts from
+    the weights after the first updates): the exported head barely moved, the trained one did."""
+    from safetensors.torch import load_file
+
+    heads = {}
+    for name, extra in (("plain", []), ("ema", ["train.ema_decay=0.99999999"])):
+        out = tmp_path / name
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "launch/finetune.py"), "--config",
+             str(REPO / "configs/finetune/demo.yaml"), *finetune_args(out, tiny_cifar, "null"),
+             "train.total_steps=8", "eval.every_steps=4", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        heads[name] = load_file(str(out / "final.safetensors"))["head.weight"].abs().max().item()
+        card = json.loads((out / "final.json").read_text())
+        assert card["ema_decay"] == (0.99999999 if name == "ema" else None)
+    assert heads["ema"] < 0.3 * heads["plain"], heads
