@@ -136,9 +136,9 @@ class CheckpointStore:
                                               load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
-        if client is None or "step" not in client:
-            # universal checkpoints keep no client state: it stays in the original's files
-            client = _client_state_of(ckpt)
+        if not client or "step" not in client:  # DeepSpeed carries it through ds_to_universal
+            raise RuntimeError(f"checkpoint {self.root / tag} has no client state (step, loader "
+                               f"position); it was not written by this trainer")
         return client
 
     def prepare_universal(self, ckpt: Checkpoint) -> None:
@@ -157,8 +157,6 @@ class CheckpointStore:
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
                                    f"{tail[0]}; run: {' '.join(cmd)}")
             (out / MANIFEST).write_text((ckpt.path / MANIFEST).read_text())
-            # DeepSpeed's universal loader reads the tag's own 'latest_universal' pointer.
-            (self.root / "latest_universal").write_text(out.name)
         _barrier()
 
 
@@ -178,8 +176,3 @@ def _problem(d: Path) -> Optional[str]:
         if f.stat().st_size != size:
             return f"file {name} has {f.stat().st_size} bytes, expected {size}"
     return None
-
-
-def _client_state_of(ckpt: Checkpoint) -> dict:
-    from pretrain.export import read_client_state  # weights-only: a checkpoint runs no code
-    return read_client_state(ckpt.path)

@@ -87,15 +87,16 @@ class MlflowServer:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)  # its own group: stop() ends all
         deadline = time.time() + timeout
+        last_error = None
         while True:
             try:
                 with urllib.request.urlopen(self.uri + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
-            except OSError:
-                pass
+            except OSError as e:  # not listening yet; the checks below say why if it never does
+                last_error = e
             assert self.proc.poll() is None, (self.root / "server.log").read_text()[-2000:]
-            assert time.time() < deadline, "mlflow server did not come up"
+            assert time.time() < deadline, f"mlflow server did not come up ({last_error})"
             time.sleep(0.3)
 
     def stop(self) -> None:
