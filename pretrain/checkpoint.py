@@ -7,6 +7,10 @@ another size (a lost rank's shard), is never loaded: resume takes the newest val
 which it skipped. Only the last ``keep_last`` valid checkpoints are kept. The directory must be
 on storage every node sees (as DeepSpeed itself requires to resume).
 
+A write that fails on any rank (full disk, I/O error) fails the save on every rank alike with
+:class:`CheckpointWriteError`: the partial directory is removed, the earlier checkpoints are
+untouched, and the trainer stops or goes on as ``checkpoint.on_write_error`` says.
+
 Changing the world size goes through DeepSpeed's universal checkpoint format: the first resume
 on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_universal/``.
 """
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
+
+from pretrain.guard import TrainingStopped
 
 log = logging.getLogger(__name__)
 
@@ -64,28 +70,59 @@ class CheckpointStore:
 
     # -- writing ---------------------------------------------------------------------------
     def save(self, engine, step: int, client_state: dict) -> Checkpoint:
-        """Every rank calls this; returns once the checkpoint is complete on all ranks."""
+        """Every rank calls this; returns once the checkpoint is complete on all ranks, or raises
+        :class:`CheckpointWriteError` on all ranks when any rank could not write its part."""
         tag = tag_for(step)
         path = self.root / tag
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             (path / MANIFEST).unlink(missing_ok=True)  # re-saving a step: invalid until done
         _barrier()
-        engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state,
-                               save_latest=False)
-        _barrier()  # every rank has written its shard
+        error = None
+        try:
+            engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state,
+                                   save_latest=False)
+        except Exception as e:  # noqa: BLE001 -- full disk, I/O error: torch.save raises either
+            error = f"rank {_rank()}: {type(e).__name__}: {e}"
+            # A write fails inside DeepSpeed's write phase, which ends in one barrier: the ranks
+            # that wrote their part wait there, so meet them before agreeing on the outcome.
+            _barrier()
         ckpt = Checkpoint(path, step, engine.world_size, int(engine.zero_optimization_stage()))
-        if _rank() == 0:
-            files = {str(f.relative_to(path)): f.stat().st_size
-                     for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
-            manifest = {"step": step, "world_size": ckpt.world_size,
-                        "zero_stage": ckpt.zero_stage, "time": time.time(), "files": files}
-            tmp = path / (MANIFEST + ".tmp")
-            tmp.write_text(json.dumps(manifest, indent=1))
-            os.replace(tmp, path / MANIFEST)
-            self._prune()
-        _barrier()
+        errors = _errors_on_any_rank(error)
+        if not errors and _rank() == 0:
+            try:
+                self._write_manifest(ckpt)
+                self._prune()
+            except OSError as e:
+                error = f"rank 0: manifest: {type(e).__name__}: {e}"
+        errors = errors or _errors_on_any_rank(error)
+        if errors:
+            if _rank() == 0:  # a partial checkpoint is never loaded; on a full disk it is in the way
+                shutil.rmtree(path, ignore_errors=True)
+            _barrier()
+            raise CheckpointWriteError(self._write_failure(tag, errors))
         return ckpt
+
+    def _write_manifest(self, ckpt: Checkpoint) -> None:
+        files = {str(f.relative_to(ckpt.path)): f.stat().st_size
+                 for f in sorted(ckpt.path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+        manifest = {"step": ckpt.step, "world_size": ckpt.world_size,
+                    "zero_stage": ckpt.zero_stage, "time": time.time(), "files": files}
+        tmp = ckpt.path / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1))
+        os.replace(tmp, ckpt.path / MANIFEST)
+
+    def _write_failure(self, tag: str, errors: list[str]) -> str:
+        free = shutil.disk_usage(self.root).free
+        previous = self.complete()
+        kept = f"{previous[0].path} is intact" if previous else "there is no earlier checkpoint"
+        disk = (f"the disk holding it is full ({free / 2**20:.1f} MiB free)"
+                if previous and free < _size(previous[0].path) or free < 2**20
+                else f"{free / 2**30:.1f} GiB free there")
+        more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
+        return (f"checkpoint {self.root / tag} could not be written: {errors[0]}{more}; {disk}; "
+                f"{kept}. Free space or move output_dir, then relaunch: it resumes from the newest "
+                f"complete checkpoint")
 
     def _prune(self) -> None:
         valid = self.complete()
@@ -158,6 +195,23 @@ class CheckpointStore:
                                    f"{tail[0]}; run: {' '.join(cmd)}")
             (out / MANIFEST).write_text((ckpt.path / MANIFEST).read_text())
         _barrier()
+
+
+class CheckpointWriteError(TrainingStopped):
+    """A rank could not write its part of a checkpoint; the partial directory was removed."""
+
+
+def _errors_on_any_rank(error: Optional[str]) -> list[str]:
+    """Every rank's error (collective), in rank order; empty when all succeeded."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [error] if error else []
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, error)
+    return [e for e in out if e]
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
 def _problem(d: Path) -> Optional[str]:

@@ -22,6 +22,13 @@ def user_errors() -> tuple:
     return ConfigError, DatasetInfoError, LoaderError, PrepareError
 
 
+def stop_errors() -> tuple:
+    """Exceptions that end a run on purpose (non-finite losses, a failed checkpoint write): their
+    message says what happened, what is intact and what to do; exit code 3."""
+    from pretrain.guard import TrainingStopped
+    return (TrainingStopped,)
+
+
 def _describe_keys(schema: Type[Section]) -> str:
     """Every config key with its default, for ``--help``."""
     lines = []
@@ -119,7 +126,8 @@ def dry_run(args, cfg) -> None:
 def main(schema: Type[Section], prog: str, description: str, run: Callable[[Section], object],
          argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None) -> None:
     """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
-    input (config, data, checkpoint) ends in one line on stderr and exit code 2."""
+    input (config, data, checkpoint) ends in one line on stderr and exit code 2, a run that
+    had to stop (see :func:`stop_errors`) in one line and exit code 3."""
     args, cfg = parse(schema, prog, description, argv, default_config=default_config)
     if args.print_config:
         print(cfg.to_yaml(), end="")
@@ -130,3 +138,5 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
             run(cfg)
         except user_errors() as e:
             fail(str(e))
+        except stop_errors() as e:
+            fail(str(e), code=3)

@@ -105,6 +105,9 @@ class DataConfig(Section):
     # ImageNet-21k layout and prepared like real data, at data.root when it has no _info.json.
     generate_demo: bool = Field(False, description="create the procedural demo dataset at "
                                 "data.root if missing")
+    # Shard files listed in _info.json but absent (local paths are checked at start).
+    missing_shards: Literal["error", "skip"] = Field(
+        "error", description="error: refuse to start; skip: warn, count their samples as skipped")
 
     @model_validator(mode="after")
     def _check_crop(self) -> "DataConfig":
@@ -128,6 +131,14 @@ class TrainConfig(Section):
     # torch.compile through DeepSpeed (engine.compile()): +13 % img/s for ViT-L/16 on an H100
     # (launch/benchmark.py train --compile); the first steps pay the compilation.
     compile: bool = Field(False, description="torch.compile the model (GPU runs)")
+    # A micro-batch with a non-finite loss is dropped on every rank and counted (pretrain/guard.py);
+    # this many in a row mean the weights have gone bad: roll back to the newest checkpoint
+    # (going on with the data after the bad stretch) or stop.
+    nonfinite_limit: int = Field(5, gt=0, description="non-finite losses in a row before "
+                                 "train.on_nonfinite acts")
+    on_nonfinite: Literal["rollback", "stop"] = Field(
+        "rollback", description="rollback: reload the newest checkpoint; stop: end the run")
+    max_rollbacks: int = Field(3, ge=0, description="rollbacks per job before stopping instead")
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":
@@ -165,6 +176,10 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, gt=0)
     # Continue from the newest complete checkpoint in output_dir when there is one.
     resume: bool = Field(True, description="continue from the newest complete checkpoint")
+    # A save that fails (full disk, I/O error) leaves the earlier checkpoints as they were.
+    on_write_error: Literal["stop", "continue"] = Field(
+        "stop", description="stop: end the run with the error; continue: warn, train on, try "
+                            "again at the next checkpoint (the last save must succeed)")
 
 
 class DeepSpeedConfig(Section):

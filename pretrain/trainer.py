@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from pretrain import engine as eng_lib
-from pretrain.checkpoint import Checkpoint, CheckpointStore
+from pretrain.checkpoint import Checkpoint, CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, PretrainConfig, load_config, save_config, to_yaml
 from pretrain.distributed import gather, init_distributed
+from pretrain.guard import NonFiniteGuard
+from pretrain.model import resolve_spec
 
 log = logging.getLogger("pretrain")
 
@@ -82,6 +84,7 @@ def total_steps(cfg: PretrainConfig, samples_per_epoch: int) -> int:
 def train(cfg: PretrainConfig) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view)."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
     from pretrain.demo import ensure_demo_data
@@ -105,6 +108,15 @@ def train(cfg: PretrainConfig) -> dict:
         ds_config["checkpoint"] = {"load_universal": True}
         store.prepare_universal(resume)
 
+    # the data first: a missing shard or a bad info file fails here, before the model is built
+    spec = resolve_spec(cfg.model)
+    loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
+                                world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
+                                log_sample_keys=cfg.debug.log_sample_keys,
+                                pin_memory=get_accelerator().device_name() == "cuda")
+    evaluators = build_evaluators(cfg, spec, rank, world, get_accelerator().current_device_name(),
+                                  eng_lib.input_dtype(cfg.train.precision))
+
     seed_everything(cfg.seed)  # identical initial weights on every rank
     model = eng_lib.build_model(cfg, ds_config)
     optimizer = eng_lib.build_optimizer(model, cfg)
@@ -113,12 +125,6 @@ def train(cfg: PretrainConfig) -> dict:
         engine.compile()
     device = engine.device
     dtype = eng_lib.input_dtype(cfg.train.precision)
-    spec = model.spec
-
-    loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
-                                world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
-                                log_sample_keys=cfg.debug.log_sample_keys,
-                                pin_memory=device.type == "cuda")
     steps = total_steps(cfg, loader.num_samples)
     scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
     mixup = build_mixup(cfg.data, spec.num_classes)
@@ -136,7 +142,6 @@ def train(cfg: PretrainConfig) -> dict:
     else:
         out.mkdir(parents=True, exist_ok=True)
 
-    evaluators = build_evaluators(cfg, spec, rank, world, device, dtype)
     # MLflow on rank 0: one more sink; the same MLflow run when resuming (id from the checkpoint)
     tracker = start_tracking(cfg, "pretrain", out, rank, world_size=world, ds_config=ds_config,
                              hosts=gather(socket.gethostname(), world), run_id=run_id,
@@ -154,36 +159,55 @@ def train(cfg: PretrainConfig) -> dict:
         first = next(batches)
         tracker.log_sample_grid(first.images)
         batches = itertools.chain([first], batches)
-    loss_sum = torch.zeros((), device=device)
+    guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
+                           cfg.train.max_rollbacks)
+    if resume is not None:
+        guard.skipped = int(client.get("nonfinite_skipped", 0))
+    loss_sum, window = torch.zeros((), device=device), 0
+    failed_saves = 0
     metrics: dict = {}
     while step < steps:
         scheduler.step_update(step)
-        for micro_step in range(accum):
+        done = 0
+        while done < accum:
             images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup,
                                             dtype)
-            if micro_step == 0:
+            if done == 0:
                 timer.data_ready()
             loss = eng_lib.classification_loss(engine(images), targets, cfg.train.loss,
                                                cfg.data.label_smoothing)
+            if not guard.finite(loss):  # dropped on every rank; the next micro-batch replaces it
+                if guard.verdict(step) == "rollback":
+                    if done:  # these weights gave finite losses in this very step: the data is bad
+                        raise guard.stop(step, "the weights of this step gave finite losses, "
+                                               "so the data is the likely cause")
+                    step = roll_back(store, engine, guard, step)
+                    scheduler.step_update(step)
+                continue
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach().float()
+            done += 1
+        # DeepSpeed's own overflow check (ZeRO-1/2) may still have dropped the update
+        guard.count_update(engine.was_step_applied())
         timer.step_done(images=micro * accum * world)
         step += 1
+        window += accum
 
         if step % cfg.log.every_steps == 0 or step == steps:
             dist.all_reduce(loss_sum)
             skipped = torch.tensor(float(loader.skipped), device=device)
             dist.all_reduce(skipped)
-            window = cfg.log.every_steps if step % cfg.log.every_steps == 0 \
-                else step % cfg.log.every_steps
-            metrics = {"train/loss": loss_sum.item() / (window * accum * world),
+            metrics = {"train/loss": loss_sum.item() / (window * world),
                        "train/lr": optimizer.param_groups[0]["lr"],
                        "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
                        "data/skipped_samples": skipped.item(),
                        "train/epoch": loader.epoch,
-                       **timer.summary()}
+                       **guard.metrics(), **timer.summary()}
+            if failed_saves:
+                metrics["checkpoint/failed_saves"] = failed_saves
             loss_sum.zero_()
+            window = 0
             sink.log(metrics, step)
         results = run_due(evaluators, engine.module, step, force=step == steps)
         if results:
@@ -191,13 +215,36 @@ def train(cfg: PretrainConfig) -> dict:
             metrics.update(results)
             timer.exclude_elapsed()
         if step % cfg.checkpoint.every_steps == 0 or step == steps:
-            save(store, engine, loader, cfg, step, world, tracker.run_id)
+            try:
+                save(store, engine, loader, cfg, step, world, tracker.run_id, guard)
+            except CheckpointWriteError as e:
+                if cfg.checkpoint.on_write_error == "stop" or step == steps:
+                    raise
+                failed_saves += 1
+                if rank == 0:
+                    log.warning("%s -- checkpoint.on_write_error=continue: training goes on and "
+                                "tries again at step %d", e,
+                                min(steps, step + cfg.checkpoint.every_steps))
             timer.exclude_elapsed()
     sink.close()
     peaks = gather(peak_memory_gib(device), world)
     if rank == 0:
         log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
     return metrics
+
+
+def roll_back(store: CheckpointStore, engine, guard: NonFiniteGuard, step: int) -> int:
+    """Reload weights and optimizer from the newest complete checkpoint; returns its step. The
+    loader is not rewound: the batches since the checkpoint are not replayed (they may be why)."""
+    ckpt = store.latest()
+    if ckpt is None:
+        raise guard.stop(step, "there is no complete checkpoint to roll back to yet")
+    store.load(engine, ckpt)
+    guard.rolled_back()
+    if dist.get_rank() == 0:
+        log.warning("step %d: rolled back to %s (rollback %d of at most %d); the data goes on "
+                    "from where it was", step + 1, ckpt.path, guard.rollbacks, guard.max_rollbacks)
+    return ckpt.step
 
 
 def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, dtype) -> list:
@@ -212,10 +259,11 @@ def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, d
     common = dict(normalize=norm, device=device, dtype=dtype)
 
     def data(root: str, split: str):
-        section = cfg.data.model_copy(update={"root": root})
-        return lambda: build_eval_loader(section, img_size=spec.img_size, split=split,
-                                         batch_size=cfg.eval.batch_size, rank=rank,
-                                         world_size=world)
+        # built now, so a missing or unreadable split fails at start, not at the first evaluation
+        loader = build_eval_loader(cfg.data.model_copy(update={"root": root}),
+                                   img_size=spec.img_size, split=split,
+                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world)
+        return lambda: loader
 
     out = []
     if cfg.data.val_split:
@@ -235,10 +283,11 @@ def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, d
 
 
 def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int,
-         world: int, run_id: Optional[str]) -> None:
+         world: int, run_id: Optional[str], guard: NonFiniteGuard) -> None:
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
-              "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id}
+              "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
+              "nonfinite_skipped": guard.skipped}
     ckpt = store.save(engine, step, client)
     if dist.get_rank() == 0:
         log.info("checkpoint %s", ckpt.path)

@@ -25,16 +25,22 @@ def repo() -> Path:
 from pretrain.distributed import free_port  # noqa: E402  (re-exported for the tests)
 
 
-def deepspeed_cmd(nprocs: int, *args: str) -> list[str]:
+def deepspeed_cmd(nprocs: int, *args: str, script: Path = REPO / "launch" / "pretrain.py"
+                  ) -> list[str]:
     """``deepspeed --num_gpus N launch/pretrain.py args`` (N CPU ranks on gloo here)."""
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs),
-            "--master_port", str(free_port()), str(REPO / "launch" / "pretrain.py"), *args]
+            "--master_port", str(free_port()), str(script), *args]
 
 
-def run_deepspeed(nprocs: int, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    proc = subprocess.run(deepspeed_cmd(nprocs, *args), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def run_deepspeed(nprocs: int, *args: str, timeout: float = 400, fails: bool = False,
+                  script: Path = REPO / "launch" / "pretrain.py", env: dict | None = None
+                  ) -> subprocess.CompletedProcess:
+    """Run to the end; it must succeed, or with ``fails`` end with a non-zero exit code."""
+    proc = subprocess.run(deepspeed_cmd(nprocs, *args, script=script), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    assert (proc.returncode != 0) == fails, \
+        f"exit code {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -133,3 +139,45 @@ def _tracking_store_outside_the_repo(tmp_path_factory):
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+# --------------------------------------------------------------------------------------------
+# The fault suite's ledger: what was injected and what came back, summed up at the end
+# --------------------------------------------------------------------------------------------
+class FaultLedger:
+    def __init__(self):
+        self.rows: list[tuple] = []
+        self.seconds = 0.0
+
+    def record(self, injected: int, recovered: int, samples_lost: int = 0,
+               metrics_lost: int = 0) -> None:
+        self.rows.append((injected, recovered, samples_lost, metrics_lost))
+
+    def summary(self) -> str:
+        i, r, s, m = (sum(col) for col in zip(*self.rows))
+        return (f"fault suite: {i} faults injected, {r} runs recovered, {s} samples lost, "
+                f"{m} metrics lost ({len(self.rows)} tests, {self.seconds:.0f} s)")
+
+
+_LEDGER = pytest.StashKey[FaultLedger]()
+
+
+def pytest_configure(config):
+    config.stash[_LEDGER] = FaultLedger()
+
+
+@pytest.fixture
+def fault_ledger(request) -> FaultLedger:
+    return request.config.stash[_LEDGER]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    if item.get_closest_marker("faults"):  # setup + call + teardown of the suite's tests
+        item.config.stash[_LEDGER].seconds += call.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    ledger = config.stash[_LEDGER]
+    if ledger.rows:
+        terminalreporter.write_sep("=", ledger.summary())

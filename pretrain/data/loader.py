@@ -115,6 +115,32 @@ class ShardSet:
         held = int.from_bytes(digest[:8], "big") < self.holdout_fraction * 2 ** 64
         return held == (self.holdout_side == "held")
 
+    def missing(self) -> List[str]:
+        """Shards that should be files on this machine but are not (remote URLs not checked)."""
+        out = []
+        for url in self.urls:
+            path = url[len("file://"):] if url.startswith("file://") else url
+            if "://" not in path and not path.startswith("pipe:") and not os.path.exists(path):
+                out.append(url)
+        return out
+
+    def check_present(self, policy: str, rank: int = 0) -> None:
+        """``data.missing_shards``: "error" refuses to start on a missing shard file, "skip"
+        warns once; the loader then counts that shard's samples as skipped every epoch."""
+        gone = self.missing()
+        if not gone:
+            return
+        names = ", ".join(os.path.basename(u) for u in gone[:3]) + \
+            (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+        lost = sum(n for u, n in zip(self.urls, self.lengths) if u in gone and n > 0)
+        what = (f"{len(gone)} of {len(self.urls)} '{self.name}' shard files are missing "
+                f"({names}, {lost} samples) in {os.path.dirname(gone[0]) or '.'}")
+        if policy == "error":
+            raise LoaderError(f"{what}; restore them, or set data.missing_shards=skip to go on "
+                              f"without them")
+        if rank == 0:
+            log.warning("%s; data.missing_shards=skip: their samples are skipped and counted", what)
+
     @classmethod
     def from_info(cls, root: str, split: str) -> "ShardSet":
         info = read_info(root).split(split)
@@ -681,6 +707,7 @@ def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
     shards = ShardSet.from_info(data.root, data.train_split)
+    shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "rest")
     return TrainLoader(shards, img_size=img_size,
@@ -700,6 +727,7 @@ def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     if not data.root or not split:
         raise LoaderError("evaluation needs data.root and data.val_split")
     shards = ShardSet.from_info(data.root, split)
+    shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "held")
     return EvalLoader(shards, img_size=img_size,

@@ -1,0 +1,74 @@
+"""``launch/pretrain.py`` with faults injected where ``$FAULTS`` (JSON) says: how the fault suite
+breaks a real DeepSpeed run from the inside. Every key is optional; ranks are global ranks.
+
+  "kill":         [rank, step]         SIGKILL that rank once ``step`` steps are done
+  "kill_in_save": [rank, step]         SIGKILL that rank as it starts writing checkpoint ``step``
+  "write_error":  [rank, step, errno]  that rank's writes of checkpoint ``step`` fail (OSError)
+  "nan":          [i, j, ...]          rank 0's i-th, j-th... forward pass of this process (from 1)
+                                       gives NaN logits
+"""
+import errno as errno_codes
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+import pretrain.engine as eng_lib
+
+REPO = Path(__file__).resolve().parent.parent
+FAULTS = json.loads(os.environ.get("FAULTS", "{}"))
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if "kill" in FAULTS and FAULTS["kill"][0] == RANK:
+    build_scheduler = eng_lib.build_scheduler
+
+    def _scheduler_that_kills(*args, **kwargs):
+        scheduler, step_update = build_scheduler(*args, **kwargs), None
+        step_update = scheduler.step_update
+
+        def update(step, *a, **k):
+            if step == FAULTS["kill"][1]:
+                _die()
+            return step_update(step, *a, **k)
+        scheduler.step_update = update
+        return scheduler
+    eng_lib.build_scheduler = _scheduler_that_kills
+
+for key in ("kill_in_save", "write_error"):
+    if key in FAULTS and FAULTS[key][0] == RANK:
+        tag, save = f"step_{FAULTS[key][1]:08d}", torch.save
+
+        def _save(obj, f, *args, _key=key, _tag=tag, _save=save, **kwargs):
+            if _tag in str(f):
+                if _key == "kill_in_save":
+                    _die()
+                code = FAULTS["write_error"][2]
+                raise OSError(code, os.strerror(code), str(f))
+            return _save(obj, f, *args, **kwargs)
+        torch.save = _save
+
+if "nan" in FAULTS and RANK == 0:
+    loss_fn, calls = eng_lib.classification_loss, [0]
+
+    def _loss(logits, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] in FAULTS["nan"]:
+            logits = logits * float("nan")
+        return loss_fn(logits, *args, **kwargs)
+    eng_lib.classification_loss = _loss
+
+assert errno_codes.ENOSPC  # the codes tests pass are errno numbers
+sys.argv[0] = str(REPO / "launch" / "pretrain.py")
+sys.path.insert(0, str(REPO / "launch"))  # as when the launcher runs it (for its _bootstrap)
+runpy.run_path(sys.argv[0], run_name="__main__")
