@@ -17,6 +17,7 @@ import torch
 from finetune.config import FinetuneConfig
 from pretrain import engine as eng_lib
 from pretrain.config import save_config
+from pretrain.guard import NonFiniteGuard
 
 log = logging.getLogger("finetune")
 
@@ -100,58 +101,72 @@ def finetune(cfg: FinetuneConfig) -> dict:
         return ema.module if ema is not None else model
 
     batches = iter(loader)
-    loss_sum = torch.zeros((), device=device)
+    loss_sum, window = torch.zeros((), device=device), 0
+    guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite, 0, unit="step",
+                           no_rollback="fine-tuning keeps no checkpoints to roll back to")
     best, metrics = -1.0, {}
-    for step in range(steps):
-        scheduler.step_update(step)
-        for micro_step in range(accum):
-            images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup)
-            if micro_step == 0:
-                timer.data_ready()
-            # gradients are averaged across ranks only on the last micro-batch
-            sync = contextlib.nullcontext() if micro_step == accum - 1 \
-                else accelerator.no_sync(model)
-            with sync, accelerator.autocast():
-                loss = eng_lib.classification_loss(model(images), targets, cfg.train.loss,
-                                                   cfg.data.label_smoothing)
-                accelerator.backward(loss / accum)
-            loss_sum += loss.detach().float()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(),
-                                                cfg.optimizer.grad_clip or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.update(accelerator.unwrap_model(model), step=step)
-        timer.step_done(images=micro * accum * world)
-        done = step + 1
+    try:
+        for step in range(steps):
+            scheduler.step_update(step)
+            step_loss = torch.zeros((), device=device)
+            for micro_step in range(accum):
+                images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup)
+                if micro_step == 0:
+                    timer.data_ready()
+                # gradients are averaged across ranks only on the last micro-batch
+                sync = contextlib.nullcontext() if micro_step == accum - 1 \
+                    else accelerator.no_sync(model)
+                with sync, accelerator.autocast():
+                    loss = eng_lib.classification_loss(model(images), targets, cfg.train.loss,
+                                                       cfg.data.label_smoothing)
+                    accelerator.backward(loss / accum)
+                step_loss += loss.detach().float()
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(),
+                                                    cfg.optimizer.grad_clip or float("inf"))
+            if guard.finite(step_loss + grad_norm.detach().float()):  # same verdict on every rank
+                optimizer.step()
+                if ema is not None:
+                    ema.update(accelerator.unwrap_model(model), step=step)
+                loss_sum += step_loss
+                window += accum
+            else:  # the step is dropped: the weights (and the average) stay as they were
+                guard.verdict(step)
+            optimizer.zero_grad(set_to_none=True)
+            timer.step_done(images=micro * accum * world)
+            done = step + 1
 
-        if done % cfg.log.every_steps == 0 or done == steps:
-            window = (done - 1) % cfg.log.every_steps + 1
-            metrics = {"train/loss": accelerator.reduce(loss_sum, "mean").item() / (window * accum),
-                       "train/lr": optimizer.param_groups[0]["lr"],
-                       "train/grad_norm": float(grad_norm), **timer.summary()}
-            loss_sum.zero_()
-            sink.log(metrics, done)
-        if dev is not None and (done % cfg.eval.every_steps == 0 or done == steps):
-            results = {f"eval/dev/{k}": v for k, v in dev.run(reported(), done).items()}
-            sink.log(results, done)
+            if done % cfg.log.every_steps == 0 or done == steps:
+                mean = accelerator.reduce(loss_sum, "mean").item() / max(window, 1)
+                metrics = {"train/loss": mean,
+                           "train/lr": optimizer.param_groups[0]["lr"],
+                           "train/grad_norm": float(grad_norm),
+                           "train/nonfinite_skipped": guard.skipped, **timer.summary()}
+                loss_sum.zero_()
+                window = 0
+                sink.log(metrics, done)
+            if dev is not None and (done % cfg.eval.every_steps == 0 or done == steps):
+                results = {f"eval/dev/{k}": v for k, v in dev.run(reported(), done).items()}
+                sink.log(results, done)
+                metrics.update(results)
+                if results["eval/dev/top1"] > best:
+                    best = results["eval/dev/top1"]
+                    _export(accelerator, reported(), out / "best.safetensors", cfg, lineage, done,
+                            results)
+                timer.exclude_elapsed()
+
+        if test is not None:
+            results = {f"eval/{test.name}/{k}": v for k, v in test.run(reported(), steps).items()}
+            sink.log(results, steps)
             metrics.update(results)
-            if results["eval/dev/top1"] > best:
-                best = results["eval/dev/top1"]
-                _export(accelerator, reported(), out / "best.safetensors", cfg, lineage, done,
-                        results)
-            timer.exclude_elapsed()
-
-    if test is not None:
-        results = {f"eval/{test.name}/{k}": v for k, v in test.run(reported(), steps).items()}
-        sink.log(results, steps)
-        metrics.update(results)
-        if rank == 0:
-            per_class = {str(c): acc for c, acc in enumerate(test.per_class_top1)}
-            (out / "per_class_top1.json").write_text(json.dumps(per_class, indent=1))
-            tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
-            tracker.log_artifact_bytes("per_class_top1.png",
-                                       per_class_png(test.per_class_top1, test.name))
+            if rank == 0:
+                per_class = {str(c): acc for c, acc in enumerate(test.per_class_top1)}
+                (out / "per_class_top1.json").write_text(json.dumps(per_class, indent=1))
+                tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
+                tracker.log_artifact_bytes("per_class_top1.png",
+                                           per_class_png(test.per_class_top1, test.name))
+    except BaseException:  # a stop, a bad shard, Ctrl-C: the MLflow run ends FAILED, now
+        tracker.close("FAILED")
+        raise
     _export(accelerator, reported(), out / "final.safetensors", cfg, lineage, steps, metrics)
     sink.close()
     accelerator.end_training()

@@ -11,6 +11,11 @@ A write that fails on any rank (full disk, I/O error) fails the save on every ra
 :class:`CheckpointWriteError`: the partial directory is removed, the earlier checkpoints are
 untouched, and the trainer stops or goes on as ``checkpoint.on_write_error`` says.
 
+DeepSpeed unpickles checkpoints with ``weights_only=False``; before it reads one, every ``.pt``
+file's pickle is scanned (``torch.serialization.get_unsafe_globals_in_checkpoint`` executes
+nothing) and a reference to any Python object outside a short list of known, inert types is
+refused with :class:`CheckpointError`.
+
 Changing the world size goes through DeepSpeed's universal checkpoint format: the first resume
 on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_universal/``.
 """
@@ -28,11 +33,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
+from pretrain.config import ConfigError
 from pretrain.guard import TrainingStopped
 
 log = logging.getLogger(__name__)
+
+# Python objects a DeepSpeed checkpoint of this project may reference in its pickles: numpy's
+# array reconstruction (the RNG state in the client state) and inert DeepSpeed records.
+_SAFE_GLOBAL_PATTERNS = (
+    r"numpy\.(_core|core)\.multiarray\._reconstruct", r"numpy\.ndarray", r"numpy\.dtype",
+    r"numpy\.dtypes\.\w+DType", r"numpy\.(_core|core)\.multiarray\.scalar",
+    r"deepspeed\.runtime\.fp16\.loss_scaler\.(LossScaler|DynamicLossScaler)",
+    r"deepspeed\.runtime\.zero\.config\.ZeroStageEnum",
+    r"deepspeed\.utils\.tensor_fragment\.fragment_address",
+    r"collections\.OrderedDict", r"torch\.Size",
+)
+_SAFE_GLOBAL_RE = re.compile("|".join(f"(?:{p})" for p in _SAFE_GLOBAL_PATTERNS) + r"\Z")
 
 MANIFEST = "COMPLETE.json"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
@@ -97,7 +116,7 @@ class CheckpointStore:
                 error = f"rank 0: manifest: {type(e).__name__}: {e}"
         errors = errors or _errors_on_any_rank(error)
         if errors:
-            if _rank() == 0:  # a partial checkpoint is never loaded; on a full disk it is in the way
+            if _rank() == 0:  # never loaded anyway, and on a full disk it is in the way
                 shutil.rmtree(path, ignore_errors=True)
             _barrier()
             raise CheckpointWriteError(self._write_failure(tag, errors))
@@ -168,6 +187,7 @@ class CheckpointStore:
         built with ``{"checkpoint": {"load_universal": true}}`` and ``prepare_universal`` run.
         """
         tag = ckpt.tag if ckpt.world_size == engine.world_size else ckpt.tag + "_universal"
+        check_pickles_are_inert(self.root / tag)  # DeepSpeed unpickles with weights_only=False
         path, client = engine.load_checkpoint(str(self.root), tag=tag,
                                               load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
@@ -182,6 +202,7 @@ class CheckpointStore:
         """Convert ``ckpt`` for a new world size (rank 0 converts, the others wait)."""
         out = ckpt.path.with_name(ckpt.tag + "_universal")
         if _rank() == 0 and not (out / MANIFEST).exists():
+            check_pickles_are_inert(ckpt.path)  # the conversion unpickles it
             log.warning("world size changed (%d -> %d ranks): converting %s to DeepSpeed's "
                         "universal checkpoint", ckpt.world_size,
                         dist.get_world_size() if dist.is_initialized() else 1, ckpt.path)
@@ -195,6 +216,25 @@ class CheckpointStore:
                                    f"{tail[0]}; run: {' '.join(cmd)}")
             (out / MANIFEST).write_text((ckpt.path / MANIFEST).read_text())
         _barrier()
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read or exported: one line naming the path and the fix."""
+
+
+def check_pickles_are_inert(ckpt: Path) -> None:
+    """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
+    loaders will unpickle them with ``weights_only=False``."""
+    for f in sorted(ckpt.glob("*.pt")):
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({e})") from None
+        bad = [n for n in names if not _SAFE_GLOBAL_RE.match(n)]
+        if bad:
+            raise CheckpointError(
+                f"'{f}' references Python objects {bad[:3]} that a DeepSpeed checkpoint of this "
+                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run them)")
 
 
 class CheckpointWriteError(TrainingStopped):

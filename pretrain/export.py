@@ -19,9 +19,9 @@ Two outputs:
 
 Safety: DeepSpeed's loaders unpickle with ``weights_only=False`` (its optimizer shards hold a few
 DeepSpeed objects: ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``). Before handing a
-directory to them, every ``.pt`` file's pickle is scanned (``torch.serialization.
-get_unsafe_globals_in_checkpoint``, which executes nothing) and anything that references a Python
-object outside a short list of those known, inert types is refused. Our own reads of the client
+directory to them, every ``.pt`` file's pickle is screened (``checkpoint.check_pickles_are_inert``,
+which executes nothing) and anything that references a Python object outside a short list of
+those known, inert types is refused. Our own reads of the client
 state use ``torch.load(weights_only=True)`` with numpy's array types allowed (the saved RNG state).
 """
 from __future__ import annotations
@@ -30,15 +30,15 @@ import json
 import logging
 import math
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from pretrain.checkpoint import MANIFEST, TAG_RE, CheckpointStore
-from pretrain.config import ConfigError, PretrainConfig
+from pretrain.checkpoint import (MANIFEST, TAG_RE, CheckpointError, CheckpointStore,
+                                 check_pickles_are_inert)
+from pretrain.config import PretrainConfig
 from pretrain.model import ViTSpec
 
 log = logging.getLogger(__name__)
@@ -47,23 +47,6 @@ log = logging.getLogger(__name__)
 FULL_FORMAT = "vit-classifier/1"
 TIMM_FORMAT = "timm-vit-backbone/1"
 BACKBONE_PREFIX = "backbone."
-
-# Python objects a DeepSpeed checkpoint of this project may reference in its pickles: numpy's
-# array reconstruction (the RNG state in the client state) and inert DeepSpeed records.
-_SAFE_GLOBAL_PATTERNS = (
-    r"numpy\.(_core|core)\.multiarray\._reconstruct", r"numpy\.ndarray", r"numpy\.dtype",
-    r"numpy\.dtypes\.\w+DType", r"numpy\.(_core|core)\.multiarray\.scalar",
-    r"deepspeed\.runtime\.fp16\.loss_scaler\.(LossScaler|DynamicLossScaler)",
-    r"deepspeed\.runtime\.zero\.config\.ZeroStageEnum",
-    r"deepspeed\.utils\.tensor_fragment\.fragment_address",
-    r"collections\.OrderedDict", r"torch\.Size",
-)
-_SAFE_GLOBAL_RE = re.compile("|".join(f"(?:{p})" for p in _SAFE_GLOBAL_PATTERNS) + r"\Z")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be read or exported: one line naming the path and the fix."""
-
 
 @dataclass
 class Consolidated:
@@ -160,21 +143,6 @@ def read_client_state(ckpt: Path, with_module: bool = False) -> dict:
     if not with_module:
         state = {k: v for k, v in state.items() if k not in ("module", "optimizer")}
     return state
-
-
-def check_pickles_are_inert(ckpt: Path) -> None:
-    """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
-    loaders will unpickle them with ``weights_only=False``."""
-    for f in sorted(ckpt.glob("*.pt")):
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({e})") from None
-        bad = [n for n in names if not _SAFE_GLOBAL_RE.match(n)]
-        if bad:
-            raise CheckpointError(
-                f"'{f}' references Python objects {bad[:3]} that a DeepSpeed checkpoint of this "
-                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run them)")
 
 
 def _config_of(client: dict, ckpt: Path) -> tuple[PretrainConfig, str]:

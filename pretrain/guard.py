@@ -12,6 +12,9 @@ with the data *after* the bad stretch, as PaLM did for loss spikes (``train.on_n
 rollback``, at most ``train.max_rollbacks`` times), or stops with a message saying where it
 stopped and what is on disk (``stop``).
 
+Fine-tuning (plain PyTorch under Accelerate) checks once per step instead, and drops the whole
+step: its accumulated gradients are simply discarded. It keeps no checkpoints, so a streak stops.
+
 DeepSpeed adds a second line for gradients that overflow with a finite loss: its ZeRO-1/2
 optimizers skip such an update (``engine.was_step_applied()``); those are counted too.
 """
@@ -35,7 +38,10 @@ class NonFiniteGuard:
     limit: int
     action: str  # "rollback" | "stop"
     max_rollbacks: int
-    skipped: int = 0  # micro-batches dropped for a non-finite loss, over the whole run
+    unit: str = "micro-batch"  # what is dropped: fine-tuning drops whole steps
+    # when rolling back is not possible at all (fine-tuning keeps no checkpoints), why not
+    no_rollback: str = ""
+    skipped: int = 0  # units dropped for a non-finite loss, over the whole run
     in_a_row: int = 0
     rollbacks: int = 0  # in this job
     dropped_updates: int = 0  # optimizer steps DeepSpeed's overflow check skipped, this job
@@ -56,26 +62,27 @@ class NonFiniteGuard:
         """After a dropped micro-batch: "go on" or "rollback"; raises :class:`TrainingStopped`
         when the run has to stop."""
         if _rank() == 0:
-            log.warning("step %d: non-finite loss, micro-batch skipped (%d in a row, %d in all)",
-                        step + 1, self.in_a_row, self.skipped)
+            log.warning("step %d: non-finite loss, %s skipped (%d in a row, %d in all)",
+                        step + 1, self.unit, self.in_a_row, self.skipped)
         if self.in_a_row < self.limit:
             return "go on"
         if self.action == "rollback" and self.rollbacks < self.max_rollbacks:
             return "rollback"
         raise self.stop(step, f"after {self.rollbacks} rollback(s)" if self.rollbacks else
-                        "train.on_nonfinite=stop" if self.action == "stop" else
-                        "train.max_rollbacks=0")
+                        self.no_rollback or f"train.on_nonfinite={self.action}, "
+                                            f"train.max_rollbacks={self.max_rollbacks}")
 
     def rolled_back(self) -> None:
         self.rollbacks += 1
         self.in_a_row = 0
 
     def stop(self, step: int, reason: str) -> TrainingStopped:
+        after = ("start again" if self.no_rollback else
+                 "then relaunch: it resumes from the newest checkpoint, which is intact")
         return TrainingStopped(
             f"training stopped at step {step + 1}: {self.in_a_row} non-finite losses in a row "
-            f"({reason}); none of them was trained on and the checkpoints are intact. Lower "
-            f"optimizer.lr or raise schedule.warmup_steps, check the data, then relaunch to "
-            f"resume from the newest checkpoint")
+            f"({reason}); none of them was trained on. Lower optimizer.lr or raise "
+            f"schedule.warmup_steps, check the data, {after}")
 
     def count_update(self, applied: bool) -> None:
         if not applied:

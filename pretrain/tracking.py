@@ -365,6 +365,10 @@ class Remote:
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # urllib3 puts the root cause ("Connection refused", "too many 500 error responses") last
+    cause = text.rfind("(Caused by ")
+    if len(text) > 200 and cause > 0:
+        return text[:150].rstrip() + " ... " + text[cause:][:150]
     return text[:200]
 
 

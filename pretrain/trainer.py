@@ -166,66 +166,62 @@ def train(cfg: PretrainConfig) -> dict:
     loss_sum, window = torch.zeros((), device=device), 0
     failed_saves = 0
     metrics: dict = {}
-    while step < steps:
-        scheduler.step_update(step)
-        done = 0
-        while done < accum:
-            images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup,
-                                            dtype)
-            if done == 0:
-                timer.data_ready()
-            loss = eng_lib.classification_loss(engine(images), targets, cfg.train.loss,
-                                               cfg.data.label_smoothing)
-            if not guard.finite(loss):  # dropped on every rank; the next micro-batch replaces it
-                if guard.verdict(step) == "rollback":
-                    if done:  # these weights gave finite losses in this very step: the data is bad
-                        raise guard.stop(step, "the weights of this step gave finite losses, "
-                                               "so the data is the likely cause")
-                    step = roll_back(store, engine, guard, step)
-                    scheduler.step_update(step)
-                continue
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach().float()
-            done += 1
-        # DeepSpeed's own overflow check (ZeRO-1/2) may still have dropped the update
-        guard.count_update(engine.was_step_applied())
-        timer.step_done(images=micro * accum * world)
-        step += 1
-        window += accum
+    try:
+        while step < steps:
+            scheduler.step_update(step)
+            done = 0
+            while done < accum:
+                images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup,
+                                                dtype)
+                if done == 0:
+                    timer.data_ready()
+                loss = eng_lib.classification_loss(engine(images), targets, cfg.train.loss,
+                                                   cfg.data.label_smoothing)
+                if not guard.finite(loss):  # dropped on every rank; the next one replaces it
+                    if guard.verdict(step) == "rollback":
+                        if done:  # these weights gave finite losses in this very step
+                            raise guard.stop(step, "the weights of this step gave finite "
+                                                   "losses, so the data is the likely cause")
+                        step = roll_back(store, engine, guard, step)
+                        scheduler.step_update(step)
+                    continue
+                engine.backward(loss)
+                engine.step()
+                loss_sum += loss.detach().float()
+                done += 1
+            # DeepSpeed's own overflow check (ZeRO-1/2) may still have dropped the update
+            guard.count_update(engine.was_step_applied())
+            timer.step_done(images=micro * accum * world)
+            step += 1
+            window += accum
 
-        if step % cfg.log.every_steps == 0 or step == steps:
-            dist.all_reduce(loss_sum)
-            skipped = torch.tensor(float(loader.skipped), device=device)
-            dist.all_reduce(skipped)
-            metrics = {"train/loss": loss_sum.item() / (window * world),
-                       "train/lr": optimizer.param_groups[0]["lr"],
-                       "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                       "data/skipped_samples": skipped.item(),
-                       "train/epoch": loader.epoch,
-                       **guard.metrics(), **timer.summary()}
-            if failed_saves:
-                metrics["checkpoint/failed_saves"] = failed_saves
-            loss_sum.zero_()
-            window = 0
-            sink.log(metrics, step)
-        results = run_due(evaluators, engine.module, step, force=step == steps)
-        if results:
-            sink.log(results, step)
-            metrics.update(results)
-            timer.exclude_elapsed()
-        if step % cfg.checkpoint.every_steps == 0 or step == steps:
-            try:
-                save(store, engine, loader, cfg, step, world, tracker.run_id, guard)
-            except CheckpointWriteError as e:
-                if cfg.checkpoint.on_write_error == "stop" or step == steps:
-                    raise
-                failed_saves += 1
-                if rank == 0:
-                    log.warning("%s -- checkpoint.on_write_error=continue: training goes on and "
-                                "tries again at step %d", e,
-                                min(steps, step + cfg.checkpoint.every_steps))
-            timer.exclude_elapsed()
+            if step % cfg.log.every_steps == 0 or step == steps:
+                dist.all_reduce(loss_sum)
+                skipped = torch.tensor(float(loader.skipped), device=device)
+                dist.all_reduce(skipped)
+                metrics = {"train/loss": loss_sum.item() / (window * world),
+                           "train/lr": optimizer.param_groups[0]["lr"],
+                           "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+                           "data/skipped_samples": skipped.item(),
+                           "train/epoch": loader.epoch,
+                           **guard.metrics(), **timer.summary()}
+                if failed_saves:
+                    metrics["checkpoint/failed_saves"] = failed_saves
+                loss_sum.zero_()
+                window = 0
+                sink.log(metrics, step)
+            results = run_due(evaluators, engine.module, step, force=step == steps)
+            if results:
+                sink.log(results, step)
+                metrics.update(results)
+                timer.exclude_elapsed()
+            if step % cfg.checkpoint.every_steps == 0 or step == steps:
+                failed_saves += not save(store, engine, loader, cfg, step, steps, world,
+                                         tracker.run_id, guard)
+                timer.exclude_elapsed()
+    except BaseException:  # a stop, a bad shard, Ctrl-C: the MLflow run ends FAILED, now
+        tracker.close("FAILED")
+        raise
     sink.close()
     peaks = gather(peak_memory_gib(device), world)
     if rank == 0:
@@ -282,12 +278,23 @@ def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, d
     return out
 
 
-def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int,
-         world: int, run_id: Optional[str], guard: NonFiniteGuard) -> None:
+def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int, steps: int,
+         world: int, run_id: Optional[str], guard: NonFiniteGuard) -> bool:
+    """Write checkpoint ``step``; False if the write failed and ``checkpoint.on_write_error``
+    lets the run go on (never for the last one)."""
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
               "nonfinite_skipped": guard.skipped}
-    ckpt = store.save(engine, step, client)
+    try:
+        ckpt = store.save(engine, step, client)
+    except CheckpointWriteError as e:
+        if cfg.checkpoint.on_write_error == "stop" or step == steps:
+            raise
+        if dist.get_rank() == 0:
+            log.warning("%s -- checkpoint.on_write_error=continue: training goes on and tries "
+                        "again at step %d", e, min(steps, step + cfg.checkpoint.every_steps))
+        return False
     if dist.get_rank() == 0:
         log.info("checkpoint %s", ckpt.path)
+    return True

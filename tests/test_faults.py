@@ -5,20 +5,20 @@ inside the ranks (SIGKILL at a step or mid-checkpoint, failing writes, NaN forwa
 rest are made from the outside (a full filesystem, damaged shards, a tracking server answering
 HTTP 500, bad configuration). Each test adds its counts to the summary line printed at the end.
 
-    python -m pytest -m faults                # this group (+ the tracking outage and untrusted-file tests)
-    python -m pytest -m slow                  # the longer variants: more kills
+    python -m pytest -m "faults and not slow"   # the group (+ the outage, untrusted-file tests)
+    python -m pytest -m slow                    # the longer variants: more kills
 """
 import contextlib
 import errno
 import io
 import json
+import os
 import math
 import pickle
 import random
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from conftest import REPO, deepspeed_cmd, run_deepspeed, tiny_run_args
@@ -57,7 +58,7 @@ def resumed_at(text):
 
 
 def last_values(out, key="train/loss"):
-    """{step: value} from metrics.jsonl; a step logged again after a resume keeps the later value."""
+    """{step: value} from metrics.jsonl; a step logged again after a resume keeps its last value."""
     return {r["step"]: r[key] for r in read_jsonl(out / "metrics.jsonl") if key in r}
 
 
@@ -85,7 +86,6 @@ def compare_with(reference, out):
 
 def mlflow_steps_lost(out, key="train/loss"):
     """Steps of ``key`` the run's MLflow run does not hold exactly once (the default store)."""
-    import os
     run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
     history = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_metric_history(run_id, key)
     steps = [m.step for m in history]
@@ -201,3 +201,255 @@ def test_a_failing_write_with_on_write_error_continue_trains_on_and_saves_later(
     assert last_values(out, "checkpoint/failed_saves")[STEPS] == 1
     samples_lost, metrics_lost = compare_with(reference, out)  # the failure changed nothing
     fault_ledger.record(1, 1, samples_lost, metrics_lost)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Bad data: garbage, empty and mislabelled samples, a truncated and a missing shard
+# --------------------------------------------------------------------------------------------
+def _rewrite(shard: Path, change) -> list[str]:
+    """Rewrite a tar through ``change(member_name, bytes) -> bytes``; returns its sample keys."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    with tarfile.open(shard, "w") as tar:
+        for m, data in members:
+            data = change(m.name, data)
+            m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+    return list(dict.fromkeys(m.name.rsplit(".", 1)[0] for m, _ in members))
+
+
+def damaged_copy(src: Path, dst: Path, marker: Path) -> tuple[set, set]:
+    """The tiny shards with one fault of each kind; returns (every train key, spoiled keys).
+    One sample also carries a ``.pyd`` member whose unpickling would create ``marker``."""
+    shutil.copytree(src, dst)
+    names = json.loads((dst / "_info.json").read_text())["splits"]["train"]["filenames"]
+    everything, spoiled = set(), set()
+
+    def first_sample(suffix, new):
+        def change(name, data, first=[]):  # noqa: B006 -- remembers the first key it saw
+            first.append(first[0] if first else name.rsplit(".", 1)[0])
+            return new if name == f"{first[0]}.{suffix}" else data
+        return change
+
+    plan = {0: first_sample("jpg", b"\xff\xd8 these are not the bytes of an image"),
+            1: first_sample("jpg", b""),  # a zero-byte member
+            3: first_sample("cls", b"three")}  # a label that is not an integer
+    for i, name in enumerate(names):
+        shard_keys = _rewrite(dst / name, plan.get(i, lambda n, d: d))
+        everything |= set(shard_keys)
+        if i in plan:
+            spoiled.add(shard_keys[0])
+        elif i == 2:  # truncated inside the 9th sample's last member: it and all after are gone
+            with tarfile.open(dst / name) as tar:
+                cut = [m for m in tar.getmembers() if m.name == f"{shard_keys[8]}.json"][0]
+            with open(dst / name, "r+b") as f:
+                f.truncate(cut.offset_data + 10)
+            spoiled |= set(shard_keys[8:])
+        elif i == 4:
+            (dst / name).unlink()
+            spoiled |= set(shard_keys)
+        elif i == 5:
+            payload = pickle.dumps(_CreatesFile(str(marker)))
+            with tarfile.open(dst / name, "a") as tar:  # a member the loader must never unpickle
+                info = tarfile.TarInfo(f"{shard_keys[0]}.pyd")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return everything, spoiled
+
+
+class _CreatesFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_bad_data_is_skipped_and_counted_and_a_missing_shard_stops_the_start(
+        tmp_path, tiny_data, fault_ledger):
+    data, marker = tmp_path / "damaged", tmp_path / "unpickled"
+    everything, spoiled = damaged_copy(tiny_data, data, marker)
+    assert len(spoiled) == 3 + 8 + 16
+
+    refused = run_deepspeed(2, *run_args(tmp_path / "refused", data), fails=True)
+    [line] = error_lines(refused.stderr)
+    assert line == (f"error: 1 of 16 'train' shard files are missing (tiny-train-000004.tar, 16 "
+                    f"samples) in {data}; restore them, or set data.missing_shards=skip to go "
+                    f"on without them")
+    assert not (tmp_path / "refused" / "checkpoints").exists()  # refused before any work
+
+    out = tmp_path / "run"
+    text = faulty(out, data, "data.missing_shards=skip")
+    assert "data.missing_shards=skip: their samples are skipped and counted" in text
+    consumed = set(keys(out)[0]) | set(keys(out)[1])
+    assert not consumed & spoiled  # nothing damaged was trained on
+    assert consumed == everything - spoiled  # and every intact sample was (the run is > 1 epoch)
+    skipped = last_values(out, "data/skipped_samples")[STEPS]
+    assert len(spoiled) <= skipped <= 2 * len(spoiled)  # epoch 0 in full, part of epoch 1
+    assert math.isfinite(last_values(out)[STEPS])
+    assert not marker.exists()  # shard contents are never unpickled
+    fault_ledger.record(6, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. A tracking server that answers HTTP 500
+# --------------------------------------------------------------------------------------------
+class FlakyProxy(ThreadingHTTPServer):
+    """An HTTP front for the real MLflow server that answers 500 to everything while
+    ``failing``, and forwards requests once it is not."""
+
+    def __init__(self, upstream: str):
+        self.upstream, self.failing, self.failures = upstream, True, 0
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        self.uri = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    def _relay(self):
+        server: FlakyProxy = self.server
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if server.failing:
+            server.failures += 1
+            status, kind, data = 500, "application/json", b'{"error_code": "INTERNAL_ERROR"}'
+        else:
+            req = urllib.request.Request(server.upstream + self.path, data=body or None,
+                                         method=self.command)
+            if self.headers.get("Content-Type"):
+                req.add_header("Content-Type", self.headers["Content-Type"])
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    status, kind, data = r.status, r.headers.get("Content-Type"), r.read()
+            except urllib.error.HTTPError as e:
+                status, kind, data = e.code, e.headers.get("Content-Type"), e.read()
+        self.send_response(status)
+        self.send_header("Content-Type", kind or "application/octet-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _relay
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_tracking_server_answering_500_neither_slows_nor_loses_anything(
+        tmp_path, tiny_data, reference, mlflow_server, fault_ledger):
+    proxy = FlakyProxy(mlflow_server.uri)
+    out, exp = tmp_path / "run", "http500"
+    cmd = deepspeed_cmd(2, *run_args(out, tiny_data, f"tracking.experiment={exp}",
+                                     "tracking.flush_every_s=0.2"))
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "MLFLOW_TRACKING_URI": proxy.uri})
+        deadline = time.time() + 300
+        while max(last_values(out), default=0) < 8 if (out / "metrics.jsonl").exists() else True:
+            assert proc.poll() is None and time.time() < deadline, "the run never got to step 8"
+            time.sleep(0.1)
+        proxy.failing = False  # the server recovers while the run goes on
+        assert proc.wait(timeout=300) == 0
+    proxy.shutdown()
+    text = (tmp_path / "run.log").read_text()
+    assert proxy.failures > 0 and text.count("unreachable") == 1, text[-3000:]
+    assert "500" in text.split("unreachable")[1].splitlines()[0]
+
+    client = MlflowClient(mlflow_server.uri)
+    [run] = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+    assert run.info.status == "FINISHED"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
+    metrics_lost = len(set(last_values(out)) - set(history))
+    assert history == last_values(out)  # every step, once, with its value
+    samples_lost, training_changed = compare_with(reference, out)  # training never noticed
+    fault_ledger.record(proxy.failures, 1, samples_lost, metrics_lost + training_changed)
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Non-finite losses
+# --------------------------------------------------------------------------------------------
+def test_nan_steps_are_skipped_then_rolled_back_then_stop_the_run(tmp_path, tiny_data, reference,
+                                                                   fault_ledger):
+    out = tmp_path / "run"
+    # forward passes 1-2 are steps 1-2; pass 3 is NaN (skipped), 4-6 are steps 3-5 (checkpoint 5);
+    # 7-9 are NaN: 3 in a row, roll back to 5; 10-11 are steps 6-7; 12-14 NaN again: stop
+    text = faulty(out, tiny_data, "train.nonfinite_limit=3", "train.max_rollbacks=1",
+                  faults={"nan": [3, 7, 8, 9, 12, 13, 14]}, fails=True)
+    assert "exits with return code = 3" in text
+    assert "step 6: rolled back to" in text and f"{out}/checkpoints/step_00000005" in text
+    [line] = error_lines(text)
+    assert line.startswith("error: training stopped at step 8: 3 non-finite losses in a row "
+                           "(after 1 rollback(s)); none of them was trained on")
+    assert line.endswith("then relaunch: it resumes from the newest checkpoint, which is intact")
+    losses = last_values(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6, 7] and all(map(math.isfinite, losses.values()))
+    assert {s: losses[s] for s in (1, 2)} == {s: last_values(reference)[s] for s in (1, 2)}
+    assert last_values(out, "train/nonfinite_skipped")[7] == 4
+    assert last_values(out, "train/rollbacks")[7] == 1
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [5]
+
+    # 8. the relaunch would resume from step 5, whose shard someone has since replaced with a
+    # pickle that runs code: it is refused before DeepSpeed's loader (weights_only=False) sees it
+    marker, ckpt = tmp_path / "unpickled", out / "checkpoints/step_00000005"
+    shard = ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _CreatesFile(str(marker))}, shard)
+    manifest = json.loads((ckpt / "COMPLETE.json").read_text())  # and its manifest entry
+    manifest["files"][shard.name] = shard.stat().st_size
+    (ckpt / "COMPLETE.json").write_text(json.dumps(manifest))
+    refused = run_deepspeed(2, *run_args(out, tiny_data), fails=True)
+    [line] = error_lines(refused.stderr)
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt' references Python objects" in line
+    assert "refusing to unpickle it" in line and not marker.exists()
+    fault_ledger.record(4, 2)  # the single skip and the rollback; the second streak stops
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Bad configuration on a real 2-rank launch
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override,message", [
+    ("optimzer.lr=0.1", "unknown config key 'optimzer'; did you mean 'optimizer.lr'?"),
+    ("train.global_batch_size=15", "train.global_batch_size=15 is not divisible by world "
+                                   "size 2; pick a multiple of 2"),
+])
+def test_a_bad_config_is_one_line_from_every_rank_before_any_work(override, message, tmp_path,
+                                                                  tiny_data, fault_ledger):
+    out = tmp_path / "run"
+    proc = run_deepspeed(2, *run_args(out, tiny_data, override), fails=True)
+    assert error_lines(proc.stderr) == [f"error: {message}"]
+    assert proc.stderr.count("error: ") == 2 and "Traceback" not in proc.stderr
+    assert not (out / "checkpoints").exists()
+    fault_ledger.record(1, 0)
+
+
+def test_a_finetune_drops_nan_steps_and_stops_on_a_streak(tmp_path, tiny_data, monkeypatch,
+                                                          fault_ledger):
+    """In-process (one rank, Accelerate): a fine-tune drops a whole step whose loss is not
+    finite and, having no checkpoints, stops on a streak."""
+    from finetune.config import FinetuneConfig
+    from finetune.trainer import finetune as train
+    from pretrain import engine
+    from pretrain.config import load_config
+    from pretrain.guard import TrainingStopped
+
+    real, calls = engine.classification_loss, [0]
+
+    def loss(logits, *args, **kwargs):
+        calls[0] += 1
+        return real(logits * float("nan") if calls[0] in (3, 5, 6, 7) else logits, *args,
+                    **kwargs)
+    monkeypatch.setattr(engine, "classification_loss", loss)
+    out = tmp_path / "ft"
+    cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
+        f"output_dir={out}", f"data.root={tiny_data}", "init=null", "data.generate_demo=false",
+        "data.val_split=validation", "data.num_workers=0", "model.img_size=16", "model.depth=2",
+        "model.embed_dim=64", "model.num_heads=2", "model.num_classes=8",
+        "train.global_batch_size=16", "train.total_steps=10", "train.nonfinite_limit=3",
+        "log.every_steps=1", "tracking.system_metrics=false"])
+    with pytest.raises(TrainingStopped, match=r"^training stopped at step 7: 3 non-finite losses "
+                       r"in a row \(fine-tuning keeps no checkpoints to roll back to\); none of "
+                       r"them was trained on\. .* start again$"):
+        train(cfg)
+    skipped = last_values(out, "train/nonfinite_skipped")
+    assert skipped == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 3}  # step 7's verdict stops the run
+    losses = last_values(out)
+    assert all(map(math.isfinite, losses.values())) and len(losses) == 6
+    fault_ledger.record(4, 1)

@@ -214,7 +214,8 @@ class _Evil:
         return os.makedirs, (self.marker,)
 
 
-def test_cifar_refuses_pickles_that_are_not_cifar_batches(tmp_path):
+@pytest.mark.faults
+def test_cifar_refuses_pickles_that_are_not_cifar_batches(tmp_path, fault_ledger):
     raw = synthetic.write_cifar(tmp_path / "raw", "cifar10", n_train=10, n_test=5)
     marker = tmp_path / "code-ran"
     (raw.root / "data_batch_2").write_bytes(pickle.dumps({"data": _Evil(str(marker)), "labels": []}))
@@ -225,6 +226,7 @@ def test_cifar_refuses_pickles_that_are_not_cifar_batches(tmp_path):
     (raw.root / "data_batch_2").write_bytes(pickle.dumps(wrong))
     with pytest.raises(PrepareError, match=r"data_batch_2 does not hold .*N x 3072 uint8"):
         prepare("cifar10", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    fault_ledger.record(2, 0)
 
 
 def test_rerun_resumes_an_interrupted_run_with_identical_output(i21k, tmp_path):

@@ -72,8 +72,9 @@ def report_tracking_time(text):
     print("\n" + "\n".join(found))
 
 
+@pytest.mark.faults
 def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
-        tmp_path, tiny_data, client, mlflow_server):
+        tmp_path, tiny_data, client, mlflow_server, fault_ledger):
     out, exp = tmp_path / "run", "outage"
     proc, log_path = launch(tmp_path, "outage", tiny_run_args(
         out, tiny_data, f"train.total_steps={STEPS}", "eval.every_steps=20",
@@ -120,6 +121,7 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     # every value the trainer logged is in MLflow, once, at its step
     logged = last_values(out)
     assert sorted(logged["train/loss"]) == list(range(1, STEPS + 1))
+    fault_ledger.record(1, 1, metrics_lost=len(set(logged["train/loss"]) - set(steps_of(client, rid))))
     for key in ["train/loss", "train/lr", "train/grad_norm", "perf/images_per_sec",
                 "perf/tflops", "perf/data_wait_frac", "data/skipped_samples",
                 "eval/demo_val/top1", "eval/demo_val/top5"]:

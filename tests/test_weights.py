@@ -377,7 +377,8 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
         load_init(narrower, pretrained["timm"])
 
 
-def test_untrusted_files_are_never_unpickled(pretrained, tmp_path):
+@pytest.mark.faults
+def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger):
     import shutil
 
     marker = tmp_path / "ran"
@@ -401,3 +402,4 @@ def test_untrusted_files_are_never_unpickled(pretrained, tmp_path):
     with pytest.raises(InitError, match="refusing to unpickle"):
         load_init(fresh(pretrained["cfg"].model), ckpt)
     assert not marker.exists()
+    fault_ledger.record(2, 0)
