@@ -1,8 +1,9 @@
 """Steady-state training throughput through the real DeepSpeed engine.
 
-One step here is the trainer's step, component for component: ``prepare_batch`` (uint8 on the
-device -> normalised input of the run's dtype), ``engine(images)``, ``classification_loss``,
-``engine.backward``, ``engine.step`` and the scheduler update, on the engine that
+One step here is the trainer's step: ``prepare_batch`` (uint8 on the device -> normalised input
+of the run's dtype), :func:`pretrain.engine.train_micro_batch` (forward, loss, the non-finite
+check, backward, step -- the very function the trainer calls) and the scheduler update, on the
+engine that
 ``deepspeed.initialize`` builds from :func:`pretrain.engine.deepspeed_config`,
 :func:`pretrain.engine.build_model` and :func:`pretrain.engine.build_optimizer`.
 
@@ -34,6 +35,7 @@ import torch
 from pretrain.config import PretrainConfig, load_config
 from pretrain.distributed import free_port
 from pretrain.engine import input_dtype
+from pretrain.guard import NonFiniteGuard
 from pretrain.metrics import peak_memory_gib
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -143,6 +145,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
     timer = StepTimer(spec.train_flops_per_image(), world_size=world, peak_tflops=peak,
                       cuda_sync=device.type == "cuda")
     step_times = []
+    guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check, timed too
     for step in range(warmup + steps):
         if step == warmup:
             timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
@@ -151,14 +154,11 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         scheduler.step_update(step)
         images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, None, dtype)
         timer.data_ready()
-        loss = eng.classification_loss(engine(images), targets, cfg.train.loss,
-                                       cfg.data.label_smoothing)
-        engine.backward(loss)
-        engine.step()
+        loss = eng.train_micro_batch(engine, images, targets, cfg, guard)
         timer.step_done(images=micro * world)
         step_times.append(time.perf_counter() - start)
     perf = timer.summary()
-    loss_value = float(loss.detach().float().item())
+    loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
         "ranks": world, "zero_stage": eng.zero_stage(ds_config),

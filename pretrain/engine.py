@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -146,6 +148,20 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str,
     if kind == "sigmoid":
         return F.binary_cross_entropy_with_logits(logits, dense, reduction="none").sum(-1).mean()
     return torch.sum(-dense * F.log_softmax(logits, dim=-1), dim=-1).mean()
+
+
+def train_micro_batch(engine, images: torch.Tensor, targets: torch.Tensor, cfg: RunConfig,
+                      guard=None) -> Optional[torch.Tensor]:
+    """One micro-batch through the DeepSpeed engine: forward, loss, backward, step (DeepSpeed
+    applies the update on the accumulation boundary). The trainer and the benchmarks share it,
+    so what they time is what trains. With a :class:`pretrain.guard.NonFiniteGuard`, a loss that
+    is not finite on some rank is dropped on every rank before backward: returns None."""
+    loss = classification_loss(engine(images), targets, cfg.train.loss, cfg.data.label_smoothing)
+    if guard is not None and not guard.finite(loss):
+        return None
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
 
 
 def input_dtype(precision: str) -> torch.dtype:

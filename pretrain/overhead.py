@@ -5,7 +5,8 @@ same uint8 batches, with the same optimizer (:func:`pretrain.engine.build_optimi
 decoupled weight decay on the same parameter groups), the same loss and the same gradient
 clipping:
 
-- **ours**: the trainer's step through ``deepspeed.initialize`` with
+- **ours**: the trainer's step (:func:`pretrain.engine.train_micro_batch`, its non-finite
+  check included) through ``deepspeed.initialize`` with
   :func:`pretrain.engine.deepspeed_config` (ZeRO-2, a world of one, ``train.precision=bf16``):
   DeepSpeed casts the module to bf16 (every op computes in bf16), keeps fp32 master weights
   and fp32 AdamW state in ZeRO's flat partitions, turns the bf16 gradients into fp32 there,
@@ -36,14 +37,13 @@ from pretrain.benchmark import bench_config, build_engine, input_dtype, syntheti
 def _ds_step(cfg, engine, dtype) -> Callable:
     from pretrain import engine as eng
     from pretrain.data.loader import prepare_batch
+    from pretrain.guard import NonFiniteGuard
+
+    guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check too
 
     def step(batch):
         images, targets = prepare_batch(batch, engine.device, cfg.data.normalize, None, dtype)
-        loss = eng.classification_loss(engine(images), targets, cfg.train.loss,
-                                       cfg.data.label_smoothing)
-        engine.backward(loss)
-        engine.step()
-        return loss
+        return eng.train_micro_batch(engine, images, targets, cfg, guard)
     return step
 
 

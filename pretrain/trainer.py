@@ -175,9 +175,8 @@ def train(cfg: PretrainConfig) -> dict:
                                                 dtype)
                 if done == 0:
                     timer.data_ready()
-                loss = eng_lib.classification_loss(engine(images), targets, cfg.train.loss,
-                                                   cfg.data.label_smoothing)
-                if not guard.finite(loss):  # dropped on every rank; the next one replaces it
+                loss = eng_lib.train_micro_batch(engine, images, targets, cfg, guard)
+                if loss is None:  # not finite: dropped on every rank; the next one replaces it
                     if guard.verdict(step) == "rollback":
                         if done:  # these weights gave finite losses in this very step
                             raise guard.stop(step, "the weights of this step gave finite "
@@ -185,9 +184,7 @@ def train(cfg: PretrainConfig) -> dict:
                         step = roll_back(store, engine, guard, step)
                         scheduler.step_update(step)
                     continue
-                engine.backward(loss)
-                engine.step()
-                loss_sum += loss.detach().float()
+                loss_sum += loss.float()
                 done += 1
             # DeepSpeed's own overflow check (ZeRO-1/2) may still have dropped the update
             guard.count_update(engine.was_step_applied())
