@@ -85,7 +85,10 @@ def build_parser(prog: str, description: str, schema: Type[Section],
 
 def fail(message: str, code: int = 2) -> typing.NoReturn:
     """One line on stderr, no traceback: the message names the problem and the fix."""
-    print(f"error: {message}", file=sys.stderr)
+    # one write: the ranks of a job share the launcher's stderr, and print() writes the line and
+    # its newline separately, so two ranks' messages could end up on one line
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
     raise SystemExit(code)
 
 

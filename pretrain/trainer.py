@@ -114,8 +114,6 @@ def train(cfg: PretrainConfig) -> dict:
                                 world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
                                 log_sample_keys=cfg.debug.log_sample_keys,
                                 pin_memory=get_accelerator().device_name() == "cuda")
-    evaluators = build_evaluators(cfg, spec, rank, world, get_accelerator().current_device_name(),
-                                  eng_lib.input_dtype(cfg.train.precision))
 
     seed_everything(cfg.seed)  # identical initial weights on every rank
     model = eng_lib.build_model(cfg, ds_config)
@@ -125,6 +123,7 @@ def train(cfg: PretrainConfig) -> dict:
         engine.compile()
     device = engine.device
     dtype = eng_lib.input_dtype(cfg.train.precision)
+    evaluators = build_evaluators(cfg, spec, rank, world, device, dtype)  # checks the val shards
     steps = total_steps(cfg, loader.num_samples)
     scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
     mixup = build_mixup(cfg.data, spec.num_classes)
