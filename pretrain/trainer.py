@@ -182,6 +182,8 @@ def train(cfg: PretrainConfig) -> dict:
                                                    "losses, so the data is the likely cause")
                         step = roll_back(store, engine, guard, step)
                         scheduler.step_update(step)
+                        loss_sum.zero_()  # the rolled-back steps' losses are not this window's
+                        window = 0
                     continue
                 loss_sum += loss.float()
                 done += 1
