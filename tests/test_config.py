@@ -53,11 +53,13 @@ def test_recipe_inheritance():
     ("seed.value=1", "'seed' is a value, not a section"),
     ("optimizer.lr", "not of the form key=value"),
 ])
-def test_bad_values_name_the_key_in_one_line(override, fragment):
+@pytest.mark.faults
+def test_bad_values_name_the_key_in_one_line(override, fragment, fault_ledger):
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", [override])
     assert fragment in str(e.value)
     assert "\n" not in str(e.value)
+    fault_ledger.record(1, 0)
 
 
 def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp_path):
@@ -70,7 +72,8 @@ def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp
         load_config(PretrainConfig, bad)
 
 
-def test_bad_files_are_one_line_errors(tmp_path):
+@pytest.mark.faults
+def test_bad_files_are_one_line_errors(tmp_path, fault_ledger):
     with pytest.raises(ConfigError, match="not found"):
         load_config(PretrainConfig, tmp_path / "missing.yaml")
     broken = tmp_path / "broken.yaml"
@@ -81,6 +84,7 @@ def test_bad_files_are_one_line_errors(tmp_path):
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(PretrainConfig, listy)
+    fault_ledger.record(3, 0)
 
 
 @pytest.mark.parametrize("world,micro,accum,expect", [
