@@ -4,7 +4,9 @@ Every micro-batch's loss is checked before its backward pass, on all ranks toget
 scalar all-reduce: ranks must agree, or the gradient reduction of those that go on would wait
 for the others forever). A micro-batch whose loss is NaN or infinite on any rank is dropped on
 every rank -- no backward, no optimizer step -- and counted; the step goes on with the next
-micro-batch from the loader, so a single bad batch costs one batch, never the weights.
+micro-batch from the loader, so a single bad batch costs one batch, never the weights. The
+price is that scalar all-reduce and one host sync per micro-batch (on a GPU the CPU waits for
+the forward pass before it queues the backward one); ``benchmark.py`` times the same step.
 
 ``train.nonfinite_limit`` bad micro-batches in a row mean the weights themselves have gone bad
 (or the data has): the run then either rolls back to the newest complete checkpoint and goes on
