@@ -132,7 +132,8 @@ class ShardSet:
             return
         names = ", ".join(os.path.basename(u) for u in gone[:3]) + \
             (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
-        lost = sum(n for u, n in zip(self.urls, self.lengths) if u in gone and n > 0)
+        gone_set = set(gone)
+        lost = sum(n for u, n in zip(self.urls, self.lengths) if u in gone_set and n > 0)
         what = (f"{len(gone)} of {len(self.urls)} '{self.name}' shard files are missing "
                 f"({names}, {lost} samples) in {os.path.dirname(gone[0]) or '.'}")
         if policy == "error":
