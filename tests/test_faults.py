@@ -151,10 +151,14 @@ def small_filesystem(path: Path, size: str):
     """A real size-limited filesystem (tmpfs) at ``path`` when this machine lets us mount one
     (root in a container usually can); ``None`` otherwise, and the caller injects the error."""
     path.mkdir(parents=True, exist_ok=True)
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        print(f"\nno tmpfs here ({mount.stderr.strip()}): injecting ENOSPC instead")
+    try:
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                               capture_output=True, text=True)
+        why = mount.stderr.strip() if mount.returncode else None
+    except FileNotFoundError:
+        why = "no mount command"
+    if why is not None:
+        print(f"\nno tmpfs here ({why}): injecting ENOSPC instead")
         yield None
         return
     try:
