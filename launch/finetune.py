@@ -15,7 +15,7 @@ from pretrain import cli
 
 
 def finetune(cfg: FinetuneConfig) -> None:
-    from finetune.trainer import finetune as run  # imports Accelerate: not for --help/--dry-run
+    from finetune.stage import finetune as run  # imports Accelerate: not for --help/--dry-run
     run(cfg)
 
 

@@ -1,6 +1,10 @@
-"""Checkpoints that survive failures, on top of DeepSpeed's ``save_checkpoint``.
+"""Checkpoints that survive failures, for both stages.
 
-Layout: ``output_dir/checkpoints/step_00001000/`` holds DeepSpeed's files plus ``COMPLETE.json``,
+The files of a checkpoint are the training backend's (DeepSpeed's ``save_checkpoint`` for
+pretraining, Accelerate's ``save_state`` for fine-tuning: see :class:`pretrain.trainer.Backend`);
+this store decides where they go, when a checkpoint counts and which one a relaunch resumes from.
+
+Layout: ``output_dir/checkpoints/step_00001000/`` holds the backend's files plus ``COMPLETE.json``,
 a manifest written by rank 0 only after every rank has returned from its save. A directory
 without a manifest (a kill mid-write), or whose manifest lists a file that is missing or has
 another size (a lost rank's shard), is never loaded: resume takes the newest valid one and says
@@ -88,9 +92,10 @@ class CheckpointStore:
         self.keep_last = keep_last
 
     # -- writing ---------------------------------------------------------------------------
-    def save(self, engine, step: int, client_state: dict) -> Checkpoint:
+    def save(self, backend, step: int, client_state: dict) -> Checkpoint:
         """Every rank calls this; returns once the checkpoint is complete on all ranks, or raises
-        :class:`CheckpointWriteError` on all ranks when any rank could not write its part."""
+        :class:`CheckpointWriteError` on all ranks when any rank could not write its part.
+        ``backend.save_checkpoint`` writes the files and ends in one barrier of all ranks."""
         tag = tag_for(step)
         path = self.root / tag
         if _rank() == 0:
@@ -99,14 +104,13 @@ class CheckpointStore:
         _barrier()
         error = None
         try:
-            engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state,
-                                   save_latest=False)
+            backend.save_checkpoint(self.root, tag, client_state)
         except Exception as e:  # noqa: BLE001 -- full disk, I/O error: torch.save raises either
             error = f"rank {_rank()}: {type(e).__name__}: {e}"
-            # A write fails inside DeepSpeed's write phase, which ends in one barrier: the ranks
-            # that wrote their part wait there, so meet them before agreeing on the outcome.
+            # A write fails inside the backend's write phase, which ends in one barrier: the
+            # ranks that wrote their part wait there, so meet them before agreeing on the outcome.
             _barrier()
-        ckpt = Checkpoint(path, step, engine.world_size, int(engine.zero_optimization_stage()))
+        ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage)
         errors = _errors_on_any_rank(error)
         if not errors and _rank() == 0:
             try:
@@ -180,21 +184,13 @@ class CheckpointStore:
         valid = self.complete(warn=True)
         return valid[0] if valid else None
 
-    def load(self, engine, ckpt: Checkpoint) -> dict:
-        """Load model/optimizer state into ``engine``; returns the client state.
-
-        With a different world size than the one that saved it, the engine must have been
-        built with ``{"checkpoint": {"load_universal": true}}`` and ``prepare_universal`` run.
-        """
-        tag = ckpt.tag if ckpt.world_size == engine.world_size else ckpt.tag + "_universal"
-        check_pickles_are_inert(self.root / tag)  # DeepSpeed unpickles with weights_only=False
-        path, client = engine.load_checkpoint(str(self.root), tag=tag,
-                                              load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.root / tag}")
+    def load(self, backend, ckpt: Checkpoint) -> dict:
+        """Load model/optimizer state into ``backend``; returns the client state (step, loader
+        position, RNG, ...). A DeepSpeed backend on another world size than the one that saved
+        ``ckpt`` reads the universal copy :meth:`prepare_universal` made."""
+        client = backend.load_checkpoint(self.root, ckpt)
         if not client or "step" not in client:  # DeepSpeed carries it through ds_to_universal
-            raise RuntimeError(f"checkpoint {self.root / tag} has no client state (step, loader "
+            raise RuntimeError(f"checkpoint {ckpt.path} has no client state (step, loader "
                                f"position); it was not written by this trainer")
         return client
 
@@ -224,7 +220,8 @@ class CheckpointError(ConfigError):
 
 def check_pickles_are_inert(ckpt: Path) -> None:
     """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
-    loaders will unpickle them with ``weights_only=False``."""
+    loaders will unpickle them with ``weights_only=False``. (Fine-tune checkpoints are read with
+    ``weights_only=True`` and need no screening.)"""
     for f in sorted(ckpt.glob("*.pt")):
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(f)

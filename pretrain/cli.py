@@ -130,16 +130,24 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
          argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None) -> None:
     """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
     input (config, data, checkpoint) ends in one line on stderr and exit code 2, a run that
-    had to stop (see :func:`stop_errors`) in one line and exit code 3."""
+    had to stop (see :func:`stop_errors`) in one line and exit code 3, a run stopped by a
+    signal after a complete checkpoint (``checkpoint.stop_signals``) in one line and exit
+    code 4."""
     args, cfg = parse(schema, prog, description, argv, default_config=default_config)
     if args.print_config:
         print(cfg.to_yaml(), end="")
     elif args.dry_run:
         dry_run(args, cfg)
     else:
+        from pretrain.stopping import EXIT_STOPPED, StoppedBySignal
         try:
             run(cfg)
         except user_errors() as e:
             fail(str(e))
         except stop_errors() as e:
             fail(str(e), code=3)
+        except StoppedBySignal as e:  # not an error: the run goes on when relaunched
+            if os.environ.get("RANK", "0") == "0":
+                sys.stderr.write(f"stopped: {e}\n")
+                sys.stderr.flush()
+            raise SystemExit(EXIT_STOPPED)

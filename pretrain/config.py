@@ -180,6 +180,17 @@ class CheckpointConfig(Section):
     on_write_error: Literal["stop", "continue"] = Field(
         "stop", description="stop: end the run with the error; continue: warn, train on, try "
                             "again at the next checkpoint (the last save must succeed)")
+    # A scheduler ends a job with a signal and kills it a grace period later (SLURM: SIGTERM,
+    # then SIGKILL after KillWait, 30 s by default; --signal=USR1@180 asks for an early warning;
+    # Kubernetes: SIGTERM, terminationGracePeriodSeconds 30; Ctrl-C: SIGINT). On any of these
+    # every rank finishes its step, a checkpoint of that step is written and the run exits
+    # with code 4; relaunching resumes there (pretrain/stopping.py).
+    stop_signals: Tuple[Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"], ...] = Field(
+        ("SIGTERM", "SIGINT", "SIGUSR1"), description="checkpoint and stop on these signals "
+        "(exit code 4; [] : die on them as usual)")
+    grace_period_s: float = Field(30.0, gt=0, description="the scheduler's time between the "
+                                  "signal and SIGKILL: a stop checkpoint taking over half of "
+                                  "it is warned about")
 
 
 class DeepSpeedConfig(Section):

@@ -44,7 +44,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def is_distributed() -> bool:
+    """A process group of more than one rank (Accelerate leaves a world of one uninitialised)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def gather(obj, world: int) -> list:
+    """Every rank's ``obj``, in rank order (collective)."""
+    if not is_distributed():
+        return [obj]
     out = [None] * world
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_reduce_sum(values: list, device) -> list[float]:
+    """Sums over ranks of a few scalars (tensors or numbers), in one collective."""
+    import torch
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                     for v in values])
+    if is_distributed():
+        dist.all_reduce(t)
+    return t.tolist()

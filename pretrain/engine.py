@@ -1,5 +1,6 @@
 """DeepSpeed engine from the typed config: ZeRO stage, precision, optimizer with decoupled
-weight decay, warmup + decay schedule (timm's schedulers), losses, and ZeRO-3 model building."""
+weight decay, warmup + decay schedule (timm's schedulers), losses, ZeRO-3 model building, and
+:class:`DeepSpeedBackend`, the pretraining backend of the training loop."""
 from __future__ import annotations
 
 import json
@@ -74,8 +75,7 @@ def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
             model.backbone.init_weights()
             model.init_head(bias=cfg.model.head_bias_init, zero=cfg.model.head_zero_init)
-    if cfg.train.activation_checkpointing:
-        model.backbone.set_grad_checkpointing(True)
+    apply_train_options(model, cfg)
     # Lets DeepSpeed's ds_to_universal convert our checkpoints for a new world size; a plain
     # data-parallel model needs no tensor-parallel patterns, only the format version.
     from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
@@ -84,6 +84,12 @@ def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
     setattr(model, UNIVERSAL_CHECKPOINT_INFO,
             {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
     return model
+
+
+def apply_train_options(model: ViTClassifier, cfg: RunConfig) -> None:
+    """What ``train.*`` changes in the model itself, for both stages' backends."""
+    if cfg.train.activation_checkpointing:  # recompute each block's activations in backward
+        model.backbone.set_grad_checkpointing(True)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -167,3 +173,72 @@ def train_micro_batch(engine, images: torch.Tensor, targets: torch.Tensor, cfg: 
 def input_dtype(precision: str) -> torch.dtype:
     """The dtype DeepSpeed's engine expects its inputs in for ``train.precision``."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+class DeepSpeedBackend:
+    """Pretraining's backend for :func:`pretrain.trainer.train`: a DeepSpeed engine (ZeRO 0-3,
+    bf16/fp16, gradient clipping) and DeepSpeed's checkpoint files. The fine-tuning twin is
+    :class:`finetune.backend.AccelerateBackend`; both offer the same attributes and methods."""
+
+    def __init__(self):
+        from deepspeed.accelerator import get_accelerator
+
+        from pretrain.distributed import init_distributed
+        self.rank, self.world_size = init_distributed()
+        self.on_gpu = get_accelerator().device_name() == "cuda"
+        self.engine = self.optimizer = self.ds_config = None
+
+    def build(self, cfg: RunConfig, micro: int, accum: int, resume, store,
+              init_weights=None) -> None:
+        """Model, optimizer and engine; ``resume`` (a :class:`pretrain.checkpoint.Checkpoint`
+        or None) written on another world size is first converted to a universal checkpoint."""
+        import deepspeed
+        if init_weights is not None:
+            raise NotImplementedError("pretraining starts from the model's own initialisation")
+        self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
+        if resume is not None and resume.world_size != self.world_size:
+            self.ds_config["checkpoint"] = {"load_universal": True}
+            store.prepare_universal(resume)
+        model = build_model(cfg, self.ds_config)
+        self.optimizer = build_optimizer(model, cfg)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                                    config=self.ds_config)
+        if cfg.train.compile:
+            self.engine.compile()
+        self.device = self.engine.device
+        self.dtype = input_dtype(cfg.train.precision)
+        self.zero_stage = zero_stage(self.ds_config)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def config_artifact(self) -> Optional[dict]:
+        """Logged next to the run's config in MLflow."""
+        return self.ds_config
+
+    def train_micro_batch(self, images, targets, cfg: RunConfig, guard, last: bool):
+        # DeepSpeed knows the accumulation boundary itself: ``last`` is for other backends
+        return train_micro_batch(self.engine, images, targets, cfg, guard)
+
+    def update_applied(self) -> bool:
+        return self.engine.was_step_applied()
+
+    def grad_norm(self) -> float:
+        return float(self.engine.get_global_grad_norm() or 0.0)
+
+    def save_checkpoint(self, root: Path, tag: str, client_state: dict) -> None:
+        # ends in a barrier of all ranks (CheckpointStore.save relies on it)
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
+                                    save_latest=False)
+
+    def load_checkpoint(self, root: Path, ckpt) -> dict:
+        from pretrain.checkpoint import check_pickles_are_inert
+        tag = ckpt.tag if ckpt.world_size == self.world_size else ckpt.tag + "_universal"
+        check_pickles_are_inert(Path(root) / tag)  # DeepSpeed unpickles with weights_only=False
+        path, client = self.engine.load_checkpoint(str(root), tag=tag,
+                                                   load_optimizer_states=True,
+                                                   load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {Path(root) / tag}")
+        return client

@@ -7,6 +7,9 @@
   :class:`JsonlLogger` appends to ``output_dir/metrics.jsonl``, :class:`ConsoleLogger` prints the
   progress line, :func:`build_logger` gives rank 0 both and every other rank a no-op. The MLflow
   sink of the tracking issue implements the same two methods.
+- :class:`LineFile`: the append-only file under the JSONL sink and the MLflow spool; a write that
+  fails (a full disk) is counted in the sink's ``unwritten`` and skipped, never raised, and the
+  sink warns once.
 
 Metric names: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/images_per_sec``,
 ``perf/tflops``, ``perf/mfu``, ``perf/data_wait_frac``, ``data/skipped_samples`` and
@@ -176,6 +179,8 @@ class MetricsLogger(Protocol):
 class NullLogger:
     """What ranks other than 0 get: logging is rank 0's job."""
 
+    unwritten = 0
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
 
@@ -187,39 +192,102 @@ def _as_float(value) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
 
+class LineFile:
+    """An append-only file of lines whose writes never raise: on a full disk a multi-day run
+    must lose log lines, not its training.
+
+    ``append`` returns the byte offset just past the line, or None when the line is not in the
+    file; such lines are counted in ``unwritten`` and each failure goes to ``on_error`` (the
+    sink warns once). A write the disk cut short leaves a partial line; the next line then starts
+    on a fresh one, so the partial one stays the only damaged line -- as after a crash, whose
+    partial last line is handled the same way when the file is opened again.
+    """
+
+    def __init__(self, path: os.PathLike | str, on_error: Callable[[OSError], None]):
+        self.path = Path(path)
+        self.unwritten = 0
+        self._on_error = on_error
+        # os-level, unbuffered: a failed write must not stay in a buffer that a later write or
+        # close() would retry (and raise from)
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                          0o644)
+        self.offset = os.lseek(self._fd, 0, os.SEEK_END)
+        self._at_line_start = True
+        if self.offset:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset - 1)
+                self._at_line_start = f.read(1) == b"\n"
+
+    def append(self, line: bytes) -> Optional[int]:
+        data = line if self._at_line_start else b"\n" + line
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            self._on_error(e)
+        self.offset += done
+        if done:
+            self._at_line_start = data[done - 1:done] == b"\n"
+        # the record is the text before the newline: with only the newline missing it is in the
+        # file (readers take a last line without one), and the next append writes the newline
+        if done >= len(data) - 1:
+            return self.offset + len(data) - done
+        self.unwritten += 1
+        return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+
 class JsonlLogger:
     """One JSON object per ``log`` call, ``{"step": s, "time": unix_s, <metric>: value, ...}``,
-    appended to ``path`` and flushed at once.
+    appended to ``path`` and in the OS's hands at once.
 
     The file is never truncated: a resumed run appends, so steps between the last checkpoint
     and a crash appear twice -- the later line is the one that counts. NaN/inf are written as
     Python's json writes them (``NaN``), because a diverging loss must stay visible.
+
+    A full disk does not stop training: one warning, then records that cannot be written are
+    counted in ``unwritten`` (the trainer can log that count) and writing resumes by itself
+    once there is space again.
     """
 
     def __init__(self, path: os.PathLike | str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A crash mid-write leaves a partial last line; start on a fresh one so it stays the
-        # only damaged line.
-        partial = False
-        if self.path.exists() and self.path.stat().st_size > 0:
-            with open(self.path, "rb") as f:
-                f.seek(-1, os.SEEK_END)
-                partial = f.read(1) != b"\n"
-        self._file = open(self.path, "a", encoding="utf-8")
-        if partial:
-            self._file.write("\n")
-            self._file.flush()
+        self._error: Optional[OSError] = None
+        self._file = LineFile(self.path, self._write_failed)
+
+    @property
+    def unwritten(self) -> int:
+        """Records that could not be written to the file."""
+        return self._file.unwritten
+
+    def _write_failed(self, exc: OSError) -> None:
+        if self._error is None:
+            self._error = exc
+            log.warning("cannot write metrics to %s (%s); training goes on, records that do not "
+                        "fit are skipped and counted", self.path, exc)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         record = {"step": int(step), "time": round(time.time(), 3)}
         record.update((k, _as_float(v)) for k, v in metrics.items())
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._file.append((json.dumps(record) + "\n").encode())
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        if self._file.closed:
+            return
+        self._file.close()
+        if self.unwritten:
+            log.warning("%d metric records were not written to %s (%s)", self.unwritten,
+                        self.path, self._error)
 
 
 def read_jsonl(path: os.PathLike | str) -> list[dict]:
@@ -298,6 +366,11 @@ class MultiLogger:
 
     def __init__(self, *sinks: MetricsLogger):
         self.sinks = sinks
+
+    @property
+    def unwritten(self) -> int:
+        """Records its sinks could not write to disk (a full disk), summed."""
+        return sum(getattr(sink, "unwritten", 0) for sink in self.sinks)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for sink in self.sinks:

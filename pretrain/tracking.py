@@ -30,13 +30,22 @@ How it stays out of the way (:class:`MlflowTracker`):
   MLflow already holds. MLflow keeps every value logged at a step (``get_metric_history``
   returns duplicates), so this filter is what keeps one value per step: steps the killed job
   delivered after its last checkpoint keep the killed job's values (identical on an exact resume).
+- Stopped by a signal: the trainer ends the run KILLED with ``stop.*`` tags
+  (``close("KILLED", tags=...)``); ``stop.count`` counts the stops. The relaunch re-opens the same
+  run (RUNNING again), which ends FINISHED: one run in the UI, the stops in its tags.
+- Full disk: ONE warning per tracker; a record that cannot be spooled is still queued and sent
+  (``unwritten`` counts those, which a crash would lose), state files and artifacts are written
+  again once there is space. Nothing raises into the training thread.
+- The experiment is tagged ``mlflow.experimentKind=custom_model_development``: MLflow 3's UI then
+  opens it on its runs, not on the GenAI traces view.
 
 Spool line: ``{"step": 12, "time": <unix ms>, "metrics": {"train/loss": 2.1, ...}}``.
 """
 from __future__ import annotations
 
-import collections
 import atexit
+import collections
+import contextlib
 import fcntl
 import io
 import json
@@ -50,7 +59,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,11 @@ CURSOR = "delivered"
 ARTIFACTS = "artifacts"
 LOCK = "lock"
 SAMPLES_PNG = "train_samples.png"
+# MLflow 3's UI picks its view per experiment from this tag (JS: ExperimentKind); without it
+# an experiment opens in the GenAI view, where training runs do not show
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+STOP_COUNT_TAG = "stop.count"
 
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes) and waits 120 s per
 # request by default; our thread retries by itself, so each attempt should fail fast. Set only
@@ -185,16 +199,29 @@ class RunState:
     tags: dict = field(default_factory=dict)
     params_logged: bool = False
     uploaded: list = field(default_factory=list)  # artifact paths already in MLflow
-    ended: Optional[str] = None  # FINISHED / FAILED once the job is over
+    ended: Optional[str] = None  # FINISHED / FAILED / KILLED once the job is over
+    end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
+    stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
 
     @classmethod
     def load(cls, track_dir: Path) -> "RunState":
         return cls(**json.loads((track_dir / STATE).read_text()))
 
     def save(self, track_dir: Path) -> None:
-        tmp = track_dir / (STATE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        os.replace(tmp, track_dir / STATE)
+        _replace(track_dir / STATE, json.dumps(asdict(self), indent=1).encode())
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all; a failed write (a full disk) leaves no temp file
+    taking room."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_cursor(track_dir: Path) -> int:
@@ -205,9 +232,7 @@ def read_cursor(track_dir: Path) -> int:
 
 
 def write_cursor(track_dir: Path, offset: int) -> None:
-    tmp = track_dir / (CURSOR + ".tmp")
-    tmp.write_text(str(offset))
-    os.replace(tmp, track_dir / CURSOR)
+    _replace(track_dir / CURSOR, str(offset).encode())
 
 
 def read_spool(path: Path, offset: int = 0) -> Iterator[tuple[dict, int]]:
@@ -258,17 +283,36 @@ def is_permanent(exc: BaseException) -> bool:
 
 class Remote:
     """One run's connection: create or re-attach the run, upload artifacts, send records.
-    Every method may raise when the server is unreachable; the state on disk stays consistent."""
+    Every method may raise when the server is unreachable; the state on disk stays consistent.
+    With ``on_write_error``, failing writes of run.json and the cursor go there instead of
+    raising (the running job: its state in memory is what counts; the files only help a resume
+    or upload_spool.py do less work)."""
 
-    def __init__(self, track_dir: Path, state: RunState):
+    def __init__(self, track_dir: Path, state: RunState,
+                 on_write_error: Optional[Callable[[Path, OSError], None]] = None):
         for k, v in HTTP_DEFAULTS.items():
             os.environ.setdefault(k, v)
         self.dir = track_dir
         self.state = state
+        self.on_write_error = on_write_error
         self.client = None  # made on first connect: importing mlflow takes seconds
         self.connected = False
         self.resumed = state.run_id is not None  # attaching to a run that exists already
         self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
+
+    def save_state(self) -> None:
+        self._write(self.dir / STATE, lambda: self.state.save(self.dir))
+
+    def _save_cursor(self, offset: int) -> None:
+        self._write(self.dir / CURSOR, lambda: write_cursor(self.dir, offset))
+
+    def _write(self, path: Path, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as e:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(path, e)
 
     def connect(self, reopen: bool = True) -> str:
         """Find or create the run; ``reopen`` marks an ended run RUNNING again (a resumed job)."""
@@ -287,20 +331,25 @@ class Remote:
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
+                # MLflow's count wins when this output_dir's run.json does not know the stops
+                s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
                 if reopen and run.info.status != "RUNNING":
                     self.client.update_run(s.run_id, status="RUNNING")
+                self._mark_experiment(run.info.experiment_id)
         if s.run_id is None:
             exp = self.client.get_experiment_by_name(s.experiment)
             if exp is None:
                 try:
-                    exp_id = self.client.create_experiment(s.experiment)
+                    exp_id = self.client.create_experiment(
+                        s.experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
                 except Exception:  # noqa: BLE001 -- another job created it meanwhile
                     exp_id = self.client.get_experiment_by_name(s.experiment).experiment_id
             else:
                 exp_id = exp.experiment_id
+                self._mark_experiment(exp_id, exp)
             run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags)
             s.run_id = run.info.run_id
-            s.save(self.dir)  # from now on a retry re-attaches instead of creating another
+            self.save_state()  # from now on a retry re-attaches instead of creating another
             self.last_step = {}
         if not s.params_logged:
             items = sorted(s.params.items())
@@ -308,9 +357,23 @@ class Remote:
                 self.client.log_batch(s.run_id, params=[
                     Param(k, v) for k, v in items[i:i + MAX_PARAMS_PER_BATCH]])
             s.params_logged = True
-            s.save(self.dir)
+            self.save_state()
         self.connected = True
         return s.run_id
+
+    def _mark_experiment(self, exp_id: str, exp=None) -> None:
+        """Tag an experiment made before this tag existed (or by someone else); a user's own
+        choice of kind stays. Best effort: a server that refuses it must not cost the run."""
+        try:
+            exp = exp or self.client.get_experiment(exp_id)
+            if EXPERIMENT_KIND_TAG not in exp.tags:
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise  # the server is down: the whole attempt is retried
+            log.info("could not tag experiment %s with %s (%s); the MLflow 3 UI shows its runs "
+                     "with ?workflowType=machine_learning", exp_id, EXPERIMENT_KIND_TAG,
+                     _one_line(e))
 
     def upload_artifacts(self) -> int:
         root = self.dir / ARTIFACTS
@@ -322,12 +385,13 @@ class Remote:
             self.client.log_artifact(self.state.run_id, str(p),
                                      artifact_path=None if sub == "." else sub)
             self.state.uploaded.append(p.relative_to(root).as_posix())
-            self.state.save(self.dir)
+            self.save_state()
         return len(new)
 
     def send(self, records: collections.deque) -> int:
-        """Send ``records`` ((record, spool end offset), oldest first), popping each once it is
-        in MLflow and advancing the cursor. Returns how many were sent."""
+        """Send ``records`` ((record, spool end offset or None if it is not in the spool), oldest
+        first), popping each once it is in MLflow and advancing the cursor. Returns how many were
+        sent."""
         from mlflow.entities import Metric
         sent = 0
         while records:
@@ -355,12 +419,29 @@ class Remote:
             self.last_step = last
             for _ in batch:
                 records.popleft()
-            write_cursor(self.dir, batch[-1])
+            spooled = [end for end in batch if end is not None]
+            if spooled:
+                self._save_cursor(spooled[-1])
             sent += len(batch)
         return sent
 
     def finish(self, status: str) -> None:
+        """End the run; its end tags go on first, so a run never shows KILLED without why."""
+        from mlflow.entities import RunTag
+        tags = dict(self.state.end_tags)
+        if self.state.stops:
+            tags[STOP_COUNT_TAG] = str(self.state.stops)
+        if tags:
+            self.client.log_batch(self.state.run_id, tags=[
+                RunTag(k, str(v)) for k, v in sorted(tags.items())])
         self.client.set_terminated(self.state.run_id, status)
+
+
+def _int(text: Optional[str]) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
 
 
 def _one_line(exc: BaseException) -> str:
@@ -376,17 +457,22 @@ def _one_line(exc: BaseException) -> str:
 # The sink
 # --------------------------------------------------------------------------------------------
 class NoTracking:
-    """Ranks other than 0, or ``tracking.enabled=false``: the same calls, doing nothing."""
+    """Ranks other than 0, or ``tracking.enabled=false``: every public call of
+    :class:`MlflowTracker`, doing nothing."""
 
     run_id = None
+    unwritten = 0
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def log_artifact_bytes(self, name: str, data: bytes) -> None:
         pass
 
     def log_sample_grid(self, images) -> None:
         pass
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
 
@@ -396,28 +482,32 @@ class MlflowTracker:
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
                  system_metrics: bool = True, flush_every_s: float = 2.0,
                  close_timeout_s: float = 120.0):
+        # not at the top: pretrain.metrics imports torch, which upload_spool.py does not need
+        from pretrain.metrics import LineFile
+
         self.dir = Path(track_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock(self.dir)
         if self._lock is None:
             raise TrackingError(f"{self.dir} is locked by another process (a job still running, "
                                 f"or upload_spool.py); wait for it to end")
+        self._write_error: Optional[OSError] = None
+        self._write_error_lock = threading.Lock()  # both threads write; one warning in all
+        # artifacts the disk had no room for, kept until it has (name -> bytes); the lock
+        # also keeps both threads from writing the same file at once
+        self._held: dict[str, bytes] = {}
+        self._held_lock = threading.Lock()
         self.state = state
+        self._remote = Remote(self.dir, state, on_write_error=self._write_failed)
         state.ended = None
-        state.save(self.dir)
+        self._remote.save_state()
         self.flush_every_s = flush_every_s
         self.close_timeout_s = close_timeout_s
         self.system_metrics = system_metrics
-        self._remote = Remote(self.dir, state)
         # undelivered records of an earlier job in this output_dir go first
         self._pending: collections.deque = collections.deque()
         self._outbox = collections.deque(read_spool(self.dir / SPOOL, read_cursor(self.dir)))
-        spool = self.dir / SPOOL
-        if spool.exists() and spool.stat().st_size and not spool.read_bytes().endswith(b"\n"):
-            with open(spool, "ab") as f:  # a kill cut the last line: start on a fresh one
-                f.write(b"\n")
-        self._spool = open(spool, "ab")
-        self._offset = self._spool.tell()
+        self._spool = LineFile(self.dir / SPOOL, lambda e: self._write_failed(self.dir / SPOOL, e))
         self._stop = threading.Event()
         self._down = False
         self._monitor = None
@@ -436,49 +526,92 @@ class MlflowTracker:
     def run_id(self) -> Optional[str]:
         return self.state.run_id
 
+    @property
+    def unwritten(self) -> int:
+        """Records that could not be written to the spool (a full disk). They are still sent to
+        MLflow from memory; only a crash before that loses them."""
+        return self._spool.unwritten
+
+    def _write_failed(self, path: Path, exc: OSError) -> None:
+        with self._write_error_lock:
+            if self._write_error is not None:
+                return
+            self._write_error = exc
+        log.warning("cannot write %s (%s); training goes on, metrics still go to MLflow from "
+                    "memory, records missing from the spool are counted", path, exc)
+
     # -- training thread -------------------------------------------------------------------
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         t0 = time.perf_counter()
         rec = {"step": int(step), "time": int(time.time() * 1000),
                "metrics": {k: float(v.item() if hasattr(v, "item") else v)
                            for k, v in metrics.items()}}
-        line = (json.dumps(rec) + "\n").encode()
-        self._spool.write(line)
-        self._spool.flush()  # in the OS's hands: survives a SIGKILL of this process
-        self._offset += len(line)
-        self._pending.append((rec, self._offset))
+        # in the OS's hands at once: survives a SIGKILL of this process. Queued whether or not
+        # it made it to disk: the thread sends it either way
+        end = self._spool.append((json.dumps(rec) + "\n").encode())
+        self._pending.append((rec, end))
         self.log_calls += 1
         self.seconds_in_log += time.perf_counter() - t0
 
     def log_artifact_bytes(self, name: str, data: bytes) -> None:
-        """Queue a file for the run's artifacts (uploaded by the thread)."""
-        path = self.dir / ARTIFACTS / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        """Queue a file for the run's artifacts (uploaded by the thread). On a full disk it is
+        kept in memory and written once there is room."""
+        with self._held_lock:
+            self._held[name] = data
+        self._write_held()
+
+    def _write_held(self) -> None:
+        with self._held_lock:
+            for name, data in list(self._held.items()):
+                path = self.dir / ARTIFACTS / name
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    _replace(path, data)
+                except OSError as e:
+                    self._write_failed(path, e)
+                else:
+                    del self._held[name]
 
     def log_sample_grid(self, images) -> None:
         t0 = time.perf_counter()
         self.log_artifact_bytes(SAMPLES_PNG, sample_grid_png(images))
         self.seconds_setup += time.perf_counter() - t0
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         """Deliver what is pending (waiting up to ``close_timeout_s`` for an unreachable server),
-        end the run, say where anything undelivered is."""
+        set ``tags`` on the run and end it with ``status``, say where anything undelivered is.
+
+        ``close("KILLED", tags={"stop.signal": "SIGTERM", "stop.step": "7"})`` after a signal
+        stop also counts it in the ``stop.count`` tag; the tags are kept (run.json) so that
+        upload_spool.py sets them when the server was down, and stay on the run when a resumed
+        job re-opens it and ends it FINISHED.
+        """
         if self._closed:
             return
         self._closed = True
+        self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
+        if status == "KILLED":
+            self.state.stops += 1
         self.state.ended = status
         self._stop.set()
         self._thread.join(self.close_timeout_s + 60)
         self._spool.close()
-        left = len(self._pending) + len(self._outbox)
-        self.state.save(self.dir)
+        self._write_held()  # the disk may have room again: upload_spool.py can send them then
+        self._remote.save_state()
+        left = list(self._pending) + list(self._outbox)
+        lost = sum(end is None for _, end in left)
         if left:
-            log.warning("%d metric records not delivered to MLflow at %s; they are in %s: "
-                        "`python launch/upload_spool.py %s` sends them", left, self.state.uri,
-                        self.dir / SPOOL, self.dir.parent)
+            log.warning("%d metric records not delivered to MLflow at %s; %d of them are in %s: "
+                        "`python launch/upload_spool.py %s` sends them", len(left),
+                        self.state.uri, len(left) - lost, self.dir / SPOOL, self.dir.parent)
+        if self.unwritten:
+            log.warning("%d metric records were not written to %s (%s); %s", self.unwritten,
+                        self.dir / SPOOL, self._write_error,
+                        f"{lost} of them never reached MLflow either: lost" if lost
+                        else "all of them reached MLflow")
+        if self._held:
+            log.warning("artifacts %s were not written to %s (%s) and are not in MLflow",
+                        ", ".join(sorted(self._held)), self.dir / ARTIFACTS, self._write_error)
         if self.log_calls:
             log.info("tracking: %d log calls took %.3f ms in the training thread (%.3f ms per "
                      "call); setup %.1f ms once", self.log_calls, 1e3 * self.seconds_in_log,
@@ -530,6 +663,8 @@ class MlflowTracker:
 
     def _attempt(self) -> None:
         r = self._remote
+        if self._held:  # the disk was full: maybe there is room again
+            self._write_held()
         if not r.connected:
             r.connect()
             if self.system_metrics:

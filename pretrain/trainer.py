@@ -1,5 +1,19 @@
-"""The pretraining loop, top to bottom: distributed setup, resume, the step, evaluation,
-checkpoints. Components (data, engine, checkpoints, evaluators, metrics) live in their modules."""
+"""The training loop of both stages, top to bottom: setup, resume, the step, metrics,
+evaluation, checkpoints, stopping on a signal.
+
+What differs between pretraining and fine-tuning is small and lives elsewhere:
+
+- the **backend** runs the step and writes the checkpoint files: a DeepSpeed engine for
+  pretraining (:class:`pretrain.engine.DeepSpeedBackend`), Accelerate for fine-tuning
+  (:class:`finetune.backend.AccelerateBackend`);
+- the **stage** says which model weights to start from, what is evaluated (and on which
+  weights: EMA) and what is exported: :class:`pretrain.stage.PretrainStage`,
+  :class:`finetune.stage.FinetuneStage`.
+
+Everything else -- exact resume of data, weights, optimizer, RNG and MLflow run; the
+non-finite guard and rollback; checkpoint failures; stopping on SIGTERM/SIGINT/SIGUSR1 with
+a checkpoint of the step in progress -- is written once, here, and holds for both stages.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,20 +21,20 @@ import logging
 import math
 import random
 import socket
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from pretrain import engine as eng_lib
 from pretrain.checkpoint import Checkpoint, CheckpointStore, CheckpointWriteError
-from pretrain.config import ConfigError, PretrainConfig, load_config, save_config, to_yaml
-from pretrain.distributed import gather, init_distributed
+from pretrain.config import ConfigError, RunConfig, load_config, save_config, to_yaml
+from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard
 from pretrain.model import resolve_spec
+from pretrain.stopping import StopSignals, StoppedBySignal
 
 log = logging.getLogger("pretrain")
 
@@ -35,7 +49,7 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S",
                         force=True)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -56,14 +70,14 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def check_same_run(out: Path, cfg: PretrainConfig, resume: Optional[Checkpoint]) -> None:
+def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:
     """Refuse to continue someone else's run: a resumed checkpoint must be of this model."""
     if resume is None:
         return
     saved = out / "config.yaml"
     if not saved.is_file():
         return
-    old = load_config(PretrainConfig, saved)
+    old = load_config(type(cfg), saved)
     if old.model != cfg.model:
         diff = [k for k in cfg.model.model_fields if getattr(old.model, k) != getattr(cfg.model, k)]
         raise ConfigError(
@@ -72,7 +86,7 @@ def check_same_run(out: Path, cfg: PretrainConfig, resume: Optional[Checkpoint])
             f"pick a new output_dir or set checkpoint.resume=false")
 
 
-def total_steps(cfg: PretrainConfig, samples_per_epoch: int) -> int:
+def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
     if cfg.train.total_steps:
         return cfg.train.total_steps
     return max(1, math.ceil(cfg.train.epochs * samples_per_epoch / cfg.train.global_batch_size))
@@ -81,60 +95,57 @@ def total_steps(cfg: PretrainConfig, samples_per_epoch: int) -> int:
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
-def train(cfg: PretrainConfig) -> dict:
-    """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view)."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
+def train(cfg: RunConfig, stage=None) -> dict:
+    """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
+    ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
     from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
-    from pretrain.demo import ensure_demo_data
+    from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due
-    from pretrain.metrics import (MultiLogger, StepTimer, build_logger, peak_memory_gib,
-                                  peak_tflops)
+    from pretrain.metrics import MultiLogger, StepTimer, build_logger, peak_memory_gib, \
+        peak_tflops
+    from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
 
-    rank, world = init_distributed()
+    stage = stage or PretrainStage()
+    backend = stage.backend(cfg)  # joins the process group
+    rank, world = backend.rank, backend.world_size
     setup_logging(rank)
-    if cfg.data.generate_demo:
-        ensure_demo_data(cfg.data.root, cfg.model.num_classes)
+    # From here a stop signal is only noted; the ranks act on it together at a step boundary.
+    stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
+    stage.prepare_data(cfg)
     micro, accum = cfg.train.batch_layout(world)
     out = Path(cfg.output_dir)
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest() if cfg.checkpoint.resume else None
     check_same_run(out, cfg, resume)
 
-    ds_config = eng_lib.deepspeed_config(cfg, micro, accum, world)
-    if resume is not None and resume.world_size != world:
-        ds_config["checkpoint"] = {"load_universal": True}
-        store.prepare_universal(resume)
-
     # the data first: a missing shard or a bad info file fails here, before the model is built
     spec = resolve_spec(cfg.model)
     loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
                                 world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
+                                holdout=stage.holdout(cfg),
                                 log_sample_keys=cfg.debug.log_sample_keys,
-                                pin_memory=get_accelerator().device_name() == "cuda")
+                                pin_memory=backend.on_gpu)
 
     seed_everything(cfg.seed)  # identical initial weights on every rank
-    model = eng_lib.build_model(cfg, ds_config)
-    optimizer = eng_lib.build_optimizer(model, cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    if cfg.train.compile:
-        engine.compile()
-    device = engine.device
-    dtype = eng_lib.input_dtype(cfg.train.precision)
-    evaluators = build_evaluators(cfg, spec, rank, world, device, dtype)  # checks the val shards
+    backend.build(cfg, micro, accum, resume, store,
+                  init_weights=stage.init_weights if resume is None else None)
+    evaluators = stage.evaluators(cfg, spec, backend)  # checks the eval shards now
     steps = total_steps(cfg, loader.num_samples)
-    scheduler = eng_lib.build_scheduler(optimizer, cfg, steps)
+    scheduler = build_scheduler(backend.optimizer, cfg, steps)
     mixup = build_mixup(cfg.data, spec.num_classes)
+    guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
+                           cfg.train.max_rollbacks)
 
     step, run_id = 0, None
     if resume is not None:
-        client = store.load(engine, resume)
+        client = store.load(backend, resume)
         step, run_id = int(client["step"]), client.get("tracking_run_id")
         loader.load_state_dict(client["loader"])
         if resume.world_size == world:  # dropout / drop-path draws continue exactly
             set_rng_state(client["rng"][rank])
+        guard.skipped = int(client.get("nonfinite_skipped", 0))
+        stage.load_state_dict(client.get("stage") or {})
         log.info("resumed from %s at step %d", resume.path, step)
     elif rank == 0:
         save_config(cfg, out / "config.yaml")
@@ -142,27 +153,26 @@ def train(cfg: PretrainConfig) -> dict:
         out.mkdir(parents=True, exist_ok=True)
 
     # MLflow on rank 0: one more sink; the same MLflow run when resuming (id from the checkpoint)
-    tracker = start_tracking(cfg, "pretrain", out, rank, world_size=world, ds_config=ds_config,
+    tracker = start_tracking(cfg, stage.name, out, rank, world_size=world,
+                             ds_config=backend.config_artifact(),
                              hosts=gather(socket.gethostname(), world), run_id=run_id,
-                             resumed_at=step if resume is not None else None)
+                             resumed_at=step if resume is not None else None,
+                             extra_tags=stage.tracking_tags())
     sink = MultiLogger(build_logger(out, steps, rank), tracker)
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))
     if rank == 0:
-        log.info("training %s for %d steps: global batch %d = %d ranks x %d x %d accumulation, "
-                 "%.3f TFLOP per image", spec.name, steps, cfg.train.global_batch_size, world,
-                 micro, accum, spec.train_flops_per_image() / 1e12)
+        log.info("%s %s at %d px for %d steps%s: global batch %d = %d ranks x %d x %d "
+                 "accumulation, %.3f TFLOP per image", stage.verb, spec.name, spec.img_size,
+                 steps, stage.describe_start(), cfg.train.global_batch_size, world, micro, accum,
+                 spec.train_flops_per_image() / 1e12)
 
     batches = iter(loader)
     if resume is None:  # a picture of what the model sees: the first batch, augmented
         first = next(batches)
         tracker.log_sample_grid(first.images)
         batches = itertools.chain([first], batches)
-    guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
-                           cfg.train.max_rollbacks)
-    if resume is not None:
-        guard.skipped = int(client.get("nonfinite_skipped", 0))
-    loss_sum, window = torch.zeros((), device=device), 0
+    loss_sum, window = torch.zeros((), device=backend.device), 0
     failed_saves = 0
     metrics: dict = {}
     try:
@@ -170,37 +180,38 @@ def train(cfg: PretrainConfig) -> dict:
             scheduler.step_update(step)
             done = 0
             while done < accum:
-                images, targets = prepare_batch(next(batches), device, cfg.data.normalize, mixup,
-                                                dtype)
+                images, targets = prepare_batch(next(batches), backend.device,
+                                                cfg.data.normalize, mixup, backend.dtype)
                 if done == 0:
                     timer.data_ready()
-                loss = eng_lib.train_micro_batch(engine, images, targets, cfg, guard)
+                loss = backend.train_micro_batch(images, targets, cfg, guard,
+                                                 last=done == accum - 1)
                 if loss is None:  # not finite: dropped on every rank; the next one replaces it
                     if guard.verdict(step) == "rollback":
                         if done:  # these weights gave finite losses in this very step
                             raise guard.stop(step, "the weights of this step gave finite "
                                                    "losses, so the data is the likely cause")
-                        step = roll_back(store, engine, guard, step)
+                        step = roll_back(store, backend, guard, step)
                         scheduler.step_update(step)
                         loss_sum.zero_()  # the rolled-back steps' losses are not this window's
                         window = 0
                     continue
                 loss_sum += loss.float()
                 done += 1
-            # DeepSpeed's own overflow check (ZeRO-1/2) may still have dropped the update
-            guard.count_update(engine.was_step_applied())
+            # the backend's own overflow check (DeepSpeed's ZeRO-1/2, a non-finite gradient
+            # norm under Accelerate) may still have dropped the update
+            guard.count_update(backend.update_applied())
             timer.step_done(images=micro * accum * world)
             step += 1
             window += accum
 
             if step % cfg.log.every_steps == 0 or step == steps:
-                dist.all_reduce(loss_sum)
-                skipped = torch.tensor(float(loader.skipped), device=device)
-                dist.all_reduce(skipped)
-                metrics = {"train/loss": loss_sum.item() / (window * world),
-                           "train/lr": optimizer.param_groups[0]["lr"],
-                           "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                           "data/skipped_samples": skipped.item(),
+                loss_total, skipped = all_reduce_sum([loss_sum, float(loader.skipped)],
+                                                     backend.device)
+                metrics = {"train/loss": loss_total / (window * world),
+                           "train/lr": backend.optimizer.param_groups[0]["lr"],
+                           "train/grad_norm": backend.grad_norm(),
+                           "data/skipped_samples": skipped,
                            "train/epoch": loader.epoch,
                            **guard.metrics(), **timer.summary()}
                 if failed_saves:
@@ -208,91 +219,71 @@ def train(cfg: PretrainConfig) -> dict:
                 loss_sum.zero_()
                 window = 0
                 sink.log(metrics, step)
-            results = run_due(evaluators, engine.module, step, force=step == steps)
+            results = run_due(evaluators, stage.evaluated(backend), step, force=step == steps)
             if results:
                 sink.log(results, step)
                 metrics.update(results)
+                stage.after_eval(results, step, backend)
                 timer.exclude_elapsed()
-            if step % cfg.checkpoint.every_steps == 0 or step == steps:
-                failed_saves += not save(store, engine, loader, cfg, step, steps, world,
-                                         tracker.run_id, guard)
+
+            signame = stop.agreed() if step < steps else None
+            if step % cfg.checkpoint.every_steps == 0 or step == steps or signame:
+                started = time.monotonic()
+                failed_saves += not save(store, backend, loader, stage, cfg, step, steps, world,
+                                         tracker.run_id, guard, must_succeed=bool(signame))
+                if signame:
+                    stop.report_save(time.monotonic() - started, signame)
+                    raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}")
                 timer.exclude_elapsed()
-    except BaseException:  # a stop, a bad shard, Ctrl-C: the MLflow run ends FAILED, now
+        stop.drain()
+        metrics.update(stage.finish(backend, steps, sink, tracker))
+    except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
+        tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})
+        sink.close()
+        raise
+    except BaseException:  # a stop, a bad shard, a crash: the MLflow run ends FAILED, now
         tracker.close("FAILED")
         raise
+    finally:
+        stop.restore()
     sink.close()
-    peaks = gather(peak_memory_gib(device), world)
+    peaks = gather(peak_memory_gib(backend.device), world)
     if rank == 0:
         log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
     return metrics
 
 
-def roll_back(store: CheckpointStore, engine, guard: NonFiniteGuard, step: int) -> int:
+def roll_back(store: CheckpointStore, backend, guard: NonFiniteGuard, step: int) -> int:
     """Reload weights and optimizer from the newest complete checkpoint; returns its step. The
     loader is not rewound: the batches since the checkpoint are not replayed (they may be why)."""
     ckpt = store.latest()
     if ckpt is None:
         raise guard.stop(step, "there is no complete checkpoint to roll back to yet")
-    store.load(engine, ckpt)
+    store.load(backend, ckpt)
     guard.rolled_back()
-    if dist.get_rank() == 0:
+    if backend.rank == 0:
         log.warning("step %d: rolled back to %s (rollback %d of at most %d); the data goes on "
                     "from where it was", step + 1, ckpt.path, guard.rollbacks, guard.max_rollbacks)
     return ckpt.step
 
 
-def build_evaluators(cfg: PretrainConfig, spec, rank: int, world: int, device, dtype) -> list:
-    """Held-out classification on data.val_split; the few-shot probe when eval.fewshot_root."""
-    import functools
-
-    from pretrain.data.info import read_info
-    from pretrain.data.loader import build_eval_loader, normalize
-    from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator
-
-    norm = functools.partial(normalize, mode=cfg.data.normalize)
-    common = dict(normalize=norm, device=device, dtype=dtype)
-
-    def data(root: str, split: str):
-        # built now, so a missing or unreadable split fails at start, not at the first evaluation
-        loader = build_eval_loader(cfg.data.model_copy(update={"root": root}),
-                                   img_size=spec.img_size, split=split,
-                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world)
-        return lambda: loader
-
-    out = []
-    if cfg.data.val_split:
-        out.append(ClassificationEvaluator(data(cfg.data.root, cfg.data.val_split),
-                                           name=cfg.eval.val_name,
-                                           every_steps=cfg.eval.every_steps,
-                                           max_samples=cfg.eval.max_samples, **common))
-    e = cfg.eval
-    if e.fewshot_root:
-        classes = read_info(e.fewshot_root).classes
-        out.append(FewShotEvaluator(
-            data(e.fewshot_root, e.fewshot_train_split), data(e.fewshot_root, e.fewshot_test_split),
-            name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name, every_steps=e.fewshot_every_steps,
-            shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
-            num_classes=len(classes) if classes else None, seed=cfg.seed, **common))
-    return out
-
-
-def save(store: CheckpointStore, engine, loader, cfg: PretrainConfig, step: int, steps: int,
-         world: int, run_id: Optional[str], guard: NonFiniteGuard) -> bool:
+def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: int, steps: int,
+         world: int, run_id: Optional[str], guard: NonFiniteGuard, must_succeed: bool) -> bool:
     """Write checkpoint ``step``; False if the write failed and ``checkpoint.on_write_error``
-    lets the run go on (never for the last one)."""
+    lets the run go on (never for the last one, nor for the one a stop signal asked for)."""
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
-              "nonfinite_skipped": guard.skipped}
+              "nonfinite_skipped": guard.skipped, "stage": stage.state_dict()}
     try:
-        ckpt = store.save(engine, step, client)
+        ckpt = store.save(backend, step, client)
     except CheckpointWriteError as e:
-        if cfg.checkpoint.on_write_error == "stop" or step == steps:
+        if cfg.checkpoint.on_write_error == "stop" or must_succeed or step == steps:
             raise
-        if dist.get_rank() == 0:
+        if backend.rank == 0:
             log.warning("%s -- checkpoint.on_write_error=continue: training goes on and tries "
                         "again at step %d", e, min(steps, step + cfg.checkpoint.every_steps))
         return False
-    if dist.get_rank() == 0:
+    if backend.rank == 0:
         log.info("checkpoint %s", ckpt.path)
     return True

@@ -1,6 +1,6 @@
 """The fault suite: faults injected into real 2-rank DeepSpeed runs of the tiny demo, and what
 must come out of each -- the same losses and samples as an uninterrupted run, a clear error, or
-a counted skip; never a silent wrong result. ``tests/faulty_pretrain.py`` injects faults from
+a counted skip; never a silent wrong result. ``tests/faulty_launch.py`` injects faults from
 inside the ranks (SIGKILL at a step or mid-checkpoint, failing writes, NaN forward passes); the
 rest are made from the outside (a full filesystem, damaged shards, a tracking server answering
 HTTP 500, bad configuration). Each test adds its counts to the summary line printed at the end.
@@ -18,7 +18,9 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -37,7 +39,7 @@ from pretrain.metrics import read_jsonl
 
 pytestmark = pytest.mark.faults
 
-FAULTY = REPO / "tests" / "faulty_pretrain.py"
+FAULTY = REPO / "tests" / "faulty_launch.py"
 STEPS, EVERY = 20, 5  # 16 samples a step: 1.25 epochs of the 256 training samples
 
 
@@ -70,15 +72,16 @@ def error_lines(text):
     return sorted({line for line in text.splitlines() if line.startswith("error: ")})
 
 
-def compare_with(reference, out):
+def compare_with(reference, out, evals=("eval/demo_val/top1",)):
     """(samples lost, metrics lost) against the uninterrupted run; both must be 0, and every
     loss and held-out figure must be the same bit for bit (deterministic CPU kernels)."""
     ref_keys, got_keys = keys(reference), keys(out)
     lost = sum(len(set(a) - set(b)) for a, b in zip(ref_keys, got_keys))
     assert got_keys == ref_keys, "the consumed samples differ from the uninterrupted run's"
     missing = 0
-    for key in ("train/loss", "eval/demo_val/top1"):
+    for key in ("train/loss", *evals):
         want, got = last_values(reference, key), last_values(out, key)
+        assert want, f"the reference run logged no {key}"
         missing += len(set(want) - set(got))
         assert got == want, key  # exact: same samples, same order, same dropout draws
     return lost, missing
@@ -429,7 +432,7 @@ def test_a_finetune_drops_nan_steps_and_stops_on_a_streak(tmp_path, tiny_data, m
     """In-process (one rank, Accelerate): a fine-tune drops a whole step whose loss is not
     finite and, having no checkpoints, stops on a streak."""
     from finetune.config import FinetuneConfig
-    from finetune.trainer import finetune as train
+    from finetune.stage import finetune as train
     from pretrain import engine
     from pretrain.config import load_config
     from pretrain.guard import TrainingStopped
@@ -457,3 +460,232 @@ def test_a_finetune_drops_nan_steps_and_stops_on_a_streak(tmp_path, tiny_data, m
     losses = last_values(out)
     assert all(map(math.isfinite, losses.values())) and len(losses) == 6
     fault_ledger.record(4, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Stop on a signal (time limit, preemption, scancel, Ctrl-C): a checkpoint of the step in
+#    progress, MLflow KILLED, exit code 4; the relaunch goes on as if nothing had happened
+# --------------------------------------------------------------------------------------------
+# Only the stop checkpoint and the last one are written (checkpoint.every_steps > STEPS), so the
+# stop never lands on a periodic checkpoint; checkpoints do not change training, so the
+# uninterrupted references with their periodic checkpoints are the runs to match.
+NO_PERIODIC = "checkpoint.every_steps=1000"
+
+
+FINETUNE_EVALS = ("eval/dev/top1", "eval/validation/top1")
+
+
+def finetune_run_args(out, data, *extra):
+    return [f"output_dir={out}", f"data.root={data}", "init=null", "data.generate_demo=false",
+            "data.val_split=validation", "data.dev_fraction=0.1", "data.num_workers=1",
+            "data.shuffle_buffer=50", "model.img_size=16", "model.patch_size=4", "model.depth=2",
+            "model.embed_dim=64", "model.num_heads=2", "model.num_classes=8",
+            "train.global_batch_size=16", "train.grad_accum_steps=2",
+            f"train.total_steps={STEPS}", "schedule.warmup_steps=2", "log.every_steps=1",
+            f"checkpoint.every_steps={EVERY}", "eval.every_steps=10", "eval.batch_size=16",
+            f"debug.log_sample_keys={out / 'keys'}", "tracking.system_metrics=false", *extra]
+
+
+def torchrun_cmd(*args, script=REPO / "launch/finetune.py"):
+    from conftest import free_port
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(free_port()), str(script), "--config",
+            str(REPO / "configs/finetune/demo.yaml"), *args]
+
+
+def launch(cmd, log_path, env=None):
+    """Start a launcher in a process group of its own (as a job step or a terminal job is)."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def wait_for_step(proc, out, step, timeout=300):
+    deadline = time.time() + timeout
+    while not (out / "metrics.jsonl").exists() or max(last_values(out), default=0) < step:
+        assert proc.poll() is None, "the run ended before the step the signal was meant for"
+        assert time.time() < deadline, f"the run never got to step {step}"
+        time.sleep(0.05)
+
+
+def wait_for_group(pgid, timeout=120):
+    """Until every process of the group has ended (the launcher may leave before its ranks)."""
+    import psutil
+    deadline = time.time() + timeout
+    while True:
+        alive = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive:
+            return
+        assert time.time() < deadline, f"still running: {[p.cmdline() for p in alive]}"
+        time.sleep(0.2)
+
+
+def per_node_launcher(proc):
+    """DeepSpeed's launch.py under the `deepspeed` runner; torchrun is its own launcher."""
+    import psutil
+    found = [c for c in psutil.Process(proc.pid).children()
+             if "deepspeed.launcher.launch" in " ".join(c.cmdline())]
+    return found[0] if found else psutil.Process(proc.pid)
+
+
+def signal_and_wait(proc, out, to, at_step=2, then=None):
+    """Send SIGTERM at ``at_step`` to the whole process group (``to="group"``: SLURM,
+    Kubernetes, Ctrl-C) or to the per-node launcher alone (``to="launcher"``); ``then()`` runs
+    while the run is stopping. Returns once every process of the run has ended."""
+    wait_for_step(proc, out, at_step)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        per_node_launcher(proc).send_signal(signal.SIGTERM)
+    if then is not None:
+        then()
+    proc.wait(timeout=300)
+    wait_for_group(proc.pid)
+
+
+def stopped_step(text):
+    [step] = re.findall(r"stopped: SIGTERM received: stopped after step (\d+) with a complete "
+                        r"checkpoint", text)
+    return int(step)
+
+
+def mlflow_run(out):
+    run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    return MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id)
+
+
+def check_stop_and_resume(out, text, relaunch, reference, evals=("eval/demo_val/top1",)):
+    """The stopped run: one stop line, a complete checkpoint of its step and nothing after it,
+    MLflow KILLED with the signal and step; the relaunch: resumes there, ends FINISHED and
+    equals the uninterrupted run. Returns (samples lost, metrics lost)."""
+    stop = stopped_step(text)
+    assert 0 < stop < STEPS and "Traceback" not in text.split("stopped:")[0], text[-3000:]
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [stop]
+    run = mlflow_run(out)
+    assert run.info.status == "KILLED"
+    assert (run.data.tags["stop.signal"], run.data.tags["stop.step"]) == ("SIGTERM", str(stop))
+    again = relaunch()
+    assert resumed_at(again) == [stop]
+    samples_lost, metrics_lost = compare_with(reference, out, evals)
+    run = mlflow_run(out)
+    assert run.info.status == "FINISHED" and run.data.tags["stop.count"] == "1"
+    return samples_lost, metrics_lost + mlflow_steps_lost(out)
+
+
+@pytest.fixture(scope="module")
+def reference_zero3(tmp_path_factory, tiny_data):
+    out = tmp_path_factory.mktemp("reference-zero3") / "run"
+    run_deepspeed(2, *run_args(out, tiny_data, "deepspeed.config=zero3.json"))
+    return out
+
+
+@pytest.mark.parametrize("zero,to", [(1, "group"), (1, "launcher"), (3, "group"),
+                                     (3, "launcher")])
+def test_sigterm_stops_pretraining_with_a_checkpoint_and_the_relaunch_loses_nothing(
+        zero, to, tmp_path, tiny_data, request, fault_ledger):
+    reference = request.getfixturevalue("reference" if zero == 1 else "reference_zero3")
+    out = tmp_path / "run"
+    extra = [NO_PERIODIC] + (["deepspeed.config=zero3.json"] if zero == 3 else [])
+    proc = launch(deepspeed_cmd(2, *run_args(out, tiny_data, *extra)), tmp_path / "run.log")
+    signal_and_wait(proc, out, to)
+    text = (tmp_path / "run.log").read_text()
+    if to == "launcher":  # launch.py passed it on to every rank; the ranks' code is theirs
+        assert "Main process received SIGTERM" in text
+    lost = check_stop_and_resume(
+        out, text, lambda: faulty(out, tiny_data, *extra), reference)
+    fault_ledger.record(1, 1, *lost)
+
+
+def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
+        tmp_path, tiny_data, reference, fault_ledger):
+    """SIGTERM to the group while a periodic checkpoint is being written, then SIGTERM and
+    SIGINT again while the stop checkpoint is: the save finishes, complete, once."""
+    out = tmp_path / "run"
+    saving = out / "saving"
+    proc = launch(deepspeed_cmd(2, *run_args(out, tiny_data), script=FAULTY), tmp_path / "run.log",
+                  env={"FAULTS": json.dumps({"slow_save": 0.5})})
+
+    def wait_for_save(step):
+        deadline = time.time() + 120
+        while f"step_{step:08d}" not in (saving.read_text() if saving.exists() else ""):
+            assert proc.poll() is None and time.time() < deadline, f"no save of step {step}"
+            time.sleep(0.02)
+
+    wait_for_save(EVERY)  # in the middle of the periodic checkpoint at step 5
+    os.killpg(proc.pid, signal.SIGTERM)
+    seen = []
+
+    def during_the_stop_save():
+        deadline = time.time() + 120
+        while True:  # the next checkpoint being written is the stop checkpoint
+            text = saving.read_text() if saving.exists() else ""
+            found = re.search(r"step_(\d+)", text)
+            if found and int(found.group(1)) > EVERY:
+                seen.append(int(found.group(1)))
+                break
+            assert time.time() < deadline, "the stop checkpoint was never written"
+            time.sleep(0.02)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+    during_the_stop_save()
+    proc.wait(timeout=300)
+    wait_for_group(proc.pid)
+    text = (tmp_path / "run.log").read_text()
+    assert stopped_step(text) == seen[0] and text.count("stopped: ") == 1
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [seen[0], EVERY]
+    again = faulty(out, tiny_data)
+    assert resumed_at(again) == [seen[0]]
+    samples_lost, metrics_lost = compare_with(reference, out)
+    fault_ledger.record(3, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
+
+
+@pytest.fixture(scope="module")
+def finetune_reference(tmp_path_factory, tiny_data):
+    out = tmp_path_factory.mktemp("finetune-reference") / "run"
+    proc = subprocess.run(torchrun_cmd(*finetune_run_args(out, tiny_data)), cwd=REPO,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def finetune_faulty(out, data, *extra, faults=None, fails=False):
+    proc = subprocess.run(torchrun_cmd(*finetune_run_args(out, data, *extra), script=FAULTY),
+                          cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "FAULTY_LAUNCHER": "finetune.py",
+                               "FAULTS": json.dumps(faults or {})})
+    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("to", ["group", "launcher"])
+def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothing(
+        to, tmp_path, tiny_data, finetune_reference, fault_ledger):
+    out = tmp_path / "run"
+    proc = launch(torchrun_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC)),
+                  tmp_path / "run.log")
+    signal_and_wait(proc, out, to)
+    text = (tmp_path / "run.log").read_text()
+    lost = check_stop_and_resume(
+        out, text, lambda: finetune_faulty(out, tiny_data, NO_PERIODIC), finetune_reference,
+        FINETUNE_EVALS)
+    # the exports of the resumed run are the uninterrupted run's
+    for name in ("best", "final"):
+        assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
+            json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
+    fault_ledger.record(1, 1, *lost)
+
+
+def test_sigkill_of_a_finetune_rank_resumes_to_the_same_losses_and_samples(
+        tmp_path, tiny_data, finetune_reference, fault_ledger):
+    out = tmp_path / "run"
+    finetune_faulty(out, tiny_data, faults={"kill": [1, 13]}, fails=True)
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [10, 5]
+    again = finetune_faulty(out, tiny_data)
+    assert resumed_at(again) == [10]
+    samples_lost, metrics_lost = compare_with(finetune_reference, out, FINETUNE_EVALS)
+    fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))

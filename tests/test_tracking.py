@@ -294,3 +294,120 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0),
                        (7, 17.0), (8, 18.0), (9, 19.0)]
     assert the_run(client, exp).info.status == "FINISHED"
+
+
+def test_a_disabled_tracker_takes_every_call_the_mlflow_tracker_takes(tmp_path):
+    """Ranks != 0 and tracking.enabled=false get NoTracking: a call the trainer makes on the
+    real tracker must not crash a run there."""
+    import inspect
+
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.tracking import MlflowTracker, NoTracking, start_tracking
+
+    def public(cls):
+        return {name: inspect.signature(member) if callable(member) else type(member)
+                for name, member in inspect.getmembers(cls) if not name.startswith("_")}
+    assert public(NoTracking).keys() == public(MlflowTracker).keys()
+    for name, signature in public(MlflowTracker).items():
+        if isinstance(signature, inspect.Signature):
+            assert public(NoTracking)[name] == signature, name
+
+    cfg = load_config(PretrainConfig, None, ["tracking.enabled=false"])
+    tracker = start_tracking(cfg, "pretrain", tmp_path / "run", 0, world_size=1)
+    assert isinstance(tracker, NoTracking)
+    tracker.log({"train/loss": 1.0}, 1)
+    tracker.log_artifact_bytes("per_class_top1.json", b"{}")
+    tracker.log_sample_grid(None)
+    tracker.close("KILLED", tags={"stop.signal": "SIGTERM"})
+    assert tracker.run_id is None and tracker.unwritten == 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its_stops(
+        tmp_path, client, mlflow_server, monkeypatch):
+    """Two signal stops (KILLED, with the trainer's tags) and two relaunches that resume into
+    the same MLflow run: one run, FINISHED, each step once, the stops counted in its tags."""
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.tracking import start_tracking
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    exp, out = "stopped", tmp_path / "run"
+    cfg = load_config(PretrainConfig, None, [
+        f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={exp}",
+        "tracking.flush_every_s=0.05", "tracking.system_metrics=false", "train.total_steps=12"])
+    rid, resumed_at = None, None
+    for first, last, stop in [(1, 4, "SIGTERM"), (5, 8, "SIGUSR1"), (9, 12, None)]:
+        tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"],
+                                 run_id=rid, resumed_at=resumed_at)
+        if rid is not None:  # the relaunch re-opened the stopped run
+            deadline = time.time() + 60
+            while client.get_run(rid).info.status != "RUNNING":
+                assert time.time() < deadline, "the resumed run was not marked RUNNING"
+                time.sleep(0.05)
+        for step in range(first, last + 1):
+            tracker.log({"train/loss": 1.0 / step}, step)
+        if stop:
+            tracker.close("KILLED", tags={"stop.signal": stop, "stop.step": str(last)})
+            rid, resumed_at = tracker.run_id, last
+            run = client.get_run(rid)
+            assert run.info.status == "KILLED"
+            assert run.data.tags["stop.signal"] == stop and run.data.tags["stop.step"] == str(last)
+        else:
+            tracker.close()
+
+    run = the_run(client, exp)
+    assert run.info.run_id == rid and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags["stop.count"], tags["stop.signal"], tags["stop.step"]) == ("2", "SIGUSR1", "8")
+    assert steps_of(client, rid) == list(range(1, 13))
+
+
+def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
+        tmp_path, client, mlflow_server, monkeypatch):
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.tracking import start_tracking, upload_spool
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    exp, out = "stopped-offline", tmp_path / "run"
+    cfg = load_config(PretrainConfig, None, [
+        f"tracking.uri=http://127.0.0.1:{free_port()}", f"tracking.experiment={exp}",
+        "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5",
+        "tracking.system_metrics=false"])
+    tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"])
+    for step in range(1, 4):
+        tracker.log({"train/loss": 1.0 / step}, step)
+    tracker.close("KILLED", tags={"stop.signal": "SIGTERM", "stop.step": "3"})
+    assert tracker.run_id is None
+
+    upload_spool(out, uri=mlflow_server.uri)
+    run = the_run(client, exp)
+    assert run.info.status == "KILLED"
+    assert {k: run.data.tags[k] for k in ("stop.signal", "stop.step", "stop.count")} == \
+        {"stop.signal": "SIGTERM", "stop.step": "3", "stop.count": "1"}
+    assert steps_of(client, run.info.run_id) == [1, 2, 3]
+
+
+def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
+        tmp_path, client, mlflow_server, monkeypatch):
+    """MLflow 3's UI opens an experiment without mlflow.experimentKind in its GenAI view, where
+    training runs do not show. New and existing experiments get the tag; a kind someone chose
+    for an experiment stays."""
+    from pretrain.tracking import MlflowTracker, RunState
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    client.create_experiment("kind-existing")
+    client.create_experiment("kind-chosen", tags={"mlflow.experimentKind": "genai_development"})
+    for name in ("kind-new", "kind-existing", "kind-chosen"):
+        tracker = MlflowTracker(tmp_path / name, RunState(uri=mlflow_server.uri, experiment=name),
+                                system_metrics=False, flush_every_s=0.05)
+        tracker.log({"train/loss": 1.0}, 1)
+        tracker.close()
+        assert tracker.run_id is not None
+    kind = {name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind")
+            for name in ("kind-new", "kind-existing", "kind-chosen")}
+    assert kind == {"kind-new": "custom_model_development",
+                    "kind-existing": "custom_model_development",
+                    "kind-chosen": "genai_development"}

@@ -57,7 +57,7 @@ def fixed_input(img_size, n=3):
 # --------------------------------------------------------------------------------------------
 def test_zero3_consolidation_reproduces_the_runs_own_held_out_accuracy(pretrained):
     from pretrain.evaluate import run_due
-    from pretrain.trainer import build_evaluators
+    from pretrain.stage import build_evaluators
 
     c, cfg = pretrained["consolidated"], pretrained["cfg"]
     assert (c.step, c.zero_stage, c.world_size) == (4, 3, 2)

@@ -62,6 +62,16 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Data-loader workers ignore the signals a scheduler sends to every process of a job
+    (SIGTERM, SIGINT, SIGUSR1): torch's workers die on them, and the trainer, which stops on
+    them at a step boundary (:mod:`pretrain.stopping`), still needs batches until then. The
+    trainer ends its workers itself when it leaves."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class LoaderError(ValueError):
     """The loader cannot be built as configured (one line naming the problem and the fix)."""
 
@@ -469,7 +479,7 @@ class TrainLoader:
         dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
                                 self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory,
+                            pin_memory=self.pin_memory, worker_init_fn=leave_signals_to_the_trainer,
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
@@ -691,8 +701,9 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
                                self.batch_size, self.transform, self.num_classes)
-        for images, labels, keys, epochs in DataLoader(dataset, batch_size=None,
-                                                       num_workers=self.num_workers):
+        for images, labels, keys, epochs in DataLoader(
+                dataset, batch_size=None, num_workers=self.num_workers,
+                worker_init_fn=leave_signals_to_the_trainer):
             yield Batch(images, labels, keys, epochs)
 
 

@@ -1,11 +1,14 @@
-"""``launch/pretrain.py`` with faults injected where ``$FAULTS`` (JSON) says: how the fault suite
-breaks a real DeepSpeed run from the inside. Every key is optional; ranks are global ranks.
+"""``launch/$FAULTY_LAUNCHER`` (``pretrain.py``, the default, or ``finetune.py``) with faults
+injected where ``$FAULTS`` (JSON) says: how the fault suite breaks a real DeepSpeed or
+Accelerate run from the inside. Every key is optional; ranks are global ranks.
 
   "kill":         [rank, step]         SIGKILL that rank once ``step`` steps are done
   "kill_in_save": [rank, step]         SIGKILL that rank as it starts writing checkpoint ``step``
   "write_error":  [rank, step, errno]  that rank's writes of checkpoint ``step`` fail (OSError)
   "nan":          [i, j, ...]          rank 0's i-th, j-th... forward pass of this process (from 1)
                                        gives NaN logits
+  "slow_save":    seconds              every file of every checkpoint takes this much longer to
+                                       write; while one is written, OUTPUT_DIR/saving names it
 """
 import json
 import os
@@ -57,6 +60,22 @@ for key in ("kill_in_save", "write_error"):
             return _save(obj, f, *args, **kwargs)
         torch.save = _save
 
+if "slow_save" in FAULTS:
+    import time
+    _torch_save = torch.save
+
+    def _slow_save(obj, f, *args, **kwargs):
+        if "/step_" in str(f):
+            marker = Path(str(f).split("/checkpoints/")[0]) / "saving"
+            marker.write_text(str(f))
+            time.sleep(FAULTS["slow_save"])
+            try:
+                return _torch_save(obj, f, *args, **kwargs)
+            finally:
+                marker.unlink(missing_ok=True)
+        return _torch_save(obj, f, *args, **kwargs)
+    torch.save = _slow_save
+
 if "nan" in FAULTS and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]
 
@@ -67,6 +86,6 @@ if "nan" in FAULTS and RANK == 0:
         return loss_fn(logits, *args, **kwargs)
     eng_lib.classification_loss = _loss
 
-sys.argv[0] = str(REPO / "launch" / "pretrain.py")
+sys.argv[0] = str(REPO / "launch" / os.environ.get("FAULTY_LAUNCHER", "pretrain.py"))
 sys.path.insert(0, str(REPO / "launch"))  # as when the launcher runs it (for its _bootstrap)
 runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,126 @@
+"""Fine-tuning's backend for the training loop (:func:`pretrain.trainer.train`): Accelerate.
+
+Plain PyTorch under ``accelerate launch`` or ``torchrun`` (DDP; DeepSpeed or FSDP when an
+Accelerate config asks for them on GPUs), with optional Polyak/EMA weights. It offers what
+:class:`pretrain.engine.DeepSpeedBackend` offers, so the loop does not know which one it drives.
+
+Checkpoints are Accelerate's ``save_state`` files (model, optimizer, EMA, per-rank RNG, written
+the right way for DDP, FSDP and DeepSpeed alike) plus the loop's ``client_state.pt``; everything
+is read back with ``weights_only=True``: loading a checkpoint runs no pickled code.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from pretrain.config import RunConfig
+from pretrain.engine import apply_train_options, build_optimizer, classification_loss
+
+CLIENT_STATE = "client_state.pt"
+
+
+class AccelerateBackend:
+    zero_stage = 0  # the manifest's field; Accelerate's own DeepSpeed stage lives in its config
+
+    def __init__(self, cfg: RunConfig):
+        from accelerate import Accelerator
+
+        self.on_gpu = torch.cuda.is_available()
+        precision = cfg.train.precision if self.on_gpu else "fp32"  # CPUs lack fast bf16 matmuls
+        # Accelerate runs several CPU processes (gloo) only when told to use the CPU; without
+        # it each torchrun process would train alone.
+        self.accelerator = Accelerator(
+            cpu=not self.on_gpu,
+            mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
+        self.rank = self.accelerator.process_index
+        self.world_size = self.accelerator.num_processes
+        self.device = self.accelerator.device
+        self.dtype = torch.float32  # inputs stay fp32; autocast picks the matmul precision
+        self.ema = None
+        self._applied, self._grad_norm = True, 0.0
+
+    def build(self, cfg: RunConfig, micro: int, accum: int, resume, store,
+              init_weights: Optional[Callable[[nn.Module], None]] = None) -> None:
+        from pretrain.model import create_model
+
+        model = create_model(cfg.model)  # the new head: zero-initialised, no pre-logits
+        if init_weights is not None:
+            init_weights(model)
+        apply_train_options(model, cfg)
+        optimizer = build_optimizer(model, cfg)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.cfg, self.accum = cfg, accum
+        if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
+            from timm.utils import ModelEmaV3
+            self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay)
+            self.accelerator.register_for_checkpointing(self.ema)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def config_artifact(self) -> Optional[dict]:
+        return None
+
+    def train_micro_batch(self, images, targets, cfg: RunConfig, guard, last: bool):
+        """Forward, the non-finite check, backward; on the step's ``last`` micro-batch also
+        clipping and the update. None when the loss was dropped (see :mod:`pretrain.guard`)."""
+        acc = self.accelerator
+        # gradients are averaged across ranks only on the last micro-batch of a step
+        with contextlib.nullcontext() if last else acc.no_sync(self.model):
+            with acc.autocast():
+                loss = classification_loss(self.model(images), targets, cfg.train.loss,
+                                           cfg.data.label_smoothing)
+            if guard is not None and not guard.finite(loss):
+                return None
+            acc.backward(loss / self.accum)
+        if last:
+            self._update()
+        return loss.detach()
+
+    def _update(self) -> None:
+        clip = self.cfg.optimizer.grad_clip or float("inf")
+        self._grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
+        # the norm of the all-reduced gradients: the same verdict on every rank
+        self._applied = math.isfinite(self._grad_norm)
+        if self._applied:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.module)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def update_applied(self) -> bool:
+        return self._applied
+
+    def grad_norm(self) -> float:
+        return self._grad_norm
+
+    def save_checkpoint(self, root: Path, tag: str, client_state: dict) -> None:
+        path = Path(root) / tag
+        self.accelerator.save_state(str(path), safe_serialization=True)
+        if self.accelerator.is_main_process:
+            torch.save(client_state, path / CLIENT_STATE)
+        self.accelerator.wait_for_everyone()  # the closing barrier CheckpointStore relies on
+
+    def load_checkpoint(self, root: Path, ckpt) -> dict:
+        from accelerate.utils import load  # torch.load(weights_only=True), numpy arrays allowed
+        path = Path(root) / ckpt.tag
+        self.accelerator.load_state(str(path))
+        return load(path / CLIENT_STATE, map_location="cpu")
+
+    def full_state_dict(self, module: Optional[nn.Module] = None) -> Optional[dict]:
+        """The whole model's weights on the main process (None elsewhere): gathered from the
+        shards under FSDP or DeepSpeed ZeRO-3, so every rank must call it. ``module``: another
+        copy of the model to export instead (the EMA, kept whole on every rank)."""
+        if module is not None:
+            state = module.state_dict()
+        else:
+            state = self.accelerator.get_state_dict(self.model)
+        if not self.accelerator.is_main_process:
+            return None
+        return {k: v.detach().float().cpu().contiguous() for k, v in state.items()}

@@ -1,0 +1,154 @@
+"""Fine-tuning (ViT paper, App. B.1.1) as a stage of the one training loop: one
+zero-initialised head on a pretrained backbone, SGD with momentum, cosine decay, a dev split
+carved from train for choosing and the official test/val split for the reported figure; the
+best (by dev top-1) and final weights exported as safetensors with a small JSON model card.
+
+The loop itself -- checkpoints, exact resume, stopping on a signal, the non-finite guard and
+rollback, tracking -- is :func:`pretrain.trainer.train`, shared with pretraining.
+"""
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+from pathlib import Path
+
+from finetune.config import FinetuneConfig
+from pretrain.stage import Stage
+
+log = logging.getLogger("finetune")
+
+
+def finetune(cfg: FinetuneConfig) -> dict:
+    """Fine-tune until ``train.total_steps``; returns the final metrics (rank 0's view)."""
+    from pretrain.trainer import train
+    return train(cfg, FinetuneStage(cfg))
+
+
+class FinetuneStage(Stage):
+    name = "finetune"
+    verb = "fine-tuning"
+
+    def __init__(self, cfg: FinetuneConfig):
+        self.cfg = cfg
+        self.lineage = {"format": "scratch"}
+        self.best = -1.0  # dev top-1 of best.safetensors
+        self.test = None
+
+    def backend(self, cfg):
+        from finetune.backend import AccelerateBackend
+        return AccelerateBackend(cfg)
+
+    def prepare_data(self, cfg) -> None:
+        if cfg.data.generate_demo:
+            from pretrain.demo import ensure_demo_data
+            ensure_demo_data(cfg.data.root, cfg.model.num_classes, layout="cifar10")
+
+    def holdout(self, cfg) -> float:
+        return cfg.data.dev_fraction
+
+    def init_weights(self, model) -> None:
+        if self.cfg.init:
+            from finetune.weights import load_init
+            # plain data: it goes into the checkpoint's client state (read weights_only)
+            self.lineage = json.loads(json.dumps(load_init(model, self.cfg.init), default=str))
+
+    def describe_start(self) -> str:
+        return f" from {self.cfg.init or 'scratch'}"
+
+    def tracking_tags(self) -> dict:
+        from pretrain.tracking import lineage_tags
+        if not self.cfg.init:
+            return {"init": "scratch"}
+        return lineage_tags(self.lineage.get("pretrain_run_id"), self.lineage.get("path"),
+                            self.lineage.get("step") or 0)
+
+    def evaluators(self, cfg, spec, backend) -> list:
+        from pretrain.data.loader import build_eval_loader, normalize
+        from pretrain.evaluate import ClassificationEvaluator
+
+        norm = functools.partial(normalize, mode=cfg.data.normalize)
+
+        def evaluator(name, split, holdout=0.0, every_steps=cfg.eval.every_steps):
+            loader = build_eval_loader(cfg.data, img_size=spec.img_size, split=split,
+                                       batch_size=cfg.eval.batch_size, rank=backend.rank,
+                                       world_size=backend.world_size, holdout=holdout)
+            return ClassificationEvaluator(lambda: loader, normalize=norm, name=name,
+                                           device=backend.device, every_steps=every_steps,
+                                           max_samples=cfg.eval.max_samples)
+
+        if cfg.data.val_split:  # the reported figure: once, after the last step (finish)
+            self.test = evaluator(cfg.data.val_split, cfg.data.val_split)
+        # model selection on the dev split held out of train, every eval.every_steps
+        return [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
+            if cfg.data.dev_fraction else []
+
+    def evaluated(self, backend):
+        """The EMA weights when there are any: figures and exports are of the average."""
+        return backend.ema.module if backend.ema is not None else backend.model
+
+    def after_eval(self, results: dict, step: int, backend) -> None:
+        top1 = results.get("eval/dev/top1")
+        if top1 is not None and top1 > self.best:
+            self.best = top1
+            self._export(backend, "best", step, results)
+
+    def finish(self, backend, steps: int, sink, tracker) -> dict:
+        results = {}
+        if self.test is not None:
+            results = {f"eval/{self.test.name}/{k}": v
+                       for k, v in self.test.run(self.evaluated(backend), steps).items()}
+            sink.log(results, steps)
+            if backend.rank == 0:
+                per_class = {str(c): acc for c, acc in enumerate(self.test.per_class_top1)}
+                out = Path(self.cfg.output_dir)
+                (out / "per_class_top1.json").write_text(json.dumps(per_class, indent=1))
+                tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
+                tracker.log_artifact_bytes("per_class_top1.png",
+                                           per_class_png(self.test.per_class_top1, self.test.name))
+        self._export(backend, "final", steps, results)
+        return results
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "lineage": self.lineage}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = float(state.get("best", -1.0))
+        self.lineage = state.get("lineage") or self.lineage
+
+    def _export(self, backend, name: str, step: int, metrics: dict) -> None:
+        """``<name>.safetensors`` plus ``<name>.json``, a model card a person or script can read
+        (collective: the weights are gathered from every rank first)."""
+        from safetensors.torch import save_file
+
+        state = backend.full_state_dict(backend.ema.module if backend.ema is not None else None)
+        if state is None:  # not the main process
+            return
+        cfg, spec = self.cfg, backend.module.spec
+        card = {"model": spec.name, "resolution": spec.img_size, "ema_decay": cfg.train.ema_decay,
+                "num_classes": spec.num_classes, "dataset": cfg.data.root, "step": step,
+                "init": self.lineage,
+                "metrics": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
+        path = Path(cfg.output_dir) / f"{name}.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        save_file(state, str(tmp), metadata={"model_card": json.dumps(card)})
+        tmp.replace(path)
+        path.with_suffix(".json").write_text(json.dumps(card, indent=1))
+
+
+def per_class_png(per_class: list, split: str) -> bytes:
+    """A bar chart of top-1 per class (classes absent from the split are left out)."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display on cluster nodes
+    import matplotlib.pyplot as plt
+
+    shown = [(c, acc) for c, acc in enumerate(per_class) if acc is not None]
+    fig, ax = plt.subplots(figsize=(max(6, len(shown) * 0.12), 3), dpi=100)
+    ax.bar([c for c, _ in shown], [acc for _, acc in shown], width=0.9)
+    ax.set(xlabel="class", ylabel="top-1", ylim=(0, 1), title=f"per-class top-1 on {split}")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,108 @@
+"""What a stage adds to the one training loop (:func:`pretrain.trainer.train`).
+
+A stage picks the backend that runs the step, the weights the model starts from, what is
+evaluated every N steps (and on which weights), and what is done with the results. The base
+class is pretraining's answer where it has one; :class:`finetune.stage.FinetuneStage` overrides
+what fine-tuning does differently.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable, Optional
+
+from torch import nn
+
+from pretrain.config import RunConfig
+
+
+class Stage:
+    name = "pretrain"  # MLflow's ``stage`` tag
+    verb = "training"  # the start line: "training vit_large... for 90000 steps"
+
+    def backend(self, cfg: RunConfig):
+        """Join the process group; the backend builds the engine later (:meth:`build`)."""
+        from pretrain.engine import DeepSpeedBackend
+        return DeepSpeedBackend()
+
+    def prepare_data(self, cfg: RunConfig) -> None:
+        """The built-in demo's data, generated on first use."""
+        if cfg.data.generate_demo:
+            from pretrain.demo import ensure_demo_data
+            ensure_demo_data(cfg.data.root, cfg.model.num_classes)
+
+    def holdout(self, cfg: RunConfig) -> float:
+        """Share of the train split kept out of training (fine-tuning's dev split)."""
+        return 0.0
+
+    # init_weights(model) runs on a fresh run, before the backend wraps the model; None: the
+    # model's own initialisation
+    init_weights: Optional[Callable[[nn.Module], None]] = None
+
+    def evaluators(self, cfg: RunConfig, spec, backend) -> list:
+        return []
+
+    def evaluated(self, backend) -> nn.Module:
+        """The weights the figures (and exports) are of."""
+        return backend.module
+
+    def after_eval(self, results: dict, step: int, backend) -> None:
+        """Act on an evaluation's results (collective: every rank calls it)."""
+
+    def finish(self, backend, steps: int, sink, tracker) -> dict:
+        """After the last step and its checkpoint; returns more final metrics."""
+        return {}
+
+    def tracking_tags(self) -> dict:
+        return {}
+
+    def describe_start(self) -> str:
+        return ""
+
+    # what the stage keeps across a restart, in the checkpoint's client state (plain data)
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class PretrainStage(Stage):
+    """Pretraining: DeepSpeed, held-out classification and the few-shot probe."""
+
+    def evaluators(self, cfg: RunConfig, spec, backend) -> list:
+        return build_evaluators(cfg, spec, backend.rank, backend.world_size, backend.device,
+                                backend.dtype)
+
+
+def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype) -> list:
+    """Held-out classification on data.val_split; the few-shot probe when eval.fewshot_root."""
+    from pretrain.data.info import read_info
+    from pretrain.data.loader import build_eval_loader, normalize
+    from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator
+
+    norm = functools.partial(normalize, mode=cfg.data.normalize)
+    common = dict(normalize=norm, device=device, dtype=dtype)
+
+    def data(root: str, split: str):
+        # built now, so a missing or unreadable split fails at start, not at the first evaluation
+        loader = build_eval_loader(cfg.data.model_copy(update={"root": root}),
+                                   img_size=spec.img_size, split=split,
+                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world)
+        return lambda: loader
+
+    out = []
+    if cfg.data.val_split:
+        out.append(ClassificationEvaluator(data(cfg.data.root, cfg.data.val_split),
+                                           name=cfg.eval.val_name,
+                                           every_steps=cfg.eval.every_steps,
+                                           max_samples=cfg.eval.max_samples, **common))
+    e = cfg.eval
+    if e.fewshot_root:
+        classes = read_info(e.fewshot_root).classes
+        out.append(FewShotEvaluator(
+            data(e.fewshot_root, e.fewshot_train_split), data(e.fewshot_root, e.fewshot_test_split),
+            name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name, every_steps=e.fewshot_every_steps,
+            shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
+            num_classes=len(classes) if classes else None, seed=cfg.seed, **common))
+    return out
