@@ -85,8 +85,10 @@ class AccelerateBackend:
 
     def _update(self) -> None:
         clip = self.cfg.optimizer.grad_clip or float("inf")
-        self._grad_norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), clip))
-        # the norm of the all-reduced gradients: the same verdict on every rank
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), clip)
+        # the norm of the all-reduced gradients: the same verdict on every rank (None: an
+        # Accelerate DeepSpeed config clips, and checks for overflow, inside DeepSpeed's step)
+        self._grad_norm = float(norm) if norm is not None else 0.0
         self._applied = math.isfinite(self._grad_norm)
         if self._applied:
             self.optimizer.step()

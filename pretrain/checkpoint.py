@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from pretrain.config import ConfigError
 from pretrain.guard import TrainingStopped
+from pretrain.stopping import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,10 @@ class CheckpointStore:
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                    "--input_folder", str(ckpt.path), "--output_folder", str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            # a stop signal sent to every process of the job (SLURM's --signal) must not kill
+            # the conversion: the rank stops at its first step boundary instead
+            proc = subprocess.run(cmd, capture_output=True, text=True,
+                                  preexec_fn=ignore_stop_signals)
             if proc.returncode != 0:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "

@@ -19,11 +19,24 @@ after it arrived, which costs a second or so of a grace period of tens of second
 A second signal while the checkpoint is being written is noted and ignored: the save finishes
 (a SIGKILL cannot be ignored, and a checkpoint cut short by one is never loaded: see
 :mod:`pretrain.checkpoint`).
+
+One case must not wait: a rank died (a crash, the OOM killer) and its launcher now sends
+SIGTERM to the others. They cannot agree with a dead rank nor write a checkpoint without it, and
+they sit in a collective that will never finish, where no Python signal handler runs; ignoring
+the signal would only make the launcher wait its 30 s per rank before SIGKILL. So a thread of
+each rank exchanges a heartbeat with the others every few seconds on its own gloo group: when a
+peer's process is gone its connections close and the heartbeat fails. A stop signal on a rank
+whose peer is gone ends that rank at once (exit code 1, nothing written; the relaunch resumes
+from the newest complete checkpoint). The thread hears of signals through
+``signal.set_wakeup_fd``, which the interpreter writes to even while the main thread is stuck.
 """
 from __future__ import annotations
 
 import logging
+import os
+import select
 import signal
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -36,6 +49,22 @@ log = logging.getLogger(__name__)
 # with this code; relaunching the same command resumes there (0: finished, 2: bad input,
 # 3: stopped for a person to decide, e.g. non-finite losses or a failed checkpoint write).
 EXIT_STOPPED = 4
+HEARTBEAT_S = 2.0  # how often the ranks check on each other
+
+
+def ignore_stop_signals(*_) -> None:
+    """For the helper processes of a rank (data-loader workers, a checkpoint conversion):
+    SLURM signals every process of a job step, and those must not die of it before the rank
+    has stopped at its step boundary; the rank ends them itself -- and should the rank die
+    first, the kernel ends them with it (Linux: PR_SET_PDEATHSIG), so a launcher waiting for the
+    rank's whole process tree is not kept waiting by them."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the worker notices within seconds anyway
+        pass
 
 
 class StoppedBySignal(Exception):
@@ -65,15 +94,66 @@ class StopSignals:
             # restart interrupted system calls: a collective library's blocking read must not
             # fail with EINTR because a signal was noted
             signal.siginterrupt(sig, False)
+        self.peer_lost = False
+        self._ending = threading.Event()  # the run is over: a lost peer no longer matters
+        self._watcher = None
         if self.signals and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() > 1:
-            # every rank creates it at the same point; gloo: no GPU work, no stream sync
+            # every rank creates them at the same point; gloo: no GPU work, no stream sync
             self._group = dist.new_group(backend="gloo")
+            self._heartbeat_group = dist.new_group(backend="gloo")
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = read
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            self._watcher = threading.Thread(target=self._watch, name="stop-signal-watch",
+                                             daemon=True)
+            self._watcher.start()
 
     def _note(self, signum, frame) -> None:  # a signal handler: set flags only
         self.count += 1
         if self.received is None:
             self.received, self.received_at = signum, time.monotonic()
+
+    def _watch(self) -> None:
+        """The heartbeat thread (see the module docstring)."""
+        beat = torch.zeros(1, dtype=torch.int32)
+        while True:
+            beat.fill_(int(self._ending.is_set()))
+            try:
+                dist.all_reduce(beat, op=dist.ReduceOp.MAX, group=self._heartbeat_group)
+            except Exception:  # noqa: BLE001 -- a peer's process is gone: its sockets closed
+                self.peer_lost = True
+                break
+            if beat.item() and self._ending.is_set():
+                return  # every rank is ending: stop together
+            self._listen(HEARTBEAT_S)
+        while not self._ending.is_set():  # no more beats on a broken group; keep listening
+            self._listen(HEARTBEAT_S)
+
+    def _listen(self, seconds: float) -> None:
+        """Note the signals the interpreter wrote to the wakeup pipe for ``seconds``; leave at
+        once when one arrives while a peer is gone."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._wakeup], [], [], max(left, 0.0))
+            for signum in os.read(self._wakeup, 64) if ready else b"":
+                if self.received is None and signum in self.signals:
+                    self.received, self.received_at = signum, time.monotonic()
+            if self.peer_lost and self.received is not None and not self._ending.is_set():
+                os.write(2, (f"error: {signal.Signals(self.received).name} received while "
+                             f"another rank is gone: no checkpoint can be written; exiting now. "
+                             f"Relaunching resumes from the newest complete checkpoint\n"
+                             ).encode())
+                os._exit(1)
+            if left <= 0:
+                return
+
+    def ending(self) -> None:
+        """The stop checkpoint is complete, or the run is over: from here a lost peer is no
+        reason to leave in a hurry (it may just have finished first)."""
+        self._ending.set()
 
     @property
     def name(self) -> Optional[str]:
@@ -119,7 +199,13 @@ class StopSignals:
             log.info("%s", msg)
 
     def restore(self) -> None:
-        """Put the previous handlers back (a later signal then acts as it did before)."""
+        """Put the previous handlers back (a later signal then acts as it did before) and end
+        the heartbeat (collective, but bounded: a rank that is gone only costs a few seconds)."""
+        self._ending.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=3 * HEARTBEAT_S)
+            signal.set_wakeup_fd(self._previous_wakeup)
+            self._watcher = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

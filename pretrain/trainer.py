@@ -216,6 +216,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
                            **guard.metrics(), **timer.summary()}
                 if failed_saves:
                     metrics["checkpoint/failed_saves"] = failed_saves
+                if sink.unwritten:  # metrics.jsonl / the MLflow spool on a full disk
+                    metrics["log/unwritten_records"] = sink.unwritten
                 loss_sum.zero_()
                 window = 0
                 sink.log(metrics, step)
@@ -232,9 +234,11 @@ def train(cfg: RunConfig, stage=None) -> dict:
                 failed_saves += not save(store, backend, loader, stage, cfg, step, steps, world,
                                          tracker.run_id, guard, must_succeed=bool(signame))
                 if signame:
+                    stop.ending()
                     stop.report_save(time.monotonic() - started, signame)
                     raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}")
                 timer.exclude_elapsed()
+        stop.ending()  # the last checkpoint is written: ranks may now leave at their own pace
         stop.drain()
         metrics.update(stage.finish(backend, steps, sink, tracker))
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop

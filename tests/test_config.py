@@ -53,13 +53,11 @@ def test_recipe_inheritance():
     ("seed.value=1", "'seed' is a value, not a section"),
     ("optimizer.lr", "not of the form key=value"),
 ])
-@pytest.mark.faults
-def test_bad_values_name_the_key_in_one_line(override, fragment, fault_ledger):
+def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", [override])
     assert fragment in str(e.value)
     assert "\n" not in str(e.value)
-    fault_ledger.record(1, 0)
 
 
 def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp_path):
@@ -72,8 +70,7 @@ def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp
         load_config(PretrainConfig, bad)
 
 
-@pytest.mark.faults
-def test_bad_files_are_one_line_errors(tmp_path, fault_ledger):
+def test_bad_files_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(PretrainConfig, tmp_path / "missing.yaml")
     broken = tmp_path / "broken.yaml"
@@ -84,7 +81,6 @@ def test_bad_files_are_one_line_errors(tmp_path, fault_ledger):
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(PretrainConfig, listy)
-    fault_ledger.record(3, 0)
 
 
 @pytest.mark.parametrize("world,micro,accum,expect", [
@@ -122,3 +118,20 @@ def test_finetune_config_has_the_paper_transfer_defaults():
     assert cfg.schedule.decay == "cosine"
     with pytest.raises(ConfigError, match="did you mean 'data.dev_fraction'"):
         load_config(FinetuneConfig, None, ["data.dev_frac=0.02"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optimzer.lr=0.1", "unknown config key 'optimzer'; did you mean 'optimizer.lr'?"),
+    ("train.global_batch_size=15", "train.global_batch_size=15 is not divisible by world "
+                                   "size 2; pick a multiple of 2"),
+])
+def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_work(
+        override, message, tmp_path, tiny_data):
+    from conftest import run_deepspeed, tiny_run_args
+    out = tmp_path / "run"
+    proc = run_deepspeed(2, *tiny_run_args(out, tiny_data, "train.total_steps=4", override),
+                         fails=True)
+    lines = sorted({line for line in proc.stderr.splitlines() if line.startswith("error: ")})
+    assert lines == [f"error: {message}"]
+    assert proc.stderr.count("error: ") == 2 and "Traceback" not in proc.stderr
+    assert not (out / "checkpoints").exists()

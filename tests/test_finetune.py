@@ -93,3 +93,30 @@ def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path,
         card = json.loads((out / "final.json").read_text())
         assert card["ema_decay"] == (0.99999999 if name == "ema" else None)
     assert heads["ema"] < 0.3 * heads["plain"], heads
+
+
+def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(tmp_path,
+                                                                             tiny_cifar):
+    """Two keys the fine-tune once accepted and ignored or crashed on: the ViT-H recipes'
+    ``train.activation_checkpointing`` reaches the model, and ``tracking.enabled=false`` trains,
+    evaluates and exports to the end."""
+    from finetune.backend import AccelerateBackend
+    from finetune.config import FinetuneConfig
+    from finetune.stage import finetune
+    from pretrain.config import load_config
+
+    out = tmp_path / "ft"
+    cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
+        *finetune_args(out, tiny_cifar, "null"), "data.num_workers=0", "train.total_steps=4",
+        "eval.every_steps=2", "train.activation_checkpointing=true", "tracking.enabled=false"])
+    backend = AccelerateBackend(cfg)
+    backend.build(cfg, micro=32, accum=1, resume=None, store=None)
+    assert backend.module.backbone.grad_checkpointing
+    assert not load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", []
+                           ).train.activation_checkpointing  # the default leaves it off
+
+    metrics = finetune(cfg)
+    assert "eval/test/top1" in metrics
+    assert (out / "final.safetensors").is_file() and (out / "best.safetensors").is_file()
+    assert (out / "checkpoints/step_00000004/COMPLETE.json").is_file()
+    assert not (out / "tracking").exists()

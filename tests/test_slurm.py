@@ -307,7 +307,16 @@ def test_real_slurm_usr1_stops_every_rank_requeues_and_resumes(stage, standins):
     """sbatch a script with the real srun, scontrol, slurmstepd and the real launcher (DeepSpeed's
     runner and launch.py, or torchrun) starting 2 rank stand-ins; send the batch shell the time
     limit's SIGUSR1 (``scancel --batch``, what ``--signal=B:USR1@...`` does), and see both ranks
-    stop on it, the job requeue itself and its second start (SLURM_RESTART_COUNT=1) finish."""
+    stop on it, the job requeue itself and its second start (SLURM_RESTART_COUNT=1) finish.
+
+    A one-machine SLURM (Debian 12, Slurm 22.05), as it was set up to run this: ``apt-get install
+    -y slurm-wlm``; ``/etc/slurm/slurm.conf`` with ClusterName=local, SlurmctldHost=<hostname>,
+    AuthType=auth/munge, SlurmUser=root, SlurmdUser=root, ProctrackType=proctrack/linuxproc,
+    TaskPlugin=task/none, JobAcctGatherType=jobacct_gather/none, SelectType=select/cons_tres,
+    SelectTypeParameters=CR_Core, KillWait=5, JobRequeue=1, StateSaveLocation and
+    SlurmdSpoolDir under /var/spool, NodeName=<hostname> CPUs=2 RealMemory=20000 and
+    PartitionName=debug Nodes=<hostname> Default=YES MaxTime=INFINITE State=UP; then start
+    munged (as user munge), slurmctld and slurmd."""
     tmp_path, env = standins
     (tmp_path / "launch").mkdir()  # the job runs in tmp_path: its launch/*.py are rank stand-ins
     shutil.copy(env["STANDIN_RANK"], tmp_path / TRAINER[stage])

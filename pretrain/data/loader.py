@@ -53,6 +53,9 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from pretrain.data.info import join, read_info
 from pretrain.data.transforms import CorruptImage, EvalTransform, TrainTransform
+# Workers ignore the signals a scheduler sends to every process of a job: torch's workers die
+# of them, and the trainer, which stops at a step boundary, still needs batches until then.
+from pretrain.stopping import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +63,6 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 STATE_FORMAT = 1
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def leave_signals_to_the_trainer(worker_id: int) -> None:
-    """Data-loader workers ignore the signals a scheduler sends to every process of a job
-    (SIGTERM, SIGINT, SIGUSR1): torch's workers die on them, and the trainer, which stops on
-    them at a step boundary (:mod:`pretrain.stopping`), still needs batches until then. The
-    trainer ends its workers itself when it leaves."""
-    import signal
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class LoaderError(ValueError):
@@ -479,7 +472,7 @@ class TrainLoader:
         dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
                                 self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory, worker_init_fn=leave_signals_to_the_trainer,
+                            pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
@@ -703,7 +696,7 @@ class EvalLoader:
                                self.batch_size, self.transform, self.num_classes)
         for images, labels, keys, epochs in DataLoader(
                 dataset, batch_size=None, num_workers=self.num_workers,
-                worker_init_fn=leave_signals_to_the_trainer):
+                worker_init_fn=ignore_stop_signals):
             yield Batch(images, labels, keys, epochs)
 
 

@@ -4,7 +4,7 @@ A source knows a layout and nothing about shards: it lists its samples lazily as
 tuples (split, key, label, and where the bytes are) and reads the bytes of one entry back on
 demand, so the writer can build a compact index of millions of samples without holding images.
 
-Layouts (see ``DESIGN.md`` section 4):
+Layouts (README, "Prepare data"):
 
 * ``imagenet21k``: a folder of per-synset tars (``n01440764.tar`` holding ``n01440764_*.JPEG``),
   read in place by member offset; or the outer ``fall11_whole.tar`` / ``winter21_whole.tar.gz``,

@@ -1,0 +1,96 @@
+"""pretrain/stopping.py on two real gloo ranks with real signals: the ranks agree on a stop that
+reached only one of them, and a rank stuck where no Python handler runs leaves at once on a
+signal when its peer is gone (instead of making the launcher wait to SIGKILL it)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, free_port
+
+pytestmark = pytest.mark.faults
+
+RANK = r'''
+import os, sys, time
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from pretrain.stopping import StopSignals
+mode, out = sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+stop = StopSignals(["SIGTERM", "SIGUSR1"], grace_period_s=30)
+open(f"{out}/ready{rank}", "w").close()
+if mode == "agree":  # step boundaries every 50 ms until the ranks agree to stop
+    for step in range(1, 2000):
+        time.sleep(0.05)
+        name = stop.agreed()
+        if name:
+            print(f"rank {rank} stops after step {step} on {name}", flush=True)
+            stop.ending()
+            stop.restore()
+            sys.exit(4)
+    sys.exit(99)
+# "stuck": rank 1 leaves; rank 0 blocks in a system call that signals restart (as in a
+# collective library's wait), so no Python signal handler runs on its main thread
+if rank == 1:
+    os._exit(0)
+read, _ = os.pipe()
+os.read(read, 1)
+sys.exit(98)
+'''
+
+
+@pytest.fixture
+def started():
+    """The rank processes a test starts; whatever is left of them is killed afterwards."""
+    procs = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def start_ranks(tmp_path, mode, started):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(REPO), mode, str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    started.extend(procs)
+    deadline = time.time() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+        assert all(p.poll() is None for p in procs) and time.time() < deadline
+        time.sleep(0.05)
+    return procs
+
+
+def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, started, fault_ledger):
+    procs = start_ranks(tmp_path, "agree", started)
+    time.sleep(0.5)
+    procs[1].send_signal(signal.SIGUSR1)  # only rank 1 hears it
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [4, 4], outs
+    steps = {line.split(" after step ")[1].split()[0] for line in outs}
+    assert len(steps) == 1 and all(line.endswith("on SIGUSR1\n") for line in outs), outs
+    fault_ledger.record(1, 0)
+
+
+def test_a_stuck_rank_whose_peer_is_gone_leaves_at_once_on_a_signal(tmp_path, started,
+                                                                     fault_ledger):
+    procs = start_ranks(tmp_path, "stuck", started)
+    assert procs[1].wait(timeout=30) == 0
+    time.sleep(1)
+    started = time.monotonic()
+    procs[0].send_signal(signal.SIGTERM)
+    _, err = procs[0].communicate(timeout=60)
+    took = time.monotonic() - started
+    assert procs[0].returncode == 1, err
+    assert "SIGTERM received while another rank is gone: no checkpoint can be written" in err
+    # without the heartbeat it would wait in os.read forever (communicate's timeout)
+    print(f"\nthe stuck rank left {took:.1f} s after SIGTERM (heartbeat every 2 s)")
+    fault_ledger.record(2, 0)
