@@ -51,10 +51,7 @@ done
 [[ -f $ROOT/launch/slurm_job.sh ]] || {
   echo "launch/slurm_job.sh not found: submit from the repository root" >&2; exit 2; }
 # shellcheck source=launch/slurm_job.sh
-source "$ROOT/launch/slurm_job.sh"   # installs the signal traps first
-
-CONFIG=${1:?usage: sbatch launch/slurm_finetune.sh CONFIG [key=value ...]}
-shift
+source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
 # One torchrun per node (it handles SIGTERM itself: it stops the ranks, SIGKILL 30 s later).
 # shellcheck disable=SC2016  # expanded on each node, by design

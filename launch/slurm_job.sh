@@ -2,7 +2,8 @@
 # What launch/slurm_pretrain.sh and launch/slurm_finetune.sh share, sourced first thing by both:
 # the SIGUSR1/SIGTERM traps of the batch shell, the requeue decision, the node list and network
 # settings, and run_step, which starts one task per node and waits for it. The caller sets
-# SCRIPT_NAME, sources this, then calls run_step with its per-node command.
+# SCRIPT_NAME, sources this (which takes CONFIG, the first argument, off "$@"), then calls
+# run_step with its per-node command.
 
 # Signals first, so that none arrives before its trap.
 GOT_USR1=0 GOT_TERM=0 REQUEUED=0 INTERRUPTED=0 STEP_PID=""
@@ -27,6 +28,9 @@ on_term() {
 trap on_usr1 USR1
 trap on_term TERM
 cleanup() { :; }   # a script that leaves files behind (a hostfile) redefines it
+
+CONFIG=${1:?usage: sbatch launch/$SCRIPT_NAME CONFIG [key=value ...]}
+shift   # the caller's "$@": the key=value overrides from here on
 
 MAX_REQUEUES=${MAX_REQUEUES:-50}
 REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-0}

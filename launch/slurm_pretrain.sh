@@ -50,10 +50,7 @@ done
 [[ -f $ROOT/launch/slurm_job.sh ]] || {
   echo "launch/slurm_job.sh not found: submit from the repository root" >&2; exit 2; }
 # shellcheck source=launch/slurm_job.sh
-source "$ROOT/launch/slurm_job.sh"   # installs the signal traps first
-
-CONFIG=${1:?usage: sbatch launch/slurm_pretrain.sh CONFIG [key=value ...]}
-shift
+source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
 # The hostfile DeepSpeed wants, from the nodes SLURM gave this job (on storage every node sees).
 HOSTFILE=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" hostfile.XXXXXX)
