@@ -15,7 +15,7 @@ import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import cli
-from pretrain.tracking import TrackingError, upload_spool
+from pretrain.spool import TrackingError, upload_spool
 
 
 def main(argv=None) -> None:

@@ -215,7 +215,7 @@ def _tracking_run_id(client: dict, ckpt: Path) -> Optional[str]:
     before the tracker had reached MLflow - in the output dir's ``tracking/run.json``."""
     if client.get("tracking_run_id"):
         return str(client["tracking_run_id"])
-    from pretrain.tracking import STATE, TRACKING_DIR
+    from pretrain.spool import STATE, TRACKING_DIR
 
     state = ckpt.parent.parent / TRACKING_DIR / STATE
     if ckpt.parent.name == "checkpoints" and state.is_file():

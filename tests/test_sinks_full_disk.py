@@ -15,7 +15,8 @@ import pytest
 from mlflow import MlflowClient
 
 from pretrain.metrics import JsonlLogger, MultiLogger, read_jsonl
-from pretrain.tracking import MlflowTracker, RunState, read_spool
+from pretrain.spool import RunState, read_spool
+from pretrain.tracking import MlflowTracker
 
 pytestmark = pytest.mark.faults
 

@@ -203,7 +203,8 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     for the whole job, then the documented upload command."""
     from finetune.config import FinetuneConfig
     from pretrain.config import load_config
-    from pretrain.tracking import lineage_tags, start_tracking, undelivered
+    from pretrain.spool import undelivered
+    from pretrain.tracking import lineage_tags, start_tracking
 
     exp = "lineage"
     # the tracker fails fast by setting these when unset; keep that out of the other tests
@@ -366,7 +367,8 @@ def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its
 def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
         tmp_path, client, mlflow_server, monkeypatch):
     from pretrain.config import PretrainConfig, load_config
-    from pretrain.tracking import start_tracking, upload_spool
+    from pretrain.spool import upload_spool
+    from pretrain.tracking import start_tracking
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -394,7 +396,8 @@ def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
     """MLflow 3's UI opens an experiment without mlflow.experimentKind in its GenAI view, where
     training runs do not show. New and existing experiments get the tag; a kind someone chose
     for an experiment stays."""
-    from pretrain.tracking import MlflowTracker, RunState
+    from pretrain.spool import RunState
+    from pretrain.tracking import MlflowTracker
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")

@@ -1,0 +1,353 @@
+"""A run's MLflow records kept on disk, and their delivery: what :mod:`pretrain.tracking`'s
+tracker and ``launch/upload_spool.py`` share.
+
+``output_dir/tracking/`` holds ``run.json`` (:class:`RunState`: everything needed to create or
+find the MLflow run later), ``spool.jsonl`` (every metric record, appended by the training
+thread), ``delivered`` (the spool's byte offset up to which everything reached MLflow),
+``artifacts/`` (files waiting for upload) and ``lock``. :class:`Remote` is one run's connection:
+it creates or re-attaches the run, sends records (one value per step) and artifacts, and ends
+the run with its end tags. See :mod:`pretrain.tracking` for how a job uses them.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+TRACKING_DIR = "tracking"
+SPOOL = "spool.jsonl"
+STATE = "run.json"
+CURSOR = "delivered"
+ARTIFACTS = "artifacts"
+LOCK = "lock"
+# MLflow 3's UI picks its view per experiment from this tag (JS: ExperimentKind); without it
+# an experiment opens in the GenAI view, where training runs do not show
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+STOP_COUNT_TAG = "stop.count"
+
+# MLflow's HTTP client retries 7 times with exponential backoff (minutes) and waits 120 s per
+# request by default; our thread retries by itself, so each attempt should fail fast. Set only
+# when the user has not chosen values.
+HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
+MAX_PARAMS_PER_BATCH = 100
+
+
+class TrackingError(RuntimeError):
+    """A tracking problem the user has to act on (one line)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Local state: run.json, the spool and its delivery cursor
+# --------------------------------------------------------------------------------------------
+@dataclass
+class RunState:
+    """``tracking/run.json``: everything needed to create (or find) the MLflow run later."""
+
+    uri: str
+    experiment: str
+    run_name: Optional[str] = None
+    run_id: Optional[str] = None
+    params: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    params_logged: bool = False
+    uploaded: list = field(default_factory=list)  # artifact paths already in MLflow
+    ended: Optional[str] = None  # FINISHED / FAILED / KILLED once the job is over
+    end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
+    stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
+
+    @classmethod
+    def load(cls, track_dir: Path) -> "RunState":
+        return cls(**json.loads((track_dir / STATE).read_text()))
+
+    def save(self, track_dir: Path) -> None:
+        replace_file(track_dir / STATE, json.dumps(asdict(self), indent=1).encode())
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all; a failed write (a full disk) leaves no temp file
+    taking room."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_cursor(track_dir: Path) -> int:
+    try:
+        return int((track_dir / CURSOR).read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def write_cursor(track_dir: Path, offset: int) -> None:
+    replace_file(track_dir / CURSOR, str(offset).encode())
+
+
+def read_spool(path: Path, offset: int = 0) -> Iterator[tuple[dict, int]]:
+    """(record, byte offset after it) from ``offset`` on; a line a crash cut short is skipped."""
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        for line in f:
+            pos += len(line)
+            if not line.endswith(b"\n"):
+                break  # being written (or cut by a kill): not a record yet
+            try:
+                yield json.loads(line), pos
+            except json.JSONDecodeError:
+                continue
+
+
+def undelivered(track_dir: Path) -> int:
+    """Records in the spool that never reached MLflow."""
+    return sum(1 for _ in read_spool(track_dir / SPOOL, read_cursor(track_dir)))
+
+
+def lock(track_dir: Path):
+    """Exclusive lock on the tracking directory (a job and the upload command never both send);
+    the returned file holds it until closed. None when someone else holds it."""
+    f = open(track_dir / LOCK, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# Talking to MLflow: shared by the background thread and launch/upload_spool.py
+# --------------------------------------------------------------------------------------------
+def is_permanent(exc: BaseException) -> bool:
+    """A request MLflow rejected (4xx other than 429): retrying cannot help."""
+    from mlflow.exceptions import MlflowException
+    if not isinstance(exc, MlflowException):
+        return False
+    status = exc.get_http_status_code()
+    return 400 <= status < 500 and status != 429
+
+
+class Remote:
+    """One run's connection: create or re-attach the run, upload artifacts, send records.
+    Every method may raise when the server is unreachable; the state on disk stays consistent.
+    With ``on_write_error``, failing writes of run.json and the cursor go there instead of
+    raising (the running job: its state in memory is what counts; the files only help a resume
+    or upload_spool.py do less work)."""
+
+    def __init__(self, track_dir: Path, state: RunState,
+                 on_write_error: Optional[Callable[[Path, OSError], None]] = None):
+        for k, v in HTTP_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        self.dir = track_dir
+        self.state = state
+        self.on_write_error = on_write_error
+        self.client = None  # made on first connect: importing mlflow takes seconds
+        self.connected = False
+        self.resumed = state.run_id is not None  # attaching to a run that exists already
+        self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
+
+    def save_state(self) -> None:
+        self._write(self.dir / STATE, lambda: self.state.save(self.dir))
+
+    def _save_cursor(self, offset: int) -> None:
+        self._write(self.dir / CURSOR, lambda: write_cursor(self.dir, offset))
+
+    def _write(self, path: Path, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as e:
+            if self.on_write_error is None:
+                raise
+            self.on_write_error(path, e)
+
+    def connect(self, reopen: bool = True) -> str:
+        """Find or create the run; ``reopen`` marks an ended run RUNNING again (a resumed job)."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+        if self.client is None:
+            self.client = MlflowClient(self.state.uri)
+        s = self.state
+        if s.run_id is not None:
+            try:
+                run = self.client.get_run(s.run_id)
+            except Exception as e:  # noqa: BLE001
+                if not is_permanent(e):
+                    raise
+                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id, s.uri)
+                s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
+            else:
+                self.last_step = {m.key: m.step for m in run.data._metric_objs}
+                # MLflow's count wins when this output_dir's run.json does not know the stops
+                s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
+                if reopen and run.info.status != "RUNNING":
+                    self.client.update_run(s.run_id, status="RUNNING")
+                self._mark_experiment(run.info.experiment_id)
+        if s.run_id is None:
+            exp = self.client.get_experiment_by_name(s.experiment)
+            if exp is None:
+                try:
+                    exp_id = self.client.create_experiment(
+                        s.experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+                except Exception:  # noqa: BLE001 -- another job created it meanwhile
+                    exp_id = self.client.get_experiment_by_name(s.experiment).experiment_id
+            else:
+                exp_id = exp.experiment_id
+                self._mark_experiment(exp_id, exp)
+            run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags)
+            s.run_id = run.info.run_id
+            self.save_state()  # from now on a retry re-attaches instead of creating another
+            self.last_step = {}
+        if not s.params_logged:
+            items = sorted(s.params.items())
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(s.run_id, params=[
+                    Param(k, v) for k, v in items[i:i + MAX_PARAMS_PER_BATCH]])
+            s.params_logged = True
+            self.save_state()
+        self.connected = True
+        return s.run_id
+
+    def _mark_experiment(self, exp_id: str, exp=None) -> None:
+        """Tag an experiment made before this tag existed (or by someone else); a user's own
+        choice of kind stays. Best effort: a server that refuses it must not cost the run."""
+        try:
+            exp = exp or self.client.get_experiment(exp_id)
+            if EXPERIMENT_KIND_TAG not in exp.tags:
+                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise  # the server is down: the whole attempt is retried
+            log.info("could not tag experiment %s with %s (%s); the MLflow 3 UI shows its runs "
+                     "with ?workflowType=machine_learning", exp_id, EXPERIMENT_KIND_TAG,
+                     one_line(e))
+
+    def upload_artifacts(self) -> int:
+        root = self.dir / ARTIFACTS
+        done = set(self.state.uploaded)
+        new = [p for p in sorted(root.rglob("*")) if p.is_file()
+               and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+        for p in new:
+            sub = p.parent.relative_to(root).as_posix()
+            self.client.log_artifact(self.state.run_id, str(p),
+                                     artifact_path=None if sub == "." else sub)
+            self.state.uploaded.append(p.relative_to(root).as_posix())
+            self.save_state()
+        return len(new)
+
+    def send(self, records: collections.deque) -> int:
+        """Send ``records`` ((record, spool end offset or None if it is not in the spool), oldest
+        first), popping each once it is in MLflow and advancing the cursor. Returns how many were
+        sent."""
+        from mlflow.entities import Metric
+        sent = 0
+        while records:
+            batch, metrics, last = [], [], dict(self.last_step)
+            for rec, end in records:
+                new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
+                       for k, v in rec["metrics"].items()
+                       if rec["step"] > last.get(k, -1 << 62)]
+                if metrics and len(metrics) + len(new) > MAX_METRICS_PER_BATCH:
+                    break
+                for m in new:
+                    last[m.key] = m.step
+                batch.append(end)
+                metrics += new
+            try:
+                if metrics:
+                    self.client.log_batch(self.state.run_id, metrics=metrics)
+            except Exception as e:  # noqa: BLE001
+                if not is_permanent(e):
+                    raise
+                # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones;
+                # the records stay in the spool
+                log.warning("MLflow rejected %d metrics (%s); they stay in %s",
+                            len(metrics), one_line(e), self.dir / SPOOL)
+            self.last_step = last
+            for _ in batch:
+                records.popleft()
+            spooled = [end for end in batch if end is not None]
+            if spooled:
+                self._save_cursor(spooled[-1])
+            sent += len(batch)
+        return sent
+
+    def finish(self, status: str) -> None:
+        """End the run; its end tags go on first, so a run never shows KILLED without why."""
+        from mlflow.entities import RunTag
+        tags = dict(self.state.end_tags)
+        if self.state.stops:
+            tags[STOP_COUNT_TAG] = str(self.state.stops)
+        if tags:
+            self.client.log_batch(self.state.run_id, tags=[
+                RunTag(k, str(v)) for k, v in sorted(tags.items())])
+        self.client.set_terminated(self.state.run_id, status)
+
+
+def _int(text: Optional[str]) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    # urllib3 puts the root cause ("Connection refused", "too many 500 error responses") last
+    cause = text.rfind("(Caused by ")
+    if len(text) > 200 and cause > 0:
+        return text[:150].rstrip() + " ... " + text[cause:][:150]
+    return text[:200]
+
+
+# --------------------------------------------------------------------------------------------
+# Uploading a spool afterwards
+# --------------------------------------------------------------------------------------------
+def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> list[str]:
+    """Send every undelivered record (and artifact) of ``output_dir``'s tracking directories to
+    MLflow, creating the run if it never was; returns one summary line per directory."""
+    out = Path(output_dir)
+    dirs = [d for d in [out / TRACKING_DIR, *sorted(out.glob(TRACKING_DIR + ".*"))]
+            if (d / STATE).is_file()]
+    if not dirs:
+        raise TrackingError(f"no MLflow spool in '{out}' (expected {out / TRACKING_DIR / STATE})")
+    lines = []
+    for d in dirs:
+        held = lock(d)
+        if held is None:
+            raise TrackingError(f"{d} is in use by a running job; run this after it ends")
+        try:
+            state = RunState.load(d)
+            if uri:
+                state.uri = uri
+            remote = Remote(d, state)
+            try:
+                remote.connect(reopen=False)
+                pending = collections.deque(read_spool(d / SPOOL, read_cursor(d)))
+                n = remote.send(pending)
+                a = remote.upload_artifacts()
+                if state.ended:
+                    remote.finish(state.ended)
+            except Exception as e:  # noqa: BLE001
+                raise TrackingError(f"could not upload {d} to MLflow at {state.uri}: "
+                                    f"{one_line(e)}") from None
+            state.save(d)
+            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at {state.uri}")
+        finally:
+            held.close()
+    return lines
