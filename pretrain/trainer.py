@@ -110,8 +110,6 @@ def train(cfg: RunConfig, stage=None) -> dict:
     backend = stage.backend(cfg)  # joins the process group
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)
-    # From here a stop signal is only noted; the ranks act on it together at a step boundary.
-    stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
     stage.prepare_data(cfg)
     micro, accum = cfg.train.batch_layout(world)
     out = Path(cfg.output_dir)
@@ -175,6 +173,9 @@ def train(cfg: RunConfig, stage=None) -> dict:
     loss_sum, window = torch.zeros((), device=backend.device), 0
     failed_saves = 0
     metrics: dict = {}
+    # From here a stop signal is only noted, and the ranks act on it together at a step
+    # boundary; before, during setup, it ends the process at once (there is nothing to save).
+    stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
     try:
         while step < steps:
             scheduler.step_update(step)
