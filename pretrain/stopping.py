@@ -84,7 +84,6 @@ class StopSignals:
         self.grace_period_s = grace_period_s
         self.received: Optional[int] = None  # the first signal this process got
         self.received_at: Optional[float] = None
-        self.count = 0
         self._previous = {}
         self._group = None
         self._pending = None  # (work, tensor) of the reduction started at the last boundary
@@ -111,7 +110,6 @@ class StopSignals:
             self._watcher.start()
 
     def _note(self, signum, frame) -> None:  # a signal handler: set flags only
-        self.count += 1
         if self.received is None:
             self.received, self.received_at = signum, time.monotonic()
 

@@ -46,7 +46,7 @@ def record(kind, **fields):
 '''
 
 SRUN = _RECORD + r'''
-import signal, subprocess
+import contextlib, signal, subprocess
 argv = sys.argv[1:]
 record("srun", argv=argv)
 i = 0
@@ -56,10 +56,9 @@ proc = subprocess.Popen(argv[i:], env={**os.environ, "SLURM_NODEID": "0"},
                         start_new_session=True)
 def forward(sig, frame):   # slurmstepd signals every process of the step
     record("srun-forward", signal=signal.Signals(sig).name)
-    try:
+    # a step that has just ended has nobody left to signal, as with slurmstepd
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
 for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, forward)
 rc = proc.wait()
