@@ -165,7 +165,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
                  steps, stage.describe_start(), cfg.train.global_batch_size, world, micro, accum,
                  spec.train_flops_per_image() / 1e12)
 
-    batches = iter(loader)
+    stream = iter(loader)  # closed at the end: its worker processes go with it
+    batches = stream
     if resume is None:  # a picture of what the model sees: the first batch, augmented
         first = next(batches)
         tracker.log_sample_grid(first.images)
@@ -250,6 +251,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
         tracker.close("FAILED")
         raise
     finally:
+        stream.close()
         stop.restore()
     sink.close()
     peaks = gather(peak_memory_gib(backend.device), world)

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from _loader_fixtures import LOADER_ARGS, jpeg_bytes, truncate_inside, write_split
-from conftest import free_port
+from conftest import REPO, free_port
 from pretrain.config import DataConfig
 from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
                                   build_eval_loader, build_mixup, build_train_loader, normalize,
@@ -147,6 +147,26 @@ def test_resume_in_process_with_workers(tmp_path):
     again = TrainLoader(shards, **LOADER_ARGS)
     again.load_state_dict(state)
     assert [b.keys for b in _take(again, 8)] == rest
+
+
+def test_a_process_that_drops_a_loader_mid_epoch_still_exits(tmp_path):
+    """Workers ignore SIGTERM (a scheduler's signal is the rank's to act on), so the exit path
+    that ends them with SIGTERM must not be the only one: an iterator only a reference cycle
+    still holds at exit used to leave the process waiting for its workers forever."""
+    write_split(tmp_path, SHARD_LENGTHS[:6])
+    script = (
+        "import gc, sys\n"
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
+        "from _loader_fixtures import LOADER_ARGS\n"
+        "from pretrain.data.loader import ShardSet, TrainLoader\n"
+        "gc.disable()\n"
+        f"it = iter(TrainLoader(ShardSet.from_info({str(tmp_path)!r}, 'train'), **LOADER_ARGS))\n"
+        "next(it)\n"
+        "cycle = [it]\n"
+        "cycle.append(cycle)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_corrupt_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):

@@ -33,6 +33,12 @@ if mode == "agree":  # step boundaries every 50 ms until the ranks agree to stop
             stop.restore()
             sys.exit(4)
     sys.exit(99)
+if mode == "finish":  # the run is over; rank 1 gets there seconds after rank 0
+    time.sleep(4 * rank)
+    stop.ending()
+    stop.restore()
+    print(f"rank {rank} finished", flush=True)
+    sys.exit(0)
 # "stuck": rank 1 leaves; rank 0 blocks in a system call that signals restart (as in a
 # collective library's wait), so no Python signal handler runs on its main thread
 if rank == 1:
@@ -78,6 +84,14 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, started, 
     steps = {line.split(" after step ")[1].split()[0] for line in outs}
     assert len(steps) == 1 and all(line.endswith("on SIGUSR1\n") for line in outs), outs
     fault_ledger.record(1, 0)
+
+
+def test_ranks_that_finish_seconds_apart_both_exit(tmp_path, started):
+    """The heartbeat ends on every rank together, though the ranks finish at their own pace: a
+    rank left in a heartbeat its peer no longer joins would hang at exit (gloo's 30 min)."""
+    procs = start_ranks(tmp_path, "finish", started)
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
 
 
 def test_a_stuck_rank_whose_peer_is_gone_leaves_at_once_on_a_signal(tmp_path, started,

@@ -33,6 +33,7 @@ unreadable shard -- is skipped and counted (:attr:`TrainLoader.skipped`); it nev
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -42,6 +43,7 @@ import logging
 import math
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -74,6 +76,37 @@ class Batch(NamedTuple):
     labels: torch.Tensor   # int64 (B,); -1 marks padding in eval batches
     keys: List[str]        # the samples' __key__ ("" for eval padding)
     epochs: torch.Tensor   # int64 (B,), the epoch each sample belongs to
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------
+# Workers ignore SIGTERM, but SIGTERM is how torch ends a worker it could not join and how
+# multiprocessing ends daemon children at exit -- and at exit it then joins them, forever, when
+# the iterator was not freed before (a reference cycle is enough). So the loaders end their
+# own workers with SIGKILL: when their iteration ends, and at exit for any left over.
+_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _kill(workers) -> None:
+    for w in list(workers):
+        if w.is_alive():
+            w.kill()
+            w.join()
+
+
+atexit.register(_kill, _WORKERS)  # runs before multiprocessing's own exit handler (LIFO)
+
+
+def _iterate(loader: DataLoader) -> Iterator[Any]:
+    it = iter(loader)
+    workers = list(getattr(it, "_workers", ()))
+    _WORKERS.update(workers)
+    try:
+        yield from it
+    finally:
+        del it  # torch's shutdown: the workers get a few seconds to finish cleanly
+        _kill(workers)
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,7 +509,7 @@ class TrainLoader:
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
-            for images, labels, keys, epochs, meta in loader:
+            for images, labels, keys, epochs, meta in _iterate(loader):
                 self._advance(meta)
                 if keys_file is not None:
                     keys_file.write("".join(k + "\n" for k in keys))
@@ -694,9 +727,9 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
                                self.batch_size, self.transform, self.num_classes)
-        for images, labels, keys, epochs in DataLoader(
+        for images, labels, keys, epochs in _iterate(DataLoader(
                 dataset, batch_size=None, num_workers=self.num_workers,
-                worker_init_fn=ignore_stop_signals):
+                worker_init_fn=ignore_stop_signals)):
             yield Batch(images, labels, keys, epochs)
 
 
