@@ -146,7 +146,8 @@ def _columns(batch: List[Entry]) -> Index:
         key=np.array([e.key.encode() for e in batch], dtype=bytes),
         label=np.array([e.label for e in batch], dtype=np.int32),
         part=np.array([e.part for e in batch], dtype=np.int32),
-        name=np.array([e.name.encode() for e in batch], dtype=bytes),
+        # A file name that is not UTF-8 must still open the file it came from.
+        name=np.array([e.name.encode("utf-8", "surrogateescape") for e in batch], dtype=bytes),
         offset=np.array([e.offset for e in batch], dtype=np.int64),
         size=np.array([e.size for e in batch], dtype=np.int64),
     )
@@ -158,7 +159,7 @@ def _take(index: Index, rows: np.ndarray) -> Index:
 
 def _entries(index: Index) -> Iterable[Entry]:
     for s, k, l, p, n, o, z in zip(*(index[c].tolist() for c in COLUMNS)):
-        yield Entry(SPLITS[s], k.decode(), l, p, n.decode(), o, z)
+        yield Entry(SPLITS[s], k.decode(), l, p, n.decode("utf-8", "surrogateescape"), o, z)
 
 
 def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
@@ -200,13 +201,23 @@ def hold_out(index: Index, val_count: int, seed: int) -> None:
     index["split"][chosen] = SPLITS.index("validation")
 
 
-def sort_by_key(index: Index) -> Index:
-    """Sorted by key, so the output depends on the set of samples, not on the scan order."""
+def sort_by_key(index: Index, source: Optional[Source] = None) -> Index:
+    """Sorted by key, so the output depends on the set of samples, not on the scan order.
+
+    A key must be unique within its split only: the splits' shards are separate, and datasets
+    exported split by split number their files afresh in each (``train/cat/0001.png`` and
+    ``val/cat/0001.png``).
+    """
     index = _take(index, np.argsort(index["key"], kind="stable"))
-    keys = index["key"]
-    dup = np.flatnonzero(keys[1:] == keys[:-1])
-    if len(dup):
-        raise PrepareError(f"two images share the key '{keys[dup[0]].decode()}'; rename one of them")
+    for code, split in enumerate(SPLITS):
+        rows = np.flatnonzero(index["split"] == code)
+        keys = index["key"][rows]
+        dup = np.flatnonzero(keys[1:] == keys[:-1])
+        if len(dup):
+            first, second = _entries(_take(index, rows[dup[0]:dup[0] + 2]))
+            both = f"{source.describe(first)} and {source.describe(second)}" if source else "two images"
+            raise PrepareError(f"{both} share the sample key '{first.key}' in split '{split}'; "
+                               f"rename one of them")
     return index
 
 
@@ -397,7 +408,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         raise PrepareError(f"no images found in {src}; check --src and SOURCE")
     if settings["val_count"]:
         hold_out(index, settings["val_count"], seed)
-    index = sort_by_key(index)
+    index = sort_by_key(index, raw)
     shards = plan_shards(index, settings["name"], shard_size, seed)
 
     ledger = work / "shards.jsonl"

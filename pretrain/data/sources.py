@@ -10,6 +10,8 @@ Layouts (README, "Prepare data"):
   read in place by member offset; or the outer ``fall11_whole.tar`` / ``winter21_whole.tar.gz``,
   read once as a stream whose member bytes are spilled into a few large work files.
 * ``imagefolder``: ``root/<class>/*``; ``root/train/<class>`` + ``root/val/<class>`` give two splits.
+  Keys are unique per split (exports number their files afresh in each split) and carry the
+  class folder (``cat/0001`` and ``dog/0001`` are the usual case, not a clash).
 * ``imagenet1k``: the same with timm's 1000-synset order; ``val/`` in synset folders or flat with
   a label file.
 * ``cifar10`` / ``cifar100``: the python pickle version, unpickled only after a structure check.
@@ -22,6 +24,7 @@ import io
 import os
 import pickle
 import tarfile
+import unicodedata
 from collections import Counter
 from functools import lru_cache
 from pathlib import Path
@@ -38,6 +41,9 @@ IMAGENET1K_SYNSETS = "imagenet_synsets.txt"
 VAL_LABEL_FILES = ("LOC_val_solution.csv", "val_labels.txt", "val.txt")
 # Spill files of the outer-tar stream rotate at this size, so no single file gets huge.
 SPILL_FILE_BYTES = 1 << 30
+FOLDER_LAYOUT = "<root>/<class>/<image> or <root>/{train,val}/<class>/<image>"
+# What a macOS zip unpacks next to the class folders; never a class of its own.
+IGNORED_FOLDERS = ("__MACOSX",)
 
 
 class PrepareError(ValueError):
@@ -54,9 +60,26 @@ class Entry(NamedTuple):
     size: int  # byte count in a tar/spill part; -1 when the whole file is read
 
 
+def as_text(name: str) -> str:
+    """A file name as text that encodes to UTF-8 and compares equal however it was spelled.
+
+    Bytes that are not UTF-8 (archives made on old Windows machines) come from the file system as
+    lone surrogates, which neither a tar header nor JSON can hold; macOS hands out accents
+    decomposed (NFD), so the same class folder would otherwise be two classes.
+    """
+    if name.isascii():  # nearly every name; skips the work for millions of ImageNet keys
+        return name
+    name = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return unicodedata.normalize("NFC", name)
+
+
 def sample_key(stem: str) -> str:
-    # webdataset splits a tar member name into key and extension at the first dot.
-    return stem.replace(".", "_")
+    # webdataset splits a tar member name into key and extension at the first dot, and drops
+    # members under a "__name__/" folder as its own metadata; keys are logged one per line.
+    key = as_text(stem).replace(".", "_")
+    if not key.isprintable():
+        key = "".join(c if c.isprintable() else "_" for c in key)
+    return "_" + key.lstrip("_") if key.startswith("__") else key
 
 
 def timm_info_file(filename: str) -> Path:
@@ -81,6 +104,25 @@ def load_synsets(which: str) -> List[str]:
 
 def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _visible(name: str) -> bool:
+    # Hidden entries are editor, notebook and macOS leftovers (.ipynb_checkpoints, ._x.jpg).
+    return not name.startswith(".") and name not in IGNORED_FOLDERS
+
+
+def _subfolders(folder: Path) -> List[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _visible(p.name))
+
+
+def _images_below(folder: str) -> Optional[str]:
+    """The first image anywhere under ``folder``, or None."""
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if _visible(d))
+        image = next((f for f in sorted(files) if _visible(f) and _is_image(f)), None)
+        if image is not None:
+            return os.path.join(here, image)
+    return None
 
 
 def _read_range(path: str, offset: int, size: int) -> bytes:
@@ -248,10 +290,9 @@ class ImageFolder(Source):
         return {"train": root}
 
     def _folder_classes(self) -> List[str]:
-        classes = sorted(p.name for p in self.split_dirs["train"].iterdir() if p.is_dir())
+        classes = sorted({as_text(p.name) for p in _subfolders(self.split_dirs["train"])})
         if not classes:
-            raise PrepareError(f"no class folders in {self.split_dirs['train']}; "
-                               f"expected ROOT/<class>/<image>")
+            raise PrepareError(f"no class folders in {self.split_dirs['train']}; expected {FOLDER_LAYOUT}")
         return classes
 
     def _key(self, class_name: str, stem: str) -> str:
@@ -272,18 +313,40 @@ class ImageFolder(Source):
             yield from self._folder_split(split, root)
 
     def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
-        for class_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-            label = self.label_of(class_dir.name, str(class_dir))
+        # Images outside class folders would have no label, and images below them a wrong one:
+        # both are refused rather than dropped or mislabelled.
+        loose = next((e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)
+                      and _is_image(e.name)), None)
+        if loose is not None:
+            raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
+                               f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
+        for class_dir in _subfolders(root):
+            class_name = as_text(class_dir.name)
+            label = self.label_of(class_name, str(class_dir))
             if label is None:
                 continue
+            names, subfolders = [], []
+            for e in os.scandir(class_dir):
+                if not _visible(e.name):
+                    continue
+                if e.is_dir():
+                    subfolders.append(e.path)
+                elif e.is_file() and _is_image(e.name):
+                    names.append(e.name)
+            for sub in sorted(subfolders):
+                nested = _images_below(sub)
+                if nested is not None:
+                    raise PrepareError(f"found images two levels down in {class_dir} (e.g. {nested}); "
+                                       f"expected {FOLDER_LAYOUT}; point --src at the folder whose "
+                                       f"subfolders are the classes, or move the images up into their class folder")
             self.parts.append(str(class_dir))
-            names = sorted(e.name for e in os.scandir(class_dir) if e.is_file() and _is_image(e.name))
-            stems = [os.path.splitext(n)[0] for n in names]
+            names.sort()
+            stems = [sample_key(os.path.splitext(n)[0]) for n in names]
             repeated = {stem for stem, n in Counter(stems).items() if n > 1}
             for name, stem in zip(names, stems):
                 # "a.jpg" next to "a.png" would share a key; keep the extension for those only.
-                unique = name if stem in repeated else stem
-                yield Entry(split, self._key(class_dir.name, unique), label, len(self.parts) - 1, name, 0, -1)
+                unique = sample_key(name) if stem in repeated else stem
+                yield Entry(split, self._key(class_name, unique), label, len(self.parts) - 1, name, 0, -1)
 
     def read(self, entry: Entry) -> bytes:
         with open(os.path.join(self.parts[entry.part], entry.name), "rb") as f:
@@ -312,7 +375,7 @@ class ImageNet1k(ImageFolder):
         return sample_key(stem)
 
     def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
-        if split == "validation" and not any(p.is_dir() for p in root.iterdir()):
+        if split == "validation" and not _subfolders(root):
             yield from self._flat_val(root)
         else:
             yield from super()._folder_split(split, root)
@@ -321,7 +384,8 @@ class ImageNet1k(ImageFolder):
         labels = self._val_labels(root)
         self.parts.append(str(root))
         part = len(self.parts) - 1
-        for name in sorted(e.name for e in os.scandir(root) if e.is_file() and _is_image(e.name)):
+        for name in sorted(e.name for e in os.scandir(root)
+                           if e.is_file() and _visible(e.name) and _is_image(e.name)):
             stem = os.path.splitext(name)[0]
             if stem not in labels:
                 raise PrepareError(f"{root / name} has no entry in the validation label file; "
@@ -355,15 +419,37 @@ class ImageNet1k(ImageFolder):
 class _CifarUnpickler(pickle.Unpickler):
     """Only what a CIFAR batch needs: a dict, lists, strings, ints and one numpy array."""
 
+    # _frombuffer: how numpy pickles an array under protocol 5 (pickle.HIGHEST_PROTOCOL).
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
             raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in a CIFAR batch")
-        if module == "numpy.core.multiarray":  # numpy 2 moved it; old pickles still name the old place
-            module = "numpy._core.multiarray" if hasattr(np, "_core") else module
+        # numpy 2 moved numpy.core to numpy._core; pickles name whichever numpy wrote them.
+        if module.startswith("numpy.core.") and hasattr(np, "_core"):
+            module = "numpy._core." + module[len("numpy.core."):]
+        elif module.startswith("numpy._core.") and not hasattr(np, "_core"):
+            module = "numpy.core." + module[len("numpy._core."):]
         return super().find_class(module, name)
+
+
+def _str_keys(obj) -> Optional[dict]:
+    """A CIFAR dict with str keys: the official files unpickled with encoding="latin1" have them,
+    files re-saved by Python 3 scripts that loaded them with encoding="bytes" have bytes keys."""
+    if not isinstance(obj, dict):
+        return None
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in obj.items()}
+
+
+def _name_text(name):
+    if not isinstance(name, bytes):
+        return name
+    try:
+        return name.decode("utf-8")
+    except UnicodeDecodeError:
+        return name.decode("latin1")
 
 
 def load_cifar_batch(path: str, label_key: str) -> tuple:
@@ -374,8 +460,8 @@ def load_cifar_batch(path: str, label_key: str) -> tuple:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as e:
         raise PrepareError(f"{path} is not a CIFAR python batch ({e}); download the python version "
                            f"(cifar-10-python.tar.gz / cifar-100-python.tar.gz)") from None
-    data = batch.get("data") if isinstance(batch, dict) else None
-    labels = batch.get(label_key) if isinstance(batch, dict) else None
+    batch = _str_keys(batch) or {}
+    data, labels = batch.get("data"), batch.get(label_key)
     rows_ok = (isinstance(data, np.ndarray) and data.dtype == np.uint8
                and data.ndim == 2 and data.shape[1] == 3072)
     if not (rows_ok and isinstance(labels, list) and len(labels) == len(data)
@@ -416,7 +502,9 @@ class Cifar(Source):
                 meta = _CifarUnpickler(f, encoding="latin1").load()
             except (pickle.UnpicklingError, EOFError, ValueError) as e:
                 raise PrepareError(f"{path} is not a CIFAR meta file ({e})") from None
-        names = meta.get(names_key) if isinstance(meta, dict) else None
+        names = (_str_keys(meta) or {}).get(names_key)
+        if isinstance(names, list):
+            names = [_name_text(n) for n in names]
         if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
             raise PrepareError(f"{path} has no '{names_key}' list of class names; "
                                f"is --src the right CIFAR version?")

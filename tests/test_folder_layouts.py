@@ -1,0 +1,225 @@
+"""Image folders and CIFAR pickles as people actually have them, prepared and read back.
+
+Each test lays out real JPEG/PNG files (or pickles), runs the prepare step the way a user does,
+then reads the shards back with webdataset's own grouping and the repository's eval loader:
+every file must come out once, in its split, under the key and label of its class folder.
+"""
+import json
+import os
+import pickle
+import tarfile
+import unicodedata
+from collections import Counter
+
+import numpy as np
+import pytest
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+from conftest import run_launcher
+from pretrain.data import synthetic
+from pretrain.data.info import read_info
+from pretrain.data.loader import EvalLoader, ShardSet, decode_label, image_bytes
+from pretrain.data.shard_writer import prepare
+from pretrain.data.sources import PrepareError
+
+LAYOUT = "expected <root>/<class>/<image> or <root>/{train,val}/<class>/<image>"
+
+
+def write_images(root, files):
+    """Real images at ``root/<path>`` (a str, or bytes for a name that is not UTF-8), PNG where
+    the name ends in .png in any case; each file its own width, so a sample shows which file it is.
+    Returns {path: width}."""
+    rng = np.random.default_rng(0)
+    widths = {}
+    for i, rel in enumerate(files):
+        path = os.path.join(os.fsencode(root), rel if isinstance(rel, bytes) else os.fsencode(rel))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fmt = "PNG" if path.lower().endswith(b".png") else "JPEG"
+        widths[rel] = 12 + i
+        with open(path, "wb") as f:
+            f.write(synthetic.class_image(i % 3, 3, rng, (widths[rel], 10), fmt))
+    return widths
+
+
+def read_back(out):
+    """(info, {split: {key: json meta}}), after checking every sample the way training reads it."""
+    info = read_info(out)
+    splits = {}
+    for split in info.splits:
+        shards = ShardSet.from_info(str(out), split)
+        samples = {}
+        for url in shards.urls:
+            with tarfile.open(url) as tar:  # lower-case fields after the key's only dot
+                assert all(m.name.count(".") == 1 and m.name.endswith((".jpg", ".cls", ".json"))
+                           for m in tar), tar.getnames()
+            with open(url, "rb") as f:
+                members = ({**m, "__url__": url} for m in tar_file_iterator(f))
+                for s in group_by_keys(members):
+                    assert set(s) == {"__key__", "__url__", "jpg", "cls", "json"}, s.keys()
+                    meta = json.loads(s["json"])
+                    assert image_bytes(s) == s["jpg"]
+                    assert decode_label(s, len(info.classes)) == meta["label"]
+                    assert info.classes[meta["label"]] == meta["class_name"]
+                    assert s["__key__"] not in samples
+                    samples[s["__key__"]] = meta
+        assert len(samples) == shards.num_samples
+        # The eval loader decodes every image; one it could not read would come back as padding.
+        loader = EvalLoader(shards, img_size=16, batch_size=8, num_classes=len(info.classes))
+        seen = {k: label for b in loader for k, label in zip(b.keys, b.labels.tolist()) if k}
+        assert seen == {k: m["label"] for k, m in samples.items()}
+        splits[split] = samples
+    return info, splits
+
+
+def assert_shards_hold(out, widths, expected):
+    """``expected``: {split: {key: (class name, file path)}}; each file under its key and class."""
+    info, splits = read_back(out)
+    assert splits.keys() == expected.keys()
+    for split, samples in splits.items():
+        assert {k: m["class_name"] for k, m in samples.items()} == \
+            {k: c for k, (c, _) in expected[split].items()}
+        assert {k: m["width"] for k, m in samples.items()} == \
+            {k: widths[path] for k, (_, path) in expected[split].items()}
+    assert {n: s.num_samples for n, s in info.splits.items()} == {s: len(e) for s, e in expected.items()}
+    return info
+
+
+def test_splits_numbered_afresh_and_same_name_in_two_classes(tmp_path):
+    """What exported datasets look like: 0001.png in every class folder of every split."""
+    files = [f"{split}/{cls}/{n:04d}.png" for split, count in (("train", 3), ("val", 2))
+             for cls in ("cat", "dog") for n in range(1, count + 1)]
+    widths = write_images(tmp_path / "raw", files)
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "out"), "--shard-size", "4", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr
+    expected = {"train": {}, "validation": {}}
+    for path in files:
+        split, cls, name = path.split("/")
+        expected["train" if split == "train" else "validation"][f"{cls}/{name[:-4]}"] = (cls, path)
+    info = assert_shards_hold(tmp_path / "out", widths, expected)
+    assert info.classes == ["cat", "dog"]
+    assert "6 train in 2 shards, 4 validation in 1 shards" in proc.stderr
+
+
+def test_same_stem_with_two_extensions_keeps_them_apart(tmp_path):
+    # b.v1 and b_v1 are one key once the dot is replaced, so they keep their extensions too.
+    files = ["cat/0001.jpg", "dog/0001.jpg", "cat/a.jpg", "cat/a.PNG", "dog/b.v1.jpg", "dog/b_v1.png"]
+    widths = write_images(tmp_path / "raw", files)
+    prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), shard_size=4, progress=False)
+    keys = ["cat/0001", "dog/0001", "cat/a_jpg", "cat/a_PNG", "dog/b_v1_jpg", "dog/b_v1_png"]
+    expected = {"train": {k: (p.split("/")[0], p) for k, p in zip(keys, files)}}
+    assert_shards_hold(tmp_path / "out", widths, expected)
+
+
+def test_a_true_key_clash_within_a_split_names_both_files(tmp_path):
+    # A dot becomes "_" in keys (webdataset cuts the extension at the first dot), so these clash.
+    write_images(tmp_path / "raw", ["train/cat/img.v2.jpg", "train/cat/img_v2.jpg", "val/cat/x.jpg"])
+    with pytest.raises(PrepareError) as e:
+        prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    message = str(e.value)
+    assert "\n" not in message
+    assert str(tmp_path / "raw" / "train" / "cat" / "img.v2.jpg") in message
+    assert str(tmp_path / "raw" / "train" / "cat" / "img_v2.jpg") in message
+    assert "split 'train'" in message and message.endswith("rename one of them")
+
+
+def test_odd_file_and_folder_names(tmp_path):
+    nfd_cafe = unicodedata.normalize("NFD", "café")  # how macOS spells the folder
+    assert nfd_cafe != "café"
+    files = {
+        "train/cat/img.v2.final.jpg": ("cat", "cat/img_v2_final"),
+        "train/cat/my photo (1).JPG": ("cat", "cat/my photo (1)"),
+        "train/cat/café_ü.jpg": ("cat", "cat/café_ü"),
+        b"train/cat/caf\xe9 latin-1.jpg": ("cat", "cat/caf\ufffd latin-1"),
+        "train/猫/猫.png": ("猫", "猫/猫"),
+        "train/猫/UPPER.JPEG": ("猫", "猫/UPPER"),
+        "train/猫/loud.PNG": ("猫", "猫/loud"),
+        "train/café/x.Jpg": ("café", "café/x"),
+        f"val/{nfd_cafe}/y.jpeg": ("café", "café/y"),
+        "val/cat/z.JPG": ("cat", "cat/z"),
+        # webdataset drops members under a "__name__/" folder as its metadata
+        "train/__misc__/m.jpg": ("__misc__", "_misc__/m"),
+    }
+    widths = write_images(tmp_path / "raw", list(files))
+    prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), shard_size=4, progress=False)
+    expected = {"train": {}, "validation": {}}
+    for path, (cls, key) in files.items():
+        split = "train" if (path if isinstance(path, bytes) else path.encode()).startswith(b"train") \
+            else "validation"
+        expected[split][key] = (cls, path)
+    info = assert_shards_hold(tmp_path / "out", widths, expected)
+    assert info.classes == ["__misc__", "café", "cat", "猫"]
+
+
+def test_editor_and_macos_leftovers_are_not_classes_or_images(tmp_path):
+    files = ["cat/a.jpg", "dog/b.jpg", "__MACOSX/cat/a.jpg", ".ipynb_checkpoints/c.jpg",
+             "cat/.hidden/d.jpg"]
+    widths = write_images(tmp_path / "raw", files)
+    (tmp_path / "raw" / "cat" / "._a.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (tmp_path / "raw" / "dog" / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    assert info.classes == ["cat", "dog"]
+    assert info.extra["num_skipped"] == 0
+    assert_shards_hold(tmp_path / "out", widths, {"train": {"cat/a": ("cat", "cat/a.jpg"),
+                                                            "dog/b": ("dog", "dog/b.jpg")}})
+
+
+def test_nested_class_folders_are_refused_with_the_expected_layout(tmp_path):
+    write_images(tmp_path / "raw", ["train/animals/cat/x.jpg", "train/animals/dog/y.jpg",
+                                    "train/plants/fern/z.jpg", "val/animals/cat/w.jpg"])
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "out"), "--workers", "1")
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: found images two levels down in {tmp_path / 'raw' / 'train' / 'animals'}")
+    assert LAYOUT in line and "point --src at the folder whose subfolders are the classes" in line
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
+@pytest.mark.parametrize("files, where, problem", [
+    (["cat/a.jpg", "cat/extra/b.jpg", "dog/c.jpg"], "cat", "found images two levels down in"),
+    (["cat/a.jpg", "dog/c.jpg", "loose.PNG"], "", "found images directly in"),
+    (["train/cat/a.jpg", "train/b.jpg", "val/cat/c.jpg"], "train", "found images directly in"),
+], ids=["image-below-a-class-folder", "image-beside-the-class-folders", "image-in-the-train-folder"])
+def test_images_outside_the_class_folders_are_refused(tmp_path, files, where, problem):
+    write_images(tmp_path / "raw", files)
+    with pytest.raises(PrepareError) as e:
+        prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    message = str(e.value)
+    assert "\n" not in message and LAYOUT in message
+    assert message.startswith(f"{problem} {os.path.join(tmp_path / 'raw', where).rstrip(os.sep)}")
+
+
+def resave_with_bytes_keys(path, names_key=None, protocol=pickle.DEFAULT_PROTOCOL):
+    """What a Python 3 script writes back after loading a CIFAR file with encoding="bytes"."""
+    with open(path, "rb") as f:
+        obj = pickle.load(f)  # our own file: plain pickle is safe here
+    if names_key:
+        obj[names_key] = [n.encode() for n in obj[names_key]]
+    with open(path, "wb") as f:
+        pickle.dump({k.encode(): v for k, v in obj.items()}, f, protocol=protocol)
+
+
+@pytest.mark.parametrize("resaved", ["meta", "all"])
+@pytest.mark.parametrize("kind", ["cifar10", "cifar100"])
+def test_cifar_with_bytes_keys(tmp_path, kind, resaved):
+    raw = synthetic.write_cifar(tmp_path / "raw", kind, n_train=10, n_test=6)
+    meta, names_key = ("batches.meta", "label_names") if kind == "cifar10" else ("meta", "fine_label_names")
+    # Names that only decode right as UTF-8 show the bytes are not read as Latin-1.
+    renamed = {raw.classes[0]: "café", raw.classes[-1]: "猫"}
+    raw.classes = [renamed.get(c, c) for c in raw.classes]
+    raw.samples = {k: (s, renamed.get(c, c)) for k, (s, c) in raw.samples.items()}
+    with open(raw.root / meta, "wb") as f:
+        pickle.dump({names_key: raw.classes}, f)
+    for path in raw.root.iterdir():
+        if path.name == meta:
+            resave_with_bytes_keys(path, names_key)
+        elif resaved == "all":  # numpy pickles arrays differently under protocol 5
+            resave_with_bytes_keys(path, protocol=pickle.HIGHEST_PROTOCOL)
+    prepare(kind, str(tmp_path / "raw"), str(tmp_path / "out"), shard_size=8, progress=False)
+    info, splits = read_back(tmp_path / "out")
+    assert info.classes == raw.classes
+    assert {split: {k: m["class_name"] for k, m in samples.items()} for split, samples in splits.items()} \
+        == {split: {k: c for k, (s, c) in raw.samples.items() if s == split} for split in ("train", "test")}
+    assert Counter(s for s, _ in raw.samples.values()) == {"train": 10, "test": 6}
