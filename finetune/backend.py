@@ -5,8 +5,11 @@ Accelerate config asks for them on GPUs), with optional Polyak/EMA weights. It o
 :class:`pretrain.engine.DeepSpeedBackend` offers, so the loop does not know which one it drives.
 
 Checkpoints are Accelerate's ``save_state`` files (model, optimizer, EMA, per-rank RNG, written
-the right way for DDP, FSDP and DeepSpeed alike) plus the loop's ``client_state.pt``; everything
-is read back with ``weights_only=True``: loading a checkpoint runs no pickled code.
+the right way for DDP, FSDP and DeepSpeed alike) plus the loop's ``client_state.pt``; they are
+read back with ``weights_only=True``: loading a checkpoint runs no pickled code. Two exceptions:
+DeepSpeed's own directory under an Accelerate DeepSpeed config, which DeepSpeed unpickles with
+``weights_only=False``, is screened first, as pretraining's checkpoints are; FSDP's sharded state
+(``torch.distributed.checkpoint``) has a ``.metadata`` file that torch unpickles as it is.
 """
 from __future__ import annotations
 
@@ -110,8 +113,13 @@ class AccelerateBackend:
         self.accelerator.wait_for_everyone()  # the closing barrier CheckpointStore relies on
 
     def load_checkpoint(self, root: Path, ckpt) -> dict:
+        from accelerate.utils import MODEL_NAME
         from accelerate.utils import load  # torch.load(weights_only=True), numpy arrays allowed
+
+        from pretrain.checkpoint import check_pickles_are_inert
         path = Path(root) / ckpt.tag
+        if (path / MODEL_NAME).is_dir():  # DeepSpeed's files: load_state has it unpickle them
+            check_pickles_are_inert(path / MODEL_NAME)
         self.accelerator.load_state(str(path))
         return load(path / CLIENT_STATE, map_location="cpu")
 

@@ -15,16 +15,23 @@ A write that fails on any rank (full disk, I/O error) fails the save on every ra
 :class:`CheckpointWriteError`: the partial directory is removed, the earlier checkpoints are
 untouched, and the trainer stops or goes on as ``checkpoint.on_write_error`` says.
 
-DeepSpeed unpickles checkpoints with ``weights_only=False``; before it reads one, every ``.pt``
-file's pickle is scanned (``torch.serialization.get_unsafe_globals_in_checkpoint`` executes
-nothing) and a reference to any Python object outside a short list of known, inert types is
-refused with :class:`CheckpointError`.
+The manifest is the last thing written, and only once the rest is on disk: every file and
+directory of the checkpoint is fsynced first (by one rank per node), then the manifest goes to a
+temporary file that is fsynced, renamed into place, and its directory fsynced. A power loss right
+after a save cannot leave a checkpoint that counts as complete but whose files never reached disk.
+
+DeepSpeed unpickles checkpoints with ``weights_only=False``. Before it reads one, every file
+under the checkpoint directory that could be a pickle -- at any depth, so a universal checkpoint's
+``zero/<param>/*.pt`` too -- is scanned by ``torch.serialization.get_unsafe_globals_in_checkpoint``,
+which executes nothing, and a reference to any Python object outside a short list of known, inert
+types is refused with :class:`CheckpointError`.
 
 Changing the world size goes through DeepSpeed's universal checkpoint format: the first resume
 on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_universal/``.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -58,7 +65,14 @@ _SAFE_GLOBAL_PATTERNS = (
 )
 _SAFE_GLOBAL_RE = re.compile("|".join(f"(?:{p})" for p in _SAFE_GLOBAL_PATTERNS) + r"\Z")
 
+# Files screened whatever they start with: the suffixes torch, DeepSpeed and Accelerate give
+# their pickles. Any other file is screened too when it starts like one (torch.save's zip, or a
+# bare pickle of protocol 2 or later): a file's name is no promise of what is in it.
+_PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"})
+_PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
+
 MANIFEST = "COMPLETE.json"
+MANIFEST_TMP = MANIFEST + ".tmp"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
 
 
@@ -87,6 +101,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _syncs_files() -> bool:
+    """Whether this rank fsyncs the checkpoint's files: one rank per node (local rank 0), and
+    rank 0, which lists them in the manifest. A node's page cache holds the writes of all its
+    ranks, and only that node can flush them: on shared storage (NFS, Lustre) an fsync from
+    another node does not. Without $LOCAL_RANK every rank counts as the first of its node."""
+    return _rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 class CheckpointStore:
     def __init__(self, root: os.PathLike | str, keep_last: int = 3):
         self.root = Path(root)
@@ -101,7 +123,12 @@ class CheckpointStore:
         path = self.root / tag
         if _rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            (path / MANIFEST).unlink(missing_ok=True)  # re-saving a step: invalid until done
+            try:
+                (path / MANIFEST).unlink()  # re-saving a step: invalid until done
+            except FileNotFoundError:
+                pass
+            else:  # on disk too: after a crash the old one must not be back over new files
+                _fsync_dir(path)
         _barrier()
         error = None
         try:
@@ -111,11 +138,18 @@ class CheckpointStore:
             # A write fails inside the backend's write phase, which ends in one barrier: the
             # ranks that wrote their part wait there, so meet them before agreeing on the outcome.
             _barrier()
+        files = None
+        if error is None and _syncs_files():
+            try:
+                files = _sync_tree(path)
+                _fsync_dir(self.root)  # holds the entry of the step directory
+            except OSError as e:  # EIO or ENOSPC surface here when the data reach the disk late
+                error = f"rank {_rank()}: fsync: {type(e).__name__}: {e}"
         ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage)
-        errors = _errors_on_any_rank(error)
+        errors = _errors_on_any_rank(error)  # a collective: past it, every node has synced
         if not errors and _rank() == 0:
             try:
-                self._write_manifest(ckpt)
+                self._write_manifest(ckpt, files)
                 self._prune()
             except OSError as e:
                 error = f"rank 0: manifest: {type(e).__name__}: {e}"
@@ -127,14 +161,10 @@ class CheckpointStore:
             raise CheckpointWriteError(self._write_failure(tag, errors))
         return ckpt
 
-    def _write_manifest(self, ckpt: Checkpoint) -> None:
-        files = {str(f.relative_to(ckpt.path)): f.stat().st_size
-                 for f in sorted(ckpt.path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    def _write_manifest(self, ckpt: Checkpoint, files: dict[str, int]) -> None:
         manifest = {"step": ckpt.step, "world_size": ckpt.world_size,
                     "zero_stage": ckpt.zero_stage, "time": time.time(), "files": files}
-        tmp = ckpt.path / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp, ckpt.path / MANIFEST)
+        _write_durably(ckpt.path / MANIFEST, json.dumps(manifest, indent=1))
 
     def _write_failure(self, tag: str, errors: list[str]) -> str:
         free = shutil.disk_usage(self.root).free
@@ -214,7 +244,10 @@ class CheckpointStore:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
                                    f"{tail[0]}; run: {' '.join(cmd)}")
-            (out / MANIFEST).write_text((ckpt.path / MANIFEST).read_text())
+            # the manifest says "converted": a crash must not leave it over files not on disk
+            _sync_tree(out)
+            _fsync_dir(out.parent)
+            _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
         _barrier()
 
 
@@ -224,18 +257,117 @@ class CheckpointError(ConfigError):
 
 def check_pickles_are_inert(ckpt: Path) -> None:
     """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
-    loaders will unpickle them with ``weights_only=False``. (Fine-tune checkpoints are read with
-    ``weights_only=True`` and need no screening.)"""
-    for f in sorted(ckpt.glob("*.pt")):
+    loaders will unpickle them with ``weights_only=False``. Every file under ``ckpt`` that could
+    be a pickle is read, at any depth: a universal checkpoint keeps its tensors in
+    ``zero/<param>/*.pt``. (Fine-tune checkpoints are read with ``weights_only=True`` and need
+    no screening.)"""
+    if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
+        raise CheckpointError(f"cannot screen '{ckpt}' before DeepSpeed unpickles it: torch "
+                              f"{torch.__version__} lacks get_unsafe_globals_in_checkpoint; "
+                              f"install torch>=2.6")
+    fix = f"remove '{ckpt}' or restore it from a copy you trust, then run again"
+    try:
+        files = _pickle_files(ckpt)
+    except OSError as e:
+        raise CheckpointError(f"cannot screen '{ckpt}' before DeepSpeed unpickles it: "
+                              f"{type(e).__name__}: {e}") from None
+    for f in files:
         try:
             names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({e})") from None
-        bad = [n for n in names if not _SAFE_GLOBAL_RE.match(n)]
+        except Exception as e:  # noqa: BLE001 - whatever it is, it cannot be shown to be inert
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({first}); refusing "
+                                  f"to let DeepSpeed unpickle it: {fix}") from None
+        bad = sorted(n for n in names if not _SAFE_GLOBAL_RE.match(n))
         if bad:
             raise CheckpointError(
                 f"'{f}' references Python objects {bad[:3]} that a DeepSpeed checkpoint of this "
-                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run them)")
+                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run "
+                f"them): {fix}")
+
+
+def _pickle_files(top: Path) -> list[Path]:
+    """Every file under ``top`` that is named or starts like a pickle. Symbolic links are
+    followed, as DeepSpeed's loader follows them (a directory met twice is read once)."""
+    out, seen = [], set()
+    for dirpath, dirnames, filenames in os.walk(top, onerror=_raise, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames.sort()
+        for name in sorted(filenames):
+            f = Path(dirpath, name)
+            if f.suffix in _PICKLE_SUFFIXES or _starts_like_pickle(f):
+                out.append(f)
+    return out
+
+
+def _starts_like_pickle(f: Path) -> bool:
+    try:
+        with open(f, "rb") as fh:
+            return fh.read(4).startswith(_PICKLE_MAGIC)
+    except OSError:  # a dangling link, say: DeepSpeed cannot read it either
+        return False
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+# -- durability ------------------------------------------------------------------------------
+def _fsync(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # EINVAL: a file system that cannot sync this kind of file (some do not sync
+        # directories); there is nothing more to do for it
+        if e.errno != errno.EINVAL:
+            raise
+
+
+def _fsync_dir(path: os.PathLike | str) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        _fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(top: Path) -> dict[str, int]:
+    """fsync every file and directory under ``top`` (``top`` included); returns the files'
+    sizes by their path relative to ``top``, the manifest left out. One walk does both, with
+    one open per file: a checkpoint is a few files per rank, thousands on a large job, and on
+    shared storage every open and stat is a round trip to the server. Each node syncs every
+    file, since which node wrote which is not known here; a file with nothing left to write
+    from this node costs one cheap fsync."""
+    files, top = {}, os.fspath(top)
+    for dirpath, dirnames, filenames in os.walk(top, onerror=_raise):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name in (MANIFEST, MANIFEST_TMP) and dirpath == top:
+                continue
+            f = os.path.join(dirpath, name)
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                _fsync(fd)
+                files[os.path.relpath(f, top)] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+    return files
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """``path`` holds ``text`` -- on disk, not only in the page cache -- or is left as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        _fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)  # the rename itself
 
 
 class CheckpointWriteError(TrainingStopped):

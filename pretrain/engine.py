@@ -235,7 +235,9 @@ class DeepSpeedBackend:
     def load_checkpoint(self, root: Path, ckpt) -> dict:
         from pretrain.checkpoint import check_pickles_are_inert
         tag = ckpt.tag if ckpt.world_size == self.world_size else ckpt.tag + "_universal"
-        check_pickles_are_inert(Path(root) / tag)  # DeepSpeed unpickles with weights_only=False
+        # DeepSpeed unpickles with weights_only=False: every file it may read is screened first,
+        # a universal copy's zero/<param>/*.pt included
+        check_pickles_are_inert(Path(root) / tag)
         path, client = self.engine.load_checkpoint(str(root), tag=tag,
                                                    load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)
