@@ -3,6 +3,7 @@
     python launch/prepare_data.py imagenet21k --src /data/winter21_whole.tar.gz --out /shards/in21k
     python launch/prepare_data.py imagenet1k --src /data/imagenet --out /shards/in1k --workers 16
     python launch/prepare_data.py cifar10 --src /data/cifar-10-batches-py --out /shards/cifar10
+    python launch/prepare_data.py cifar100 --src /data/cifar-100-python --out s3://bucket/cifar100 --stage /scratch/cifar100
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import os
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
-from pretrain.data.info import DatasetInfoError
+from pretrain.data.info import INFO_NAMES, DatasetInfoError
+from pretrain.data.remote import is_remote, publish
 from pretrain.data.shard_writer import DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, prepare
 from pretrain.data.sources import SOURCES, PrepareError
 
@@ -47,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE", choices=SOURCES, help=f"raw layout: {', '.join(SOURCES)}")
     p.add_argument("--src", required=True, metavar="PATH", help="the raw data (see below)")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="output folder; new or empty, or one written before by the same command (resume)")
+    p.add_argument("--out", required=True, metavar="DIR|URL",
+                   help="output folder; new or empty, or one written before by the same command (resume); "
+                        "or an s3:// or gs:// prefix, written through --stage")
+    p.add_argument("--stage", metavar="DIR",
+                   help="with a remote --out: the local folder the shards are written to (room for the whole "
+                        "output) before they are uploaded, _info.json last; rerun to resume either part")
     p.add_argument("--name", help="dataset name, the shards' file name prefix (default: SOURCE)")
     p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, metavar="N",
                    help=f"samples per shard (default {DEFAULT_SHARD_SIZE}: ~110 MB of ImageNet JPEGs)")
@@ -76,11 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    remote = is_remote(args.out)
+    if args.out.startswith(("http://", "https://", "pipe:")):
+        build_parser().error(f"--out {args.out}: shards are written to a local folder, s3:// or gs://; "
+                             f"serve them over HTTP once written")
+    if remote and not args.stage:
+        build_parser().error(f"--out {args.out} is remote: add --stage DIR, a local folder with room "
+                             f"for the output, where the shards are written before the upload")
     try:
-        prepare(args.source, args.src, args.out, name=args.name, shard_size=args.shard_size,
+        prepare(args.source, args.src, args.stage if remote else args.out, name=args.name, shard_size=args.shard_size,
                 val_count=args.val_count, max_size=args.max_size, workers=args.workers, seed=args.seed,
                 synsets=args.synsets, skip_unknown=args.skip_unknown)
-    except (PrepareError, DatasetInfoError) as e:
+        if remote:
+            publish(args.stage, args.out, INFO_NAMES[0])
+    except (PrepareError, DatasetInfoError, ImportError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
     except OSError as e:

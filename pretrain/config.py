@@ -105,9 +105,19 @@ class DataConfig(Section):
     # ImageNet-21k layout and prepared like real data, at data.root when it has no _info.json.
     generate_demo: bool = Field(False, description="create the procedural demo dataset at "
                                 "data.root if missing")
-    # Shard files listed in _info.json but absent (local paths are checked at start).
+    # Shards listed in _info.json but absent (local paths are checked at start), or remote
+    # ones that stay unreachable after read_attempts.
     missing_shards: Literal["error", "skip"] = Field(
-        "error", description="error: refuse to start; skip: warn, count their samples as skipped")
+        "error", description="a shard that is missing or stays unreachable -- error: stop "
+        "(local files: refuse to start); skip: warn, count its samples as skipped")
+    # Remote shards (s3://, gs://, http(s)://, pipe:): a failed read is retried after a
+    # back-off and resumes at the byte it reached, so the stream stays exact.
+    read_attempts: int = Field(10, ge=1, description="failed reads in a row before a shard "
+                               "counts as unreachable (each retry resumes at the byte reached)")
+    retry_backoff_s: float = Field(1.0, ge=0, description="first wait before a retry; doubles "
+                                   "each time, at most 60 s")
+    read_timeout_s: float = Field(120.0, gt=0, description="a connection or read silent this "
+                                  "long has failed")
 
     @model_validator(mode="after")
     def _check_crop(self) -> "DataConfig":

@@ -99,6 +99,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
     ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
     from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
+    from pretrain.data.shards import describe_skips
     from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due
     from pretrain.metrics import MultiLogger, StepTimer, build_logger, peak_memory_gib, \
@@ -174,6 +175,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     loss_sum, window = torch.zeros((), device=backend.device), 0
     failed_saves = 0
     metrics: dict = {}
+    skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
     # From here a stop signal is only noted, and the ranks act on it together at a step
     # boundary; before, during setup, it ends the process at once (there is nothing to save).
     stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
@@ -208,12 +210,15 @@ def train(cfg: RunConfig, stage=None) -> dict:
             window += accum
 
             if step % cfg.log.every_steps == 0 or step == steps:
-                loss_total, skipped = all_reduce_sum([loss_sum, float(loader.skipped)],
+                causes = loader.skipped_by_cause
+                loss_total, *counts = all_reduce_sum([loss_sum, *causes.values()],
                                                      backend.device)
+                skipped = {cause: round(n) for cause, n in zip(causes, counts)}
                 metrics = {"train/loss": loss_total / (window * world),
                            "train/lr": backend.optimizer.param_groups[0]["lr"],
                            "train/grad_norm": backend.grad_norm(),
-                           "data/skipped_samples": skipped,
+                           "data/skipped_samples": sum(skipped.values()),
+                           **{f"data/skipped/{c}": n for c, n in skipped.items() if n},
                            "train/epoch": loader.epoch,
                            **guard.metrics(), **timer.summary()}
                 if failed_saves:
@@ -256,6 +261,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     sink.close()
     peaks = gather(peak_memory_gib(backend.device), world)
     if rank == 0:
+        log.info("data: %s", describe_skips(skipped))
         log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
     return metrics
 

@@ -29,7 +29,8 @@ def write_split(root: Path, shard_lengths: Sequence[int], split: str = "train",
                 corrupt: Dict[str, str] | None = None) -> List[str]:
     """Write shards ``toy-<split>-NNNNNN.tar`` + ``_info.json``; returns every key written.
 
-    ``corrupt`` maps a key to "garbage" (undecodable image bytes), "no_cls" or "bad_cls".
+    ``corrupt`` maps a key to "garbage" (undecodable image bytes), "empty" (0 bytes), "no_cls"
+    or "bad_cls".
     """
     root.mkdir(parents=True, exist_ok=True)
     corrupt = corrupt or {}
@@ -44,7 +45,9 @@ def write_split(root: Path, shard_lengths: Sequence[int], split: str = "train",
                           "cls": str(int(rng.integers(num_classes))).encode(),
                           "json": b'{"label": 0}'}
                 kind = corrupt.get(key)
-                if kind == "garbage":
+                if kind == "empty":
+                    sample["jpg"] = b""
+                elif kind == "garbage":
                     sample["jpg"] = b"\xff\xd8\xff\xe0 this is not really a jpeg" * 3
                 elif kind == "no_cls":
                     del sample["cls"]
@@ -87,9 +90,12 @@ def two_rank_main(rank: int, port: str, root: str, out: str, steps: int, save_at
 
     from pretrain.data.loader import ShardSet, TrainLoader
 
+    from pretrain.data.remote import RetryPolicy
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    shards = ShardSet.from_info(root, "train")
+    # quick retries: the remote tests' servers fail on purpose, often
+    shards = ShardSet.from_info(root, "train", RetryPolicy(attempts=20, backoff_s=0.01))
     loader = TrainLoader(shards, rank=rank, world_size=2,
                          log_sample_keys=str(Path(out) / "keys"), **LOADER_ARGS)
     it = iter(loader)
@@ -111,3 +117,28 @@ def two_rank_main(rank: int, port: str, root: str, out: str, steps: int, save_at
     Path(out, f"rank{rank}.json").write_text(json.dumps(dict(seen=seen, resumed=resumed,
                                                              state=state)))
     dist.destroy_process_group()
+
+
+def run_two_ranks(root: str, out: Path, steps: int, save_at: int, env: dict | None = None
+                  ) -> List[dict]:
+    """:func:`two_rank_main` on two plain processes, as a launcher starts them
+    (torch.multiprocessing.spawn would make the data-loader workers spawn too, re-importing
+    torch for each); returns what each rank wrote."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    tests_dir = Path(__file__).parent
+    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(
+        [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
+    code = ("import sys; from _loader_fixtures import two_rank_main; "
+            "two_rank_main(int(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(root),
+                               str(out), str(steps), str(save_at)], env=env)
+             for rank in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

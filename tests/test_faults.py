@@ -297,6 +297,21 @@ def test_bad_data_is_skipped_and_counted_and_a_missing_shard_stops_the_start(
     assert consumed == everything - spoiled  # and every intact sample was (the run is > 1 epoch)
     skipped = last_values(out, "data/skipped_samples")[STEPS]
     assert len(spoiled) <= skipped <= 2 * len(spoiled)  # epoch 0 in full, part of epoch 1
+    # by cause, summed over both ranks, and in the end-of-run line
+    causes = {c: int(last_values(out, f"data/skipped/{c}").get(STEPS, 0)) for c in
+              ("undecodable", "empty", "bad_label", "truncated_shard", "missing_shard")}
+    # empty: the zero-byte image, and the stray .pyd member, a sample of its own with no image
+    for cause, once in (("undecodable", 1), ("empty", 2), ("bad_label", 1),
+                        ("truncated_shard", 8), ("missing_shard", 16)):
+        assert once <= causes[cause] <= 2 * once, causes
+    assert sum(causes.values()) == skipped
+    assert (f"data: {int(skipped)} sample(s) skipped over all ranks: {causes['undecodable']} "
+            f"undecodable, {causes['empty']} empty, {causes['bad_label']} bad label, "
+            f"{causes['truncated_shard']} truncated shard, {causes['missing_shard']} missing "
+            f"shard") in text
+    # every rank names the samples it skipped itself
+    naming = set(re.findall(r"\[rank(\d)\] (?:skipping sample|shard .* sample\(s\) lost)", text))
+    assert naming == {"0", "1"}, text[-3000:]
     assert math.isfinite(last_values(out)[STEPS])
     assert not marker.exists()  # shard contents are never unpickled
     fault_ledger.record(6, 0)  # tolerated, not resumed

@@ -5,18 +5,17 @@ import collections
 import io
 import json
 import logging
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from _loader_fixtures import LOADER_ARGS, jpeg_bytes, truncate_inside, write_split
-from conftest import REPO, free_port
+from _loader_fixtures import (LOADER_ARGS, jpeg_bytes, run_two_ranks, truncate_inside,
+                              write_split)
+from conftest import REPO
 from pretrain.config import DataConfig
 from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
                                   build_eval_loader, build_mixup, build_train_loader, normalize,
@@ -46,19 +45,7 @@ def two_rank_run(tmp_path_factory):
     # 80 samples over 2 ranks x 4 per batch: 10 steps an epoch; 16 steps take every worker
     # well into epoch 1 even with one shard of imbalance between workers.
     steps, save_at = 16, 6
-    # Plain processes, as a launcher starts them (torch.multiprocessing.spawn would make the
-    # data-loader workers spawn too, re-importing torch for each).
-    tests_dir = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tests_dir.parent), str(tests_dir), os.environ.get("PYTHONPATH", "")]))
-    port = free_port()
-    code = ("import sys; from _loader_fixtures import two_rank_main; "
-            "two_rank_main(int(sys.argv[1]), *sys.argv[2:5], int(sys.argv[5]), int(sys.argv[6]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(rank), str(port), str(root),
-                               str(out), str(steps), str(save_at)], env=env)
-             for rank in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_two_ranks(str(root), out, steps, save_at)
     return dict(root=root, keys=keys, out=out, ranks=ranks, save_at=save_at)
 
 
@@ -170,10 +157,13 @@ def test_a_process_that_drops_a_loader_mid_epoch_still_exits(tmp_path):
 
 
 def test_corrupt_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, caplog):
-    bad = {"train_000_001": "garbage", "train_001_002": "no_cls", "train_001_004": "bad_cls"}
-    keys = write_split(tmp_path, [6, 6, 6], corrupt=bad)
+    bad = {"train_000_001": "garbage", "train_001_002": "no_cls", "train_001_004": "bad_cls",
+           "train_000_003": "empty"}
+    keys = write_split(tmp_path, [6, 6, 6, 6], corrupt=bad)
     truncate_inside(tmp_path / "toy-train-000002.tar", "train_002_003")
-    lost = {"train_002_003", "train_002_004", "train_002_005"}
+    (tmp_path / "toy-train-000003.tar").unlink()  # gone (data.missing_shards=skip)
+    lost = {"train_002_003", "train_002_004", "train_002_005"} | \
+        {k for k in keys if k.startswith("train_003_")}
     good = set(keys) - set(bad) - lost
     loader = TrainLoader(ShardSet.from_info(str(tmp_path), "train"), img_size=32, batch_size=4,
                          num_workers=0, shuffle_buffer=5, seed=0, num_classes=10)
@@ -183,9 +173,13 @@ def test_corrupt_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, c
     for epoch in (0, 1):
         epoch_keys = [k for k, e in seen if e == epoch]
         assert sorted(epoch_keys) == sorted(good)
-    assert loader.skipped_by_epoch[0] == loader.skipped_by_epoch[1] == 6
-    assert loader.skipped >= 12
+    assert loader.skipped_by_epoch[0] == loader.skipped_by_epoch[1] == 13
+    assert loader.skipped >= 26
+    two_epochs = {"undecodable": 2, "empty": 2, "bad_label": 4, "truncated_shard": 6,
+                  "missing_shard": 12, "unreachable_shard": 0}
+    assert all(loader.skipped_by_cause[c] >= n for c, n in two_epochs.items())
     assert "toy-train-000002.tar" in caplog.text and "train_000_001" in caplog.text
+    assert "toy-train-000003.tar" in caplog.text and "train_000_003" in caplog.text
 
     # Resuming anywhere neither re-counts nor forgets a skip, and yields the same samples.
     def fresh():
@@ -200,6 +194,7 @@ def test_corrupt_samples_and_truncated_shard_are_skipped_and_counted(tmp_path, c
         tail = _take(second, 7 - cut)
         assert [b.keys for b in head + tail] == [b.keys for b in batches]
         assert second.skipped_by_epoch == loader.skipped_by_epoch
+        assert second.skipped_by_cause == loader.skipped_by_cause
 
 
 def test_fewer_shards_than_reader_slots_is_a_clear_error(tmp_path):

@@ -63,20 +63,22 @@ def join(root: str, filename: str) -> str:
     return root.rstrip("/") + "/" + filename if _is_url(root) else os.path.join(root, filename)
 
 
-def read_info(root: str | os.PathLike) -> DatasetInfo:
-    """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix."""
+def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
+    """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix (read with
+    ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
+    from pretrain.data.remote import Missing, RetryPolicy, read_bytes
     root = str(root)
     raw = None
     for name in INFO_NAMES:
         loc = join(root, name)
         if _is_url(root):
-            import webdataset as wds
             try:
-                with wds.gopen(loc) as f:
-                    raw = json.loads(f.read())
+                raw = json.loads(read_bytes(loc, retry or RetryPolicy()))
                 break
-            except Exception:  # noqa: BLE001 -- any transport error means "try the next name"
+            except Missing:
                 continue
+            except OSError as e:  # unreachable after the retries, or no permission
+                raise DatasetInfoError(f"cannot read {loc}: {e}") from None
         elif os.path.isfile(loc):
             raw = json.loads(Path(loc).read_text())
             break

@@ -1,14 +1,9 @@
 """Streaming train/eval loaders over WebDataset shards described by ``_info.json``.
 
-How the train stream is built
------------------------------
-The world has ``world_size x W`` reader *slots* (``W = max(1, data.num_workers)``); slot
-``rank * W + w`` is data-loader worker ``w`` of rank ``rank``. For every epoch the split's shards
-are put in a seeded order and dealt, whole, to the slots -- each shard to the slot with the least
-data so far, counted over all epochs, so no slot falls behind the others as epochs go by. A slot
-reads its shards, shuffles the samples with a seeded buffer, and decodes. Its stream is therefore
-a pure function of (seed, epoch, slot): every sample of an epoch is read exactly once across the
-world, and a slot's position is just "epoch, samples emitted in that epoch".
+Which shards each worker reads, and in which order, is :mod:`pretrain.data.shards`: each
+data-loader worker of each rank is a reader *slot* whose stream is a pure function of (seed,
+epoch, slot), so every sample of an epoch is read exactly once across the world and a worker's
+position is just "epoch, samples emitted in that epoch".
 
 Epoch boundaries: the stream never ends. When a worker finishes its share of epoch ``e`` it goes
 on with its share of ``e + 1``, and a batch may hold samples of both (each sample carries its
@@ -24,24 +19,15 @@ shards of the oldest unfinished epoch that were not fully consumed are re-dealt 
 (samples of shards that were in flight are seen twice; the number is logged) and later epochs
 follow the new layout.
 
-Resampling (``data.resample``): each slot draws ``ceil(shards / slots)`` shards with replacement
-per epoch; an infinite stream without the exactly-once guarantee, for splits with fewer shards
-than slots.
-
-Corrupt input -- undecodable image bytes, a missing or non-integer ``cls``, a truncated or
-unreadable shard -- is skipped and counted (:attr:`TrainLoader.skipped`); it never ends an epoch.
+Bad input -- undecodable or empty image bytes, a missing or non-integer ``cls``, a truncated,
+missing or unreachable shard -- is skipped, warned about by the rank that met it (rate-limited)
+and counted by cause (:attr:`TrainLoader.skipped_by_cause`); it never ends an epoch.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
-import dataclasses
-import hashlib
-import heapq
-import itertools
 import logging
 import math
-import os
 import random
 import weakref
 from dataclasses import dataclass, field
@@ -49,11 +35,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import webdataset as wds
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from pretrain.data.info import join, read_info
+from pretrain.data.remote import RetryPolicy
+from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
+                                  WorkerPos, _records, add_counts, deal, slot_stream,
+                                  unfinished_shards)
 from pretrain.data.transforms import CorruptImage, EvalTransform, TrainTransform
 # Workers ignore the signals a scheduler sends to every process of a job: torch's workers die
 # of them, and the trainer, which stops at a step boundary, still needs batches until then.
@@ -67,15 +54,22 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class LoaderError(ValueError):
-    """The loader cannot be built as configured (one line naming the problem and the fix)."""
-
-
 class Batch(NamedTuple):
     images: torch.Tensor   # uint8 (B, 3, S, S); normalise on the device with normalize()
     labels: torch.Tensor   # int64 (B,); -1 marks padding in eval batches
     keys: List[str]        # the samples' __key__ ("" for eval padding)
     epochs: torch.Tensor   # int64 (B,), the epoch each sample belongs to
+
+
+class _Failed(NamedTuple):
+    """A worker's LoaderError, passed as an item: raised in the worker it would reach the
+    user wrapped in torch's multi-line traceback text instead of its one line."""
+    message: str
+
+
+def _raise_failed(item) -> None:
+    if isinstance(item, _Failed):
+        raise LoaderError(item.message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,248 +103,6 @@ def _iterate(loader: DataLoader) -> Iterator[Any]:
         _kill(workers)
 
 
-# --------------------------------------------------------------------------------------------
-# Shards and how they are dealt to slots
-# --------------------------------------------------------------------------------------------
-@dataclass
-class ShardSet:
-    """The shards of one split: locations and (when known) sample counts."""
-
-    urls: List[str]
-    lengths: List[int]  # -1 where unknown
-    name: str = "train"
-    # A held-out part carved from the split by a seeded hash of each key (e.g. fine-tuning's
-    # dev split): ``holdout_side`` "rest" reads the split without it, "held" only it.
-    holdout_fraction: float = 0.0
-    holdout_side: str = "rest"
-    holdout_seed: int = 0
-
-    @property
-    def num_samples(self) -> int:
-        total = sum(n for n in self.lengths if n > 0)
-        if not self.holdout_fraction:
-            return total
-        held = round(total * self.holdout_fraction)  # expected size; the hash decides exactly
-        return held if self.holdout_side == "held" else total - held
-
-    def fingerprint(self) -> str:
-        names = "\n".join(f"{os.path.basename(u)}:{n}" for u, n in zip(self.urls, self.lengths))
-        if self.holdout_fraction:
-            names += f"\nholdout:{self.holdout_fraction}:{self.holdout_side}:{self.holdout_seed}"
-        return hashlib.sha1(names.encode()).hexdigest()[:16]
-
-    def holding_out(self, fraction: float, side: str, seed: int = 0) -> "ShardSet":
-        """This split without (side "rest") or restricted to (side "held") a hashed share."""
-        return dataclasses.replace(self, holdout_fraction=fraction, holdout_side=side,
-                                   holdout_seed=seed, name=f"{self.name}[{side} {fraction:g}]")
-
-    def keeps(self, key: str) -> bool:
-        if not self.holdout_fraction:
-            return True
-        digest = hashlib.sha1(f"{self.holdout_seed}:{key}".encode()).digest()
-        held = int.from_bytes(digest[:8], "big") < self.holdout_fraction * 2 ** 64
-        return held == (self.holdout_side == "held")
-
-    def missing(self) -> List[str]:
-        """Shards that should be files on this machine but are not (remote URLs not checked)."""
-        out = []
-        for url in self.urls:
-            path = url[len("file://"):] if url.startswith("file://") else url
-            if "://" not in path and not path.startswith("pipe:") and not os.path.exists(path):
-                out.append(url)
-        return out
-
-    def check_present(self, policy: str, rank: int = 0) -> None:
-        """``data.missing_shards``: "error" refuses to start on a missing shard file, "skip"
-        warns once; the loader then counts that shard's samples as skipped every epoch."""
-        gone = self.missing()
-        if not gone:
-            return
-        names = ", ".join(os.path.basename(u) for u in gone[:3]) + \
-            (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
-        gone_set = set(gone)
-        lost = sum(n for u, n in zip(self.urls, self.lengths) if u in gone_set and n > 0)
-        what = (f"{len(gone)} of {len(self.urls)} '{self.name}' shard files are missing "
-                f"({names}, {lost} samples) in {os.path.dirname(gone[0]) or '.'}")
-        if policy == "error":
-            raise LoaderError(f"{what}; restore them, or set data.missing_shards=skip to go on "
-                              f"without them")
-        if rank == 0:
-            log.warning("%s; data.missing_shards=skip: their samples are skipped and counted", what)
-
-    @classmethod
-    def from_info(cls, root: str, split: str) -> "ShardSet":
-        info = read_info(root).split(split)
-        lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
-        if len(lengths) != len(info.filenames):
-            raise LoaderError(f"'{root}' split '{split}': {len(info.filenames)} filenames but "
-                              f"{len(lengths)} shard_lengths; rewrite the info file")
-        return cls([join(root, f) for f in info.filenames], lengths, split)
-
-    @classmethod
-    def from_urls(cls, urls: Sequence[str], lengths: Optional[Sequence[int]] = None) -> "ShardSet":
-        return cls(list(urls), list(lengths) if lengths else [-1] * len(urls), "shards")
-
-
-@dataclass
-class ShardPlan:
-    """Which shards each slot reads in each epoch; picklable, shipped to every worker."""
-
-    shards: ShardSet
-    num_slots: int
-    seed: int
-    resample: bool = False
-    # A one-off assignment for one epoch, made when resuming with a different layout.
-    override_epoch: Optional[int] = None
-    override_slots: Optional[List[List[int]]] = None
-    _cache: Dict[int, List[List[int]]] = field(default_factory=dict, repr=False)
-    _loads: Optional[Tuple[int, List[int]]] = field(default=None, repr=False)
-
-    def slot_shards(self, epoch: int, slot: int) -> List[int]:
-        if self.override_slots is not None and epoch == self.override_epoch:
-            return self.override_slots[slot]
-        if self.resample:
-            n = len(self.shards.urls)
-            rng = random.Random(f"resample:{self.seed}:{epoch}:{slot}")
-            return rng.choices(range(n), k=math.ceil(n / self.num_slots))
-        return self._dealt(epoch)[slot]
-
-    def epoch_shards(self, epoch: int) -> List[int]:
-        """Every shard of ``epoch`` (the re-dealt remainder for an override epoch)."""
-        if self.override_slots is not None and epoch == self.override_epoch:
-            return [s for slot in self.override_slots for s in slot]
-        return list(range(len(self.shards.urls)))
-
-    def _dealt(self, epoch: int) -> List[List[int]]:
-        # Loads carry over epochs so a slot that got more data in one epoch gets less in the
-        # next: the slots' positions in the stream never drift more than about one shard apart.
-        if epoch not in self._cache:
-            done, loads = self._loads or (0, [0] * self.num_slots)
-            if done > epoch:
-                done, loads = 0, [0] * self.num_slots
-            for e in range(done, epoch + 1):
-                order = list(range(len(self.shards.urls)))
-                random.Random(f"shards:{self.seed}:{e}").shuffle(order)
-                slots, loads = deal(order, self.shards.lengths, loads)
-            self._loads = (epoch + 1, loads)
-            self._cache = {epoch: slots}
-        return self._cache[epoch]
-
-
-def deal(order: Sequence[int], lengths: Sequence[int], loads: Sequence[int]
-         ) -> Tuple[List[List[int]], List[int]]:
-    """Give each shard in ``order`` to the least-loaded slot (ties: lowest slot)."""
-    heap = [(load, slot) for slot, load in enumerate(loads)]
-    heapq.heapify(heap)
-    slots: List[List[int]] = [[] for _ in loads]
-    for shard in order:
-        load, slot = heapq.heappop(heap)
-        slots[slot].append(shard)
-        heapq.heappush(heap, (load + max(lengths[shard], 1), slot))
-    new_loads = [0] * len(loads)
-    for load, slot in heap:
-        new_loads[slot] = load
-    return slots, new_loads
-
-
-# --------------------------------------------------------------------------------------------
-# One slot's stream: raw records -> seeded shuffle -> (epoch, index, record)
-# --------------------------------------------------------------------------------------------
-class _Lost(NamedTuple):
-    count: int
-    reason: str
-
-
-def _read_shard(url: str) -> Iterator[dict]:
-    with contextlib.closing(wds.gopen(url)) as stream:
-        members = ({**m, "__url__": url} for m in tar_file_iterator(stream))
-        yield from group_by_keys(members)
-
-
-def _records(plan: ShardPlan, shard_ids: Sequence[int], quiet: bool) -> Iterator[Any]:
-    """Raw samples of the given shards in order; a ``_Lost`` marker for what a bad shard lost."""
-    for sid in shard_ids:
-        url, expected = plan.shards.urls[sid], plan.shards.lengths[sid]
-        read, reason = 0, "shorter than _info.json says"
-        try:
-            for sample in _read_shard(url):
-                read += 1
-                if plan.shards.keeps(sample.get("__key__", "")):
-                    yield sample
-        except Exception as e:  # noqa: BLE001 -- truncated tar, unreachable storage, garbage
-            reason = f"{type(e).__name__}: {e}"
-            if expected < 0:  # unknown length: at least the sample being read is gone
-                expected = read + 1
-        if expected > read:
-            if not quiet:
-                log.warning("shard %s: %d sample(s) lost (%s)", url, expected - read, reason)
-            yield _Lost(expected - read, reason)
-
-
-def buffer_shuffle(items: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
-    """Seeded shuffle buffer; ``_Lost`` markers pass straight through without touching the rng."""
-    buf: List[Any] = []
-    for item in items:
-        if isinstance(item, _Lost):
-            yield item
-        elif len(buf) < size:
-            buf.append(item)
-        else:
-            j = rng.randrange(size)
-            item, buf[j] = buf[j], item
-            yield item
-    rng.shuffle(buf)
-    yield from buf
-
-
-@dataclass
-class WorkerPos:
-    """Where one slot is: the next sample to emit is number ``index`` of ``epoch``.
-
-    ``skipped`` counts skipped samples per epoch (keys are str so the state is plain JSON);
-    ``fresh`` means nothing of this position was consumed yet, so the lost-sample markers just
-    before it have not been counted.
-    """
-
-    epoch: int = 0
-    index: int = 0
-    skipped: Dict[str, int] = field(default_factory=dict)
-    fresh: bool = True
-
-
-def _count(skipped: Dict[str, int], epoch: int, n: int = 1) -> None:
-    skipped[str(epoch)] = skipped.get(str(epoch), 0) + n
-
-
-def slot_stream(plan: ShardPlan, slot: int, buffer: int, start: WorkerPos,
-                skipped: Dict[str, int], quiet: bool = True) -> Iterator[Tuple[int, int, dict]]:
-    """(epoch, index, raw sample) of one slot from ``start`` on, forever.
-
-    Lost-sample markers are added to ``skipped`` except those a consumed batch already counted
-    (the ones up to ``start`` when resuming).
-    """
-    empty_epochs = 0
-    for epoch in itertools.count(start.epoch):
-        resuming = epoch == start.epoch
-        skip_to = start.index if resuming else 0
-        rng = random.Random(f"buffer:{plan.seed}:{epoch}:{slot}")
-        shard_ids = plan.slot_shards(epoch, slot)
-        index = 0
-        for item in buffer_shuffle(_records(plan, shard_ids, quiet), buffer, rng):
-            if isinstance(item, _Lost):
-                if not (resuming and not start.fresh and index <= skip_to):
-                    _count(skipped, epoch, item.count)
-                continue
-            if index >= skip_to:
-                yield epoch, index, item
-            index += 1
-        empty_epochs = 0 if index or not shard_ids else empty_epochs + 1
-        if empty_epochs >= 2:
-            raise LoaderError(f"reader slot {slot} found no readable sample in two epochs of its "
-                              f"shards (e.g. {plan.shards.urls[shard_ids[0]]}); check data.root "
-                              f"and the storage")
-
-
 def decode_label(sample: dict, num_classes: Optional[int]) -> int:
     raw = sample.get("cls")
     if raw is None:
@@ -371,6 +123,29 @@ def image_bytes(sample: dict) -> bytes:
     raise CorruptImage(f"sample has no image ({'/'.join(IMAGE_FIELDS)})")
 
 
+class Skip(NamedTuple):
+    cause: str  # one of SKIP_CAUSES
+    reason: str
+
+
+def decode_sample(sample: dict, num_classes: Optional[int], transform):
+    """(label, transformed image) of a raw sample, or why it is skipped."""
+    try:
+        data = image_bytes(sample)
+    except CorruptImage as e:
+        return Skip("empty", str(e))
+    if not data:
+        return Skip("empty", "the image field holds 0 bytes")
+    try:
+        label = decode_label(sample, num_classes)
+    except CorruptImage as e:
+        return Skip("bad_label", str(e))
+    try:
+        return label, transform(data)
+    except CorruptImage as e:
+        return Skip("undecodable", str(e))
+
+
 def _new_batch_images(batch_size: int, size: int) -> torch.Tensor:
     images = torch.empty((batch_size, 3, size, size), dtype=torch.uint8)
     # In a worker process, allocating in shared memory saves the copy the queue would make.
@@ -386,6 +161,11 @@ class _RankState:
     next_worker: int = 0
     # Skips counted before a change of layout (kept on rank 0 so a world sum stays right).
     skipped_base: Dict[str, int] = field(default_factory=dict)
+    causes_base: Dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> "_RankState":
+        return _RankState([w.copy() for w in self.workers], self.next_worker,
+                          dict(self.skipped_base), dict(self.causes_base))
 
 
 class _TrainDataset(IterableDataset):
@@ -405,9 +185,15 @@ class _TrainDataset(IterableDataset):
         logical = ((info.id if info else 0) + self.state.next_worker) % self.workers
         slot = self.rank * self.workers + logical
         start = self.state.workers[logical]
-        skipped = dict(start.skipped)
-        stream = slot_stream(self.plan, slot, self.buffer, start, skipped, quiet=self.rank != 0)
-        good = self._decoded(stream, slot, skipped)
+        skips, warn = start.copy(), RateLimitedLog()
+        good = self._decoded(slot_stream(self.plan, slot, self.buffer, start, skips, warn),
+                             slot, skips, warn)
+        try:
+            yield from self._batches(logical, good, skips)
+        except LoaderError as e:
+            yield _Failed(str(e))
+
+    def _batches(self, logical: int, good, skips: WorkerPos):
         # One good sample is always decoded ahead: a batch's position is that of the next
         # good sample, so the skips before it belong to the batch and a resume never
         # counts them twice.
@@ -422,22 +208,20 @@ class _TrainDataset(IterableDataset):
                 keys.append(key)
                 epochs.append(epoch)
                 pending = next(good)
-            meta = (logical, pending[0], pending[1], dict(skipped))
+            meta = (logical, pending[0], pending[1], dict(skips.skipped), dict(skips.causes))
             yield (images, torch.tensor(labels, dtype=torch.int64), keys,
                    torch.tensor(epochs, dtype=torch.int64), meta)
 
-    def _decoded(self, stream, slot: int, skipped: Dict[str, int]):
+    def _decoded(self, stream, slot: int, skips: WorkerPos, warn: RateLimitedLog):
         for epoch, index, sample in stream:
-            try:
-                label = decode_label(sample, self.num_classes)
-                rng = random.Random(f"aug:{self.plan.seed}:{epoch}:{slot}:{index}")
-                image = self.transform(image_bytes(sample), rng)
-            except CorruptImage as e:
-                _count(skipped, epoch)
-                if self.rank == 0:
-                    log.warning("skipping sample %s: %s", sample.get("__key__"), e)
+            rng = random.Random(f"aug:{self.plan.seed}:{epoch}:{slot}:{index}")
+            decoded = decode_sample(sample, self.num_classes,
+                                    lambda data: self.transform(data, rng))
+            if isinstance(decoded, Skip):
+                skips.count(epoch, decoded.cause)
+                warn.warning("skipping sample %s: %s", sample.get("__key__"), decoded.reason)
                 continue
-            yield epoch, index, sample["__key__"], label, image
+            yield (epoch, index, sample["__key__"]) + decoded
 
 
 class TrainLoader:
@@ -489,9 +273,16 @@ class TrainLoader:
         """Skips per epoch; an epoch's count is final once every worker has moved past it."""
         total: Dict[str, int] = dict(self._state.skipped_base)
         for w in self._state.workers:
-            for e, n in w.skipped.items():
-                _count(total, int(e), n)
+            add_counts(total, w.skipped)
         return {int(e): n for e, n in sorted(total.items(), key=lambda kv: int(kv[0]))}
+
+    @property
+    def skipped_by_cause(self) -> Dict[str, int]:
+        """This rank's skips per cause, every cause of :data:`SKIP_CAUSES` listed."""
+        total = add_counts({c: 0 for c in SKIP_CAUSES}, self._state.causes_base)
+        for w in self._state.workers:
+            add_counts(total, w.causes)
+        return total
 
     @property
     def epoch(self) -> float:
@@ -500,8 +291,7 @@ class TrainLoader:
         return sum(w.epoch + w.index / per_slot for w in self._state.workers) / self.workers
 
     def __iter__(self) -> Iterator[Batch]:
-        state = _RankState([_copy_pos(w) for w in self._state.workers],
-                           self._state.next_worker, dict(self._state.skipped_base))
+        state = self._state.copy()
         dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
                                 self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
@@ -509,7 +299,9 @@ class TrainLoader:
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
-            for images, labels, keys, epochs, meta in _iterate(loader):
+            for item in _iterate(loader):
+                _raise_failed(item)
+                images, labels, keys, epochs, meta = item
                 self._advance(meta)
                 if keys_file is not None:
                     keys_file.write("".join(k + "\n" for k in keys))
@@ -519,12 +311,12 @@ class TrainLoader:
             if keys_file is not None:
                 keys_file.close()
 
-    def _advance(self, meta: Tuple[int, int, int, int]) -> None:
-        logical, epoch, index, skipped = meta
+    def _advance(self, meta: Tuple[int, int, int, dict, dict]) -> None:
+        logical, epoch, index, skipped, causes = meta
         if logical != self._state.next_worker:
             raise RuntimeError(f"data loader served worker {logical} out of turn (expected "
                                f"{self._state.next_worker}); exact resume needs in-order loading")
-        self._state.workers[logical] = WorkerPos(epoch, index, skipped, fresh=False)
+        self._state.workers[logical] = WorkerPos(epoch, index, skipped, False, causes)
         self._state.next_worker = (logical + 1) % self.workers
 
     def _open_keys_file(self):
@@ -539,9 +331,10 @@ class TrainLoader:
                     resample=self.resample, shuffle_buffer=self.shuffle_buffer)
 
     def local_state(self) -> dict:
-        return dict(workers=[vars(_copy_pos(w)) for w in self._state.workers],
+        return dict(workers=[vars(w.copy()) for w in self._state.workers],
                     next_worker=self._state.next_worker,
                     skipped_base=dict(self._state.skipped_base),
+                    causes_base=dict(self._state.causes_base),
                     keys_bytes=self._keys_path.stat().st_size
                     if self._keys_path is not None and self._keys_path.exists() else 0)
 
@@ -592,7 +385,8 @@ class TrainLoader:
         if old == self.layout():
             mine = state["ranks"][self.rank]
             self._state = _RankState([WorkerPos(**w) for w in mine["workers"]],
-                                     mine["next_worker"], dict(mine["skipped_base"]))
+                                     mine["next_worker"], dict(mine["skipped_base"]),
+                                     dict(mine.get("causes_base", {})))
             return
         self._replan(state, old)
 
@@ -612,11 +406,16 @@ class TrainLoader:
             self.plan = ShardPlan(self.shards, self.plan.num_slots, self.seed, False, epoch,
                                   slots)
         total: Dict[str, int] = {}
-        for counts in [p.skipped for p in positions] + [r["skipped_base"] for r in state["ranks"]]:
-            for e, n in counts.items():
-                _count(total, int(e), n)
+        causes: Dict[str, int] = {}
+        for p in positions:
+            add_counts(total, p.skipped)
+            add_counts(causes, p.causes)
+        for r in state["ranks"]:
+            add_counts(total, r["skipped_base"])
+            add_counts(causes, r.get("causes_base", {}))
         self._state = _RankState([WorkerPos(epoch=epoch) for _ in range(self.workers)], 0,
-                                 total if self.rank == 0 else {})
+                                 total if self.rank == 0 else {},
+                                 causes if self.rank == 0 else {})
         if self.rank == 0:
             log.warning(
                 "data loader resumed with a different layout (%s -> %s): epoch %d goes on with "
@@ -625,41 +424,9 @@ class TrainLoader:
                 len(remaining), len(old_plan.epoch_shards(epoch)), duplicates)
 
 
-def _copy_pos(pos: WorkerPos) -> WorkerPos:
-    return WorkerPos(pos.epoch, pos.index, dict(pos.skipped), pos.fresh)
-
-
 def _describe(layout: dict) -> str:
     return (f"world {layout['world_size']} x {layout['workers']} workers, seed {layout['seed']}, "
             f"buffer {layout['shuffle_buffer']}")
-
-
-def unfinished_shards(plan: ShardPlan, positions: Sequence[WorkerPos], buffer: int
-                      ) -> Tuple[int, List[int], int]:
-    """(oldest unfinished epoch, its shards not yet fully emitted, samples that will repeat).
-
-    A slot's emission order is replayed from shard indices alone (the shuffle's random draws
-    depend only on the buffer size), so this reads no data; it assumes shards hold the number
-    of samples _info.json records.
-    """
-    epoch = min(p.epoch for p in positions)
-    unfinished, repeats = [], 0
-    for slot, pos in enumerate(positions):
-        if pos.epoch > epoch:
-            repeats += pos.index  # samples of the next epoch: that epoch restarts afresh
-            continue
-        shard_ids = plan.slot_shards(epoch, slot)
-        lengths = [max(plan.shards.lengths[s], 0) for s in shard_ids]
-        emitted = [0] * len(shard_ids)
-        rng = random.Random(f"buffer:{plan.seed}:{epoch}:{slot}")
-        order = itertools.chain.from_iterable([i] * n for i, n in enumerate(lengths))
-        for i in itertools.islice(buffer_shuffle(order, buffer, rng), pos.index):
-            emitted[i] += 1
-        for i, sid in enumerate(shard_ids):
-            if emitted[i] < lengths[i] or lengths[i] == 0:
-                unfinished.append(sid)
-                repeats += emitted[i]
-    return epoch, unfinished, repeats
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,8 +441,15 @@ class _EvalDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         slot = self.rank * self.workers + (info.id if info else 0)
-        samples = (s for s in _records(self.plan, self.plan.slot_shards(0, slot), quiet=True)
-                   if not isinstance(s, _Lost))
+        warn = RateLimitedLog()
+        samples = (s for s in _records(self.plan, self.plan.slot_shards(0, slot), warn)
+                   if isinstance(s, dict))  # what a bad shard lost is only warned about
+        try:
+            yield from self._batches(samples, warn)
+        except LoaderError as e:
+            yield _Failed(str(e))
+
+    def _batches(self, samples, warn: RateLimitedLog):
         for _ in range(self.batches):
             images = _new_batch_images(self.batch_size, self.transform.size)
             images.zero_()
@@ -683,12 +457,11 @@ class _EvalDataset(IterableDataset):
             keys = [""] * self.batch_size
             filled = 0
             for sample in samples:
-                try:
-                    labels[filled] = decode_label(sample, self.num_classes)
-                    images[filled] = self.transform(image_bytes(sample))
-                except CorruptImage:
-                    labels[filled] = -1
+                decoded = decode_sample(sample, self.num_classes, self.transform)
+                if isinstance(decoded, Skip):
+                    warn.warning("skipping sample %s: %s", sample.get("__key__"), decoded.reason)
                     continue
+                labels[filled], images[filled] = decoded
                 keys[filled] = sample["__key__"]
                 filled += 1
                 if filled == self.batch_size:
@@ -727,15 +500,20 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
                                self.batch_size, self.transform, self.num_classes)
-        for images, labels, keys, epochs in _iterate(DataLoader(
-                dataset, batch_size=None, num_workers=self.num_workers,
-                worker_init_fn=ignore_stop_signals)):
-            yield Batch(images, labels, keys, epochs)
+        for item in _iterate(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                                        worker_init_fn=ignore_stop_signals)):
+            _raise_failed(item)
+            yield Batch(*item)
 
 
 # --------------------------------------------------------------------------------------------
 # Construction from the config, and the device-side half of the pipeline
 # --------------------------------------------------------------------------------------------
+def retry_policy(data) -> RetryPolicy:
+    return RetryPolicy(attempts=data.read_attempts, backoff_s=data.retry_backoff_s,
+                       timeout_s=data.read_timeout_s)
+
+
 def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
                        log_sample_keys: Optional[str] = None, pin_memory: bool = False,
@@ -744,7 +522,8 @@ def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     ``holdout`` share of the split (a dev split, see :meth:`ShardSet.holding_out`)."""
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
-    shards = ShardSet.from_info(data.root, data.train_split)
+    shards = ShardSet.from_info(data.root, data.train_split, retry_policy(data),
+                                data.missing_shards)
     shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "rest")
@@ -764,7 +543,7 @@ def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     split = split or data.val_split
     if not data.root or not split:
         raise LoaderError("evaluation needs data.root and data.val_split")
-    shards = ShardSet.from_info(data.root, split)
+    shards = ShardSet.from_info(data.root, split, retry_policy(data), data.missing_shards)
     shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "held")

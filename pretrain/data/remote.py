@@ -1,0 +1,353 @@
+"""Shards where they live: a path, ``s3://``, ``gs://``, ``http(s)://`` or ``pipe:<command>``.
+
+Object storage and HTTP fail now and then -- a connection reset in the middle of a 1 GB tar, a
+503 from a busy endpoint, a read that stalls. A shard is therefore read through
+:class:`RetryingReader`, a file object that, when a read fails, waits (exponential back-off with
+jitter) and opens the location again *at the byte it had reached*: a range request for HTTP and
+S3, a seek for files and ``gs://``, and for ``pipe:`` the command is run again and the bytes
+already read are discarded. The tar reader above never sees the failure; it gets exactly the
+bytes of one clean read, so every sample is read once and the loader's exact position and
+exactly-once epochs hold. Only after ``attempts`` failures in a row (no byte gained in between)
+does the location count as :class:`Unreachable`; a location that is not there (HTTP 404, S3
+``NoSuchKey``, no such file) is :class:`Missing` at once -- retrying cannot bring it back.
+
+A short read is a failure too: an HTTP server that closes the connection early ends the body
+without an error in ``http.client``, so the reader compares what it got with the length the
+server announced.
+
+S3 goes through ``boto3`` (endpoint, credentials and region from the usual ``AWS_*`` variables
+and files, e.g. ``AWS_ENDPOINT_URL`` for MinIO, Ceph or a local test server); ``gs://`` and any
+other scheme through ``fsspec`` (``pip install gcsfs`` for Google Cloud Storage).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import random
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+# HTTP codes worth another try: timeouts, throttling and server-side trouble.
+RETRY_HTTP = {408, 425, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard to try (``data.read_retries``, ``data.retry_backoff_s``)."""
+
+    attempts: int = 10  # failures in a row, without a byte gained, before giving up
+    backoff_s: float = 1.0  # the first wait; doubled each time, at most max_backoff_s
+    max_backoff_s: float = 60.0
+    timeout_s: float = 120.0  # a connection or read silent this long has failed
+
+    def wait(self, failures: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1)) * \
+            random.uniform(0.5, 1.0)  # jitter: ranks that failed together do not retry together
+
+
+class Missing(FileNotFoundError):
+    """The location does not exist."""
+
+
+class Unreachable(OSError):
+    """The location failed ``RetryPolicy.attempts`` times in a row."""
+
+
+def is_remote(location: str) -> bool:
+    return location.startswith("pipe:") or ("://" in location
+                                            and not location.startswith("file://"))
+
+
+def _local(location: str) -> str:
+    return location[len("file://"):] if location.startswith("file://") else location
+
+
+# --------------------------------------------------------------------------------------------
+# One attempt: open a location at a byte offset -> (stream, total length or None)
+# --------------------------------------------------------------------------------------------
+def _open_file(location: str, offset: int, policy: RetryPolicy):
+    f = open(_local(location), "rb")  # FileNotFoundError is Missing's base
+    f.seek(offset)
+    return f, os.fstat(f.fileno()).st_size
+
+
+def _open_http(location: str, offset: int, policy: RetryPolicy):
+    headers = {"Range": f"bytes={offset}-"} if offset else {}
+    try:
+        resp = urllib.request.urlopen(urllib.request.Request(location, headers=headers),
+                                      timeout=policy.timeout_s)
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 410):
+            raise Missing(f"{location}: HTTP {e.code}") from None
+        if e.code in RETRY_HTTP:
+            raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
+        raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
+    length = resp.headers.get("Content-Length")
+    if offset and resp.status != 206:  # the server ignores ranges: skip what was read before
+        _discard(resp, offset)
+        return resp, int(length) if length is not None else None
+    return resp, offset + int(length) if length is not None else None
+
+
+_S3 = {}
+
+
+def _s3_client():
+    # one per process (a client is not fork-safe: workers make their own) and per endpoint
+    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_PROFILE"))
+    if key not in _S3:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise ImportError("s3:// locations need boto3: pip install boto3") from None
+        # botocore's own retries would hide failures from the back-off here; one layer retries
+        _S3[key] = boto3.client("s3", config=Config(retries={"max_attempts": 1,
+                                                             "mode": "standard"}))
+    return _S3[key]
+
+
+def _s3_parts(location: str) -> Tuple[str, str]:
+    bucket, _, key = location[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def _open_s3(location: str, offset: int, policy: RetryPolicy):
+    from botocore.exceptions import BotoCoreError, ClientError
+    bucket, key = _s3_parts(location)
+    try:
+        obj = _s3_client().get_object(Bucket=bucket, Key=key,
+                                      **({"Range": f"bytes={offset}-"} if offset else {}))
+    except ClientError as e:
+        code = e.response.get("Error", {}).get("Code", "")
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code in ("NoSuchKey", "NoSuchBucket", "404") or status == 404:
+            raise Missing(f"{location}: {code or status}") from None
+        if status in RETRY_HTTP or code in ("SlowDown", "Throttling", "RequestTimeout"):
+            raise ConnectionError(f"S3 {code or status}") from None
+        raise PermissionError(f"{location}: S3 {code or status}") from None
+    except BotoCoreError as e:  # endpoint unreachable, read timeout, connection closed
+        raise ConnectionError(f"{type(e).__name__}: {e}") from None
+    return _S3Body(obj["Body"]), offset + obj["ContentLength"]
+
+
+class _S3Body:
+    """botocore's body, with its errors (a cut connection, a timeout) turned into OSError."""
+
+    def __init__(self, body):
+        self.body = body
+
+    def read(self, n: int) -> bytes:
+        from botocore.exceptions import BotoCoreError
+        try:
+            return self.body.read(n)
+        except BotoCoreError as e:
+            raise ConnectionError(f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        self.body.close()
+
+
+def _open_fsspec(location: str, offset: int, policy: RetryPolicy):
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"{location.split('://')[0]}:// locations need fsspec and its driver "
+                          f"(gs://: pip install gcsfs)") from None
+    fs, path = fsspec.core.url_to_fs(location)
+    try:
+        f = fs.open(path, "rb")
+    except FileNotFoundError as e:
+        raise Missing(f"{location}: {e}") from None
+    f.seek(offset)
+    return f, getattr(f, "size", None)
+
+
+class _Pipe:
+    """A ``pipe:`` command's output; a non-zero exit status is a failed read."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+
+    def read(self, n: int) -> bytes:
+        data = self.proc.stdout.read(n)
+        if not data and n and self.proc.wait() != 0:
+            err = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
+            raise ConnectionError(f"'{self.command}' exited with status {self.proc.returncode}"
+                                  + (f": {err[-1]}" if err else ""))
+        return data
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def _open_pipe(location: str, offset: int, policy: RetryPolicy):
+    stream = _Pipe(location[len("pipe:"):])
+    _discard(stream, offset)
+    return stream, None
+
+
+def _discard(stream, n: int) -> None:
+    while n > 0:
+        chunk = stream.read(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError(f"the stream ended {n} bytes before the position to resume at")
+        n -= len(chunk)
+
+
+def open_at(location: str, offset: int, policy: RetryPolicy):
+    """One attempt at ``location`` from byte ``offset``: (stream with read/close, total or None)."""
+    if location.startswith("pipe:"):
+        return _open_pipe(location, offset, policy)
+    if location.startswith(("http://", "https://")):
+        return _open_http(location, offset, policy)
+    if location.startswith("s3://"):
+        return _open_s3(location, offset, policy)
+    if is_remote(location):
+        return _open_fsspec(location, offset, policy)
+    return _open_file(location, offset, policy)
+
+
+# --------------------------------------------------------------------------------------------
+# Retries
+# --------------------------------------------------------------------------------------------
+class RetryingReader(io.RawIOBase):
+    """A location read front to back, resuming at the byte reached after a failure."""
+
+    def __init__(self, location: str, policy: RetryPolicy = RetryPolicy()):
+        self.location, self.policy = location, policy
+        self.pos = 0
+        self.retries = 0  # failures survived, for the caller's log
+        self._stream, self._total = None, None
+        self._attempt(lambda: None)  # fail here, at open, for a location that is not there
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self._attempt(lambda: self._read_into(buffer))
+
+    def _read_into(self, buffer) -> int:
+        data = self._stream.read(len(buffer))
+        if not data and len(buffer) and self._total is not None and self.pos < self._total:
+            raise ConnectionError(f"the connection ended at byte {self.pos} of {self._total}")
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def _attempt(self, step):
+        failures = 0
+        while True:
+            try:
+                if self._stream is None:
+                    self._stream, self._total = open_at(self.location, self.pos, self.policy)
+                return step()
+            except (FileNotFoundError, PermissionError, ImportError):  # Missing included
+                raise
+            except Exception as e:  # noqa: BLE001 -- resets, timeouts, IncompleteRead, ...
+                failures += 1
+                self._drop()
+                if failures >= self.policy.attempts:
+                    raise Unreachable(f"{self.location}: {failures} attempts in a row failed "
+                                      f"at byte {self.pos} (last: {type(e).__name__}: {e})"
+                                      ) from None
+                self.retries += 1
+                time.sleep(self.policy.wait(failures))
+
+    def _drop(self) -> None:
+        if self._stream is not None:
+            try:
+                self._stream.close()
+            except Exception:  # noqa: BLE001 -- a broken connection may fail to close, too
+                pass
+        self._stream = None
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+
+def open_shard(location: str, policy: RetryPolicy = RetryPolicy()) -> io.BufferedReader:
+    """``location`` as a buffered binary file that survives transient failures (see above)."""
+    return io.BufferedReader(RetryingReader(location, policy), buffer_size=1 << 20)
+
+
+def read_bytes(location: str, policy: RetryPolicy = RetryPolicy()) -> bytes:
+    with open_shard(location, policy) as f:
+        return f.read()
+
+
+# --------------------------------------------------------------------------------------------
+# Writing (prepare_data.py --out)
+# --------------------------------------------------------------------------------------------
+def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> None:
+    """Copy a finished local file to ``location`` (s3:// or an fsspec URL such as gs://),
+    retrying transient failures; the object appears whole or not at all (a single PUT or
+    multipart upload completes atomically on object stores)."""
+    if location.startswith(("http://", "https://", "pipe:")):
+        raise ValueError(f"cannot write to {location}: --out takes a local path, s3:// or gs:// "
+                         f"(serve the output over HTTP once it is written)")
+    for failures in range(1, policy.attempts + 1):
+        try:
+            if location.startswith("s3://"):
+                bucket, key = _s3_parts(location)
+                _s3_client().upload_file(local, bucket, key)
+            else:
+                import fsspec
+                fs, path = fsspec.core.url_to_fs(location)
+                fs.put_file(local, path)
+            return
+        except Exception as e:  # noqa: BLE001 -- transport errors of boto3 / fsspec
+            if failures == policy.attempts:
+                raise Unreachable(f"{location}: upload failed {failures} times "
+                                  f"(last: {type(e).__name__}: {e})") from None
+            time.sleep(policy.wait(failures))
+
+
+def remote_size(location: str) -> Optional[int]:
+    """The size of an object on s3:// or an fsspec URL; None when it is not there."""
+    try:
+        if location.startswith("s3://"):
+            from botocore.exceptions import ClientError
+            bucket, key = _s3_parts(location)
+            try:
+                return _s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"]
+            except ClientError:
+                return None
+        import fsspec
+        fs, path = fsspec.core.url_to_fs(location)
+        return fs.size(path)
+    except FileNotFoundError:
+        return None
+
+
+def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPolicy()) -> int:
+    """Upload the files of ``folder`` (not its hidden work folders) under the prefix
+    ``location``, the file named ``last`` (the info file) after all others, so a reader never
+    finds it before the shards it lists; files already there with the same size are left as
+    they are, so a rerun resumes. Returns the number of files uploaded."""
+    names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
+                   and os.path.isfile(os.path.join(folder, n)))
+    names.sort(key=lambda n: n == last)
+    sent = 0
+    for i, name in enumerate(names, 1):
+        local, target = os.path.join(folder, name), location.rstrip("/") + "/" + name
+        if remote_size(target) != os.path.getsize(local):
+            upload(local, target, policy)
+            sent += 1
+        if i == len(names) or i % max(1, len(names) // 20) == 0:
+            log.info("published %d/%d files to %s", i, len(names), location)
+    return sent

@@ -1,0 +1,220 @@
+"""Shards on a network: two ranks read them from real servers on 127.0.0.1 -- an HTTP server that
+fails on purpose (503s, connections cut at random byte offsets) and an S3-compatible server
+(moto's server mode, through boto3 as a user's job would) -- and consume exactly the keys,
+epochs and augmented pixels of a run over the same shards on local disk, resume included."""
+from __future__ import annotations
+
+import random
+import re
+import socket
+import threading
+import urllib.request
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from _loader_fixtures import LOADER_ARGS, run_two_ranks, write_split
+from conftest import free_port, run_launcher
+from pretrain.data.loader import TrainLoader
+from pretrain.data.remote import RetryPolicy, Unreachable, open_shard
+from pretrain.data.shards import ShardSet
+
+SHARD_LENGTHS = [5, 7, 6, 9, 4, 8, 6, 7]  # 52 samples in 8 shards
+STEPS, SAVE_AT = 9, 4  # 52 samples / (2 ranks x 4): into the second epoch
+
+
+class FlakyHandler(SimpleHTTPRequestHandler):
+    """Serves a directory with range requests; a seeded share of the requests answers 503 or
+    sends the headers of the whole body, then part of it, then closes the connection."""
+
+    def log_message(self, *args):  # keep the test output readable
+        pass
+
+    def do_GET(self):
+        server = self.server
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        match = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
+        start = int(match.group(1)) if match else 0
+        body = data[start:]
+        with server.lock:
+            roll, cut = server.rng.random(), server.rng.randrange(1, max(2, len(body)))
+            server.requests += 1
+            server.resumed += start > 0
+        if roll < server.p_503:
+            with server.lock:
+                server.failures += 1
+            self.send_error(503, "busy")
+            return
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if roll < server.p_503 + server.p_cut and len(body) > 1:
+            with server.lock:
+                server.failures += 1
+            self.wfile.write(body[:cut])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def flaky_http(tmp_path):
+    """(root URL, server) serving tmp_path/www over HTTP, failing about half the requests."""
+    www = tmp_path / "www"
+    www.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(FlakyHandler, directory=str(www)))
+    server.rng, server.lock = random.Random(0), threading.Lock()
+    server.p_503, server.p_cut = 0.15, 0.35
+    server.requests = server.resumed = server.failures = 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server, www
+    server.shutdown()
+    server.server_close()
+
+
+def local_reference(root: Path) -> list:
+    """What each rank of a 2-rank run over local shards sees (the stream is a pure function of
+    seed, epoch and reader slot, so one process can compute both ranks')."""
+    ranks = []
+    for rank in range(2):
+        loader = TrainLoader(ShardSet.from_info(str(root), "train"), rank=rank, world_size=2,
+                             **LOADER_ARGS)
+        it = iter(loader)
+        ranks.append([dict(keys=b.keys, epochs=b.epochs.tolist(), pixels=int(b.images.sum()))
+                      for b in (next(it) for _ in range(STEPS))])
+        del it
+    return ranks
+
+
+def assert_same_as_local(ranks: list, local: list) -> None:
+    for remote, expected in zip(ranks, local):
+        assert remote["seen"] == expected  # keys, epochs and augmented pixels, in order
+        assert remote["resumed"] == expected[SAVE_AT:]  # the exact resume holds too
+
+
+def test_two_ranks_over_a_flaky_http_server_consume_exactly_the_local_keys(tmp_path,
+                                                                           flaky_http):
+    url, server, www = flaky_http
+    write_split(www, SHARD_LENGTHS)
+    ranks = run_two_ranks(url, tmp_path, STEPS, SAVE_AT)
+    assert_same_as_local(ranks, local_reference(www))
+    # the failures really happened, and reads resumed where they broke off
+    assert server.failures >= 10 and server.resumed >= 5, vars(server)
+    print(f"\n{server.requests} HTTP requests, {server.failures} failed on purpose, "
+          f"{server.resumed} resumed at a byte offset")
+
+
+def test_a_shard_that_stays_unreachable_is_reported_after_the_retries(flaky_http):
+    url, server, www = flaky_http
+    write_split(www, [3])
+    server.p_503, server.p_cut = 1.0, 0.0  # every request fails
+    with pytest.raises(Unreachable, match=r"3 attempts in a row failed at byte 0 \(last: "
+                                          r"ConnectionError: HTTP 503"):
+        open_shard(f"{url}/toy-train-000000.tar", RetryPolicy(attempts=3, backoff_s=0.01))
+
+
+@pytest.fixture
+def s3_server(monkeypatch):
+    """A moto S3 server on the loopback address, and the variables a job would set for it."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    # moto keeps its buckets per process, not per server: start from none
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/moto-api/reset",
+                                                  method="POST"), timeout=30).close()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield env
+    server.stop()
+
+
+def test_two_ranks_over_s3_consume_exactly_the_local_keys(tmp_path, s3_server):
+    import boto3
+
+    local = tmp_path / "shards"
+    write_split(local, SHARD_LENGTHS)
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="datasets")
+    for f in sorted(local.iterdir()):
+        s3.upload_file(str(f), "datasets", f"toy/{f.name}")
+    ranks = run_two_ranks("s3://datasets/toy", tmp_path, STEPS, SAVE_AT, env=s3_server)
+    assert_same_as_local(ranks, local_reference(local))
+
+
+def test_a_missing_remote_shard_is_skipped_and_counted_or_stops_the_run(tmp_path, s3_server):
+    import boto3
+
+    from pretrain.config import DataConfig
+    from pretrain.data.loader import LoaderError, build_train_loader
+
+    local = tmp_path / "shards"
+    write_split(local, [4, 4, 4])
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="datasets")
+    for f in sorted(local.iterdir()):
+        if f.name != "toy-train-000001.tar":  # listed in _info.json, never uploaded
+            s3.upload_file(str(f), "datasets", f"toy/{f.name}")
+    args = dict(img_size=32, batch_size=4, num_classes=10)
+    data = DataConfig(root="s3://datasets/toy", num_workers=1, shuffle_buffer=2,
+                      missing_shards="skip")
+    loader = build_train_loader(data, **args)
+    it = iter(loader)
+    batches = [next(it) for _ in range(4)]  # two epochs of the 8 samples left
+    del it
+    assert all(not k.startswith("train_001_") for b in batches for k in b.keys)
+    assert loader.skipped_by_cause["missing_shard"] >= 4
+
+    loader = build_train_loader(data.model_copy(update={"missing_shards": "error"}), **args)
+    it = iter(loader)
+    with pytest.raises(LoaderError, match=r"^shard s3://datasets/toy/toy-train-000001.tar is "
+                                          r"missing .*set data.missing_shards=skip"):
+        for _ in range(3):  # an epoch: the shard is reached
+            next(it)
+    del it
+
+
+def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(tmp_path,
+                                                                                 s3_server):
+    import boto3
+
+    from pretrain.data.loader import EvalLoader
+    from test_folder_layouts import write_images
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="datasets")
+    files = [f"{split}/{cls}/{i:04d}.jpg" for split in ("train", "val")
+             for cls in ("cat", "dog") for i in range(3)]
+    write_images(tmp_path / "raw", files)
+    args = ["imagefolder", "--src", str(tmp_path / "raw"), "--out", "s3://datasets/pets",
+            "--shard-size", "2", "--workers", "1"]
+    refused = run_launcher("prepare_data.py", *args)
+    assert refused.returncode == 2 and "add --stage DIR" in refused.stderr
+    done = run_launcher("prepare_data.py", *args, "--stage", str(tmp_path / "stage"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    listed = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
+    assert {o["Key"] for o in listed} == {f"pets/{f.name}" for f in (tmp_path / "stage").iterdir()
+                                          if not f.name.startswith(".")}
+    for split, n in (("train", 6), ("validation", 6)):
+        loader = EvalLoader(ShardSet.from_info("s3://datasets/pets", split), img_size=16,
+                            batch_size=4, num_classes=2)
+        got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
+        assert got == sorted((f"{c}/{i:04d}", j) for j, c in enumerate(("cat", "dog"))
+                             for i in range(3)), split
+        assert len(got) == n
+    again = run_launcher("prepare_data.py", *args, "--stage", str(tmp_path / "stage"))
+    assert again.returncode == 0, again.stderr[-2000:]  # a rerun finds the work done
