@@ -2,8 +2,10 @@
 
     # benchmark data: >= 2000 real photos of 500x375 (crops of scikit-learn's sample photos)
     python launch/benchmark.py photos --count 2048 --out /tmp/photos
-    # loader images/s against a plain webdataset + torchvision pipeline, same crop/flip/size
+    # loader images/s against a plain webdataset + torchvision pipeline, same crop/flip/size;
+    # --decoders adds images/s per core of each JPEG decoder candidate (decode + train transform)
     python launch/benchmark.py loader --shards /tmp/photos --workers 2 --batches 20 [--json]
+        [--decoders [--decoder-photos 500x375] [--decoder-quality 90] [--decoder-count 200]]
 
     # training images/s, TFLOP/s, MFU, peak memory through our DeepSpeed engine (synthetic
     # uint8 batches on the device; --shards DIR feeds the real loader and gives the data wait)
@@ -30,9 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
 
 def run_loader(args) -> dict:
-    from pretrain.data.loader_benchmark import bench_ours, bench_reference, resolve_shards
+    from pretrain.data.loader_benchmark import (bench_decoders, bench_ours, bench_reference,
+                                                resolve_shards)
+    from pretrain.data.transforms import decoder_description
 
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    photo_size = _photo_size(args.decoder_photos)  # a typo fails now, not after the timing
     shards = resolve_shards(args.shards, args.split)
     common = dict(workers=args.workers, batches=args.batches, batch_size=args.batch_size,
                   img_size=args.img_size, buffer=args.shuffle_buffer)
@@ -41,19 +45,45 @@ def run_loader(args) -> dict:
     for _ in range(args.repeats):
         ours = max(ours, bench_ours(shards, **common))
         reference = max(reference, bench_reference(shards.urls, **common))
-    return dict(images_per_sec=round(ours, 1), reference_images_per_sec=round(reference, 1),
-                ratio=round(ours / reference, 3), workers=args.workers, repeats=args.repeats,
-                batch_size=args.batch_size, batches=args.batches, img_size=args.img_size,
-                shards=len(shards.urls))
+    result = dict(images_per_sec=round(ours, 1), reference_images_per_sec=round(reference, 1),
+                  ratio=round(ours / reference, 3), workers=args.workers, repeats=args.repeats,
+                  batch_size=args.batch_size, batches=args.batches, img_size=args.img_size,
+                  shards=len(shards.urls), decoder=decoder_description())
+    if args.decoders:
+        result["decoder_benchmark"] = bench_decoders(
+            img_size=args.img_size, photo_size=photo_size,
+            quality=args.decoder_quality, count=args.decoder_count)
+    return result
+
+
+def _photo_size(text: str):
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--decoder-photos {text}: expected WIDTHxHEIGHT, e.g. 500x375"
+                         ) from None
+    return width, height
 
 
 def print_table(result: dict) -> None:
     print(f"{'pipeline':<34}{'images/s':>10}")
-    print(f"{'ours (uint8, draft decode)':<34}{result['images_per_sec']:>10.1f}")
+    print(f"{'ours (uint8, DCT-scaled decode)':<34}{result['images_per_sec']:>10.1f}")
     print(f"{'reference (wds + torchvision)':<34}{result['reference_images_per_sec']:>10.1f}")
     print(f"{'ratio':<34}{result['ratio']:>10.2f}")
     print(f"({result['workers']} workers, {result['batches']} batches of {result['batch_size']}, "
-          f"{result['img_size']} px, {result['shards']} shards)")
+          f"{result['img_size']} px, {result['shards']} shards; {result['decoder']})")
+    bench = result.get("decoder_benchmark")
+    if bench:
+        print(f"\n{'decode + train transform, one core':<46}{'images/s':>10}{'|diff| vs PIL':>15}")
+        for row in bench["decoders"]:
+            speed = "-" if row["images_per_sec"] is None else f"{row['images_per_sec']:.1f}"
+            diff = row["mean_abs_diff_vs_pil"]
+            print(f"{row['decoder'] + ' ' + row['version']:<46}{speed:>10}"
+                  f"{'' if diff is None else f'{diff:.3f}':>15}")
+            print(f"    {row['notes']}")
+        print(f"({bench['photos']} photos of {bench['photo_size']}, quality {bench['quality']}, "
+              f"{bench['mean_photo_kb']} KB on average; median of {bench['rounds']} rounds of "
+              f"images per CPU-second)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,6 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--shuffle-buffer", type=int, default=1000)
     loader.add_argument("--repeats", type=int, default=1,
                         help="alternate the two pipelines this many times, keep each one's best")
+    loader.add_argument("--decoders", action="store_true",
+                        help="also time decode + train transform per core for each JPEG "
+                             "decoder candidate (PIL, simplejpeg, torchvision, torchcodec, "
+                             "PyTurboJPEG), on photos made in memory")
+    loader.add_argument("--decoder-photos", default="500x375", metavar="WxH",
+                        help="size of those photos (default: the shards' 500x375)")
+    loader.add_argument("--decoder-quality", type=int, default=90,
+                        help="their JPEG quality (default: the shards' 90; 98 gives ~100 KB "
+                             "at 500x375, ImageNet's average file size)")
+    loader.add_argument("--decoder-count", type=int, default=200, help="how many photos")
     loader.add_argument("--json", action="store_true", help="print one JSON object")
 
     train = sub.add_parser("train", help="training images/s, TFLOP/s, MFU, peak memory")

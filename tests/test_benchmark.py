@@ -36,3 +36,19 @@ def test_loader_benchmark_reads_a_shard_pattern_and_prints_a_table(tmp_path):
     out = _run("loader", "--shards", pattern, "--workers", "0", "--batches", "1",
                "--batch-size", "4", "--img-size", "32", "--shuffle-buffer", "4")
     assert "ratio" in out and "reference" in out
+
+
+def test_loader_benchmark_times_each_jpeg_decoder_and_names_the_one_in_use(tmp_path):
+    _run("photos", "--count", "16", "--shard-size", "8", "--out", str(tmp_path))
+    out = _run("loader", "--shards", str(tmp_path), "--workers", "0", "--batches", "1",
+               "--batch-size", "4", "--img-size", "32", "--shuffle-buffer", "4", "--decoders",
+               "--decoder-photos", "120x90", "--decoder-count", "4", "--json")
+    result = json.loads(out)
+    assert result["decoder"].startswith("JPEG decoder: simplejpeg")
+    rows = {row["decoder"]: row for row in result["decoder_benchmark"]["decoders"]}
+    for name in ("PIL", "simplejpeg"):
+        assert rows[name]["images_per_sec"] > 0 and rows[name]["mean_abs_diff_vs_pil"] < 2
+    # unavailable candidates (say PyTurboJPEG without libturbojpeg) are listed, with why
+    assert all(row["images_per_sec"] is not None or "unavailable" in row["notes"]
+               for row in rows.values())
+    assert result["decoder_benchmark"]["photo_size"] == "120x90"

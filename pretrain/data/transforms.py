@@ -4,35 +4,42 @@ Everything here runs in CPU data-loader workers, which are the usual bottleneck 
 pretraining, so the work is arranged to be cheap:
 
 * the crop box is chosen from the JPEG header before any pixel is decoded, so a large JPEG can
-  be decoded at 1/2, 1/4 or 1/8 scale (libjpeg DCT scaling via PIL ``draft``) whenever the crop
-  still has at least the output resolution afterwards -- quality is kept, decode work drops 4-64x;
-* JPEGs that need full resolution go through torchvision's libjpeg-turbo decoder straight into a
-  tensor, and the crop is resized with torch's uint8 antialiased bilinear kernel (the same
-  filter as PIL's, vectorised) -- no float conversion and no normalisation on the CPU; the model
-  side normalises the uint8 batch on the device (:func:`pretrain.data.loader.normalize`).
+  be decoded at 1/2, 1/4 or 1/8 scale (libjpeg-turbo's DCT scaling) whenever the crop still has
+  at least the output resolution afterwards -- quality is kept, decode work drops 4-64x;
+* JPEGs are decoded by simplejpeg (libjpeg-turbo straight into a numpy array, with that DCT
+  scaling): the whole train transform then runs ~1.4-1.5x as many ImageNet-sized images per
+  core as with PIL decoding. PIL handles the other formats and CMYK JPEGs, and everything when
+  simplejpeg is not installed (logged: the decoder in use, and any JPEG simplejpeg refused);
+* the crop is resized with torch's uint8 antialiased bilinear kernel (the same filter as PIL's,
+  vectorised) -- no float conversion and no normalisation on the CPU; the model side normalises
+  the uint8 batch on the device (:func:`pretrain.data.loader.normalize`).
 
 Train: inception-style random resized crop, horizontal flip, optional timm RandAugment.
 Eval: resize so the centre crop is ``crop_pct`` of the shorter side, then centre crop.
+:func:`decoder_description` names the decoder that runs, for the start-up log.
 """
 from __future__ import annotations
 
 import io
+import logging
 import math
 import random
-import warnings
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
+import PIL
 import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as TF
 
-try:  # deprecated in torchvision 0.29 in favour of torchcodec; PIL takes over once it is gone
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover -- depends on the installed torchvision
-    decode_jpeg = None
+try:
+    import simplejpeg
+    _SIMPLEJPEG_ERROR = ""
+except ImportError as e:  # a declared dependency; the loader still works without it, slower
+    simplejpeg = None
+    _SIMPLEJPEG_ERROR = f"{type(e).__name__}: {e}"
+
+log = logging.getLogger(__name__)
 
 Box = Tuple[int, int, int, int]  # left, top, width, height in source pixels
 
@@ -87,15 +94,18 @@ def draft_reduction(box: Box, size: int) -> int:
     return 1
 
 
-def decode_crop_resize(data: bytes, size: int, choose_box) -> torch.Tensor:
+ChooseBox = Callable[[int, int], Box]  # (full width, full height) -> crop box
+
+
+def decode_crop_resize(data: bytes, size: int, choose_box: ChooseBox,
+                       decoder: Optional[PilDecoder] = None) -> torch.Tensor:
     """Decode ``data``, crop the box ``choose_box(width, height)`` and resize it to size x size.
 
     Returns a uint8 (3, size, size) tensor. Raises :class:`CorruptImage` on undecodable bytes.
     """
+    decoder = decoder or default_decoder()
     try:
-        img = Image.open(io.BytesIO(data))
-        box = choose_box(*img.size)
-        pixels, box = _decode(data, img, box, size)
+        pixels, box = decoder.decode(data, size, choose_box)
     except CorruptImage:
         raise
     except Exception as e:  # noqa: BLE001 -- PIL/libjpeg raise many types for bad bytes
@@ -106,31 +116,121 @@ def decode_crop_resize(data: bytes, size: int, choose_box) -> torch.Tensor:
                      antialias=True)
 
 
-def _decode(data: bytes, img: Image.Image, box: Box, size: int) -> Tuple[torch.Tensor, Box]:
-    """Pixels as uint8 CHW (possibly a channels-last view) and the box in those pixels."""
-    if img.format == "JPEG":
+class PilDecoder:
+    """Every format PIL reads; a JPEG whose crop allows it is decoded at reduced DCT scale.
+
+    ``decode`` calls ``choose_box`` exactly once, with the full image size, in every decoder:
+    the crop of a sample, hence its random draws, must not depend on which decoder runs.
+    """
+
+    def describe(self) -> str:
+        return f"PIL {PIL.__version__} (DCT downscale) for all formats"
+
+    def decode(self, data: bytes, size: int, choose_box: ChooseBox) -> Tuple[torch.Tensor, Box]:
+        """Pixels as uint8 CHW (possibly a channels-last view) and the crop box in them."""
+        img = Image.open(io.BytesIO(data))
+        return self.decode_opened(img, choose_box(*img.size), size)
+
+    def decode_opened(self, img: Image.Image, box: Box, size: int) -> Tuple[torch.Tensor, Box]:
+        if img.format == "JPEG":
+            factor = draft_reduction(box, size)
+            if factor > 1:
+                full = img.size
+                img.draft("RGB", (full[0] // factor, full[1] // factor))
+                return _pil_pixels(img), reduced_box(box, full, img.size, size)
+        return _pil_pixels(img), box
+
+
+class SimpleJpegDecoder(PilDecoder):
+    """JPEGs through simplejpeg (libjpeg-turbo, DCT downscale); PIL for everything else."""
+
+    def describe(self) -> str:
+        return (f"simplejpeg {simplejpeg.__version__} (DCT downscale), "
+                f"PIL {PIL.__version__} for other formats")
+
+    def decode(self, data: bytes, size: int, choose_box: ChooseBox) -> Tuple[torch.Tensor, Box]:
+        # The SOI marker alone (simplejpeg.is_jpeg also wants the final EOI, which would send
+        # a JPEG with trailing bytes, as some cameras write, to the slower path).
+        if data[:2] != b"\xff\xd8":
+            return super().decode(data, size, choose_box)
+        try:
+            height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError as e:
+            return _pil_instead(e, lambda: super(SimpleJpegDecoder, self).decode(
+                data, size, choose_box))
+        # libjpeg-turbo cannot convert CMYK to RGB, and PIL's decompression-bomb guard (an
+        # error, so a skipped sample) must hold whichever decoder runs.
+        if colorspace in ("CMYK", "YCCK") or _too_large(width, height):
+            return super().decode(data, size, choose_box)
+        box = choose_box(width, height)
         factor = draft_reduction(box, size)
+        try:
+            # libjpeg-turbo picks the smallest scale meeting both minimums: exactly 1/factor
+            pixels = simplejpeg.decode_jpeg(data, "RGB", min_width=-(-width // factor),
+                                            min_height=-(-height // factor))
+        except ValueError as e:
+            return _pil_instead(e, lambda: self.decode_opened(Image.open(io.BytesIO(data)),
+                                                              box, size))
         if factor > 1:
-            full_w, full_h = img.size
-            img.draft("RGB", (full_w // factor, full_h // factor))
-            sx, sy = img.size[0] / full_w, img.size[1] / full_h
-            left, top, w, h = box
-            box = (int(left * sx), int(top * sy), max(size, int(w * sx)), max(size, int(h * sy)))
-            box = _clip(box, *img.size)
-            return _pil_pixels(img), box
-        if decode_jpeg is not None:
-            try:
-                return _torch_decode(data), box
-            except RuntimeError:
-                pass  # e.g. an exotic JPEG variant: PIL below decides whether it is corrupt
-    return _pil_pixels(img), box
+            box = reduced_box(box, (width, height), (pixels.shape[1], pixels.shape[0]), size)
+        return torch.from_numpy(pixels).permute(2, 0, 1), box
 
 
-def _torch_decode(data: bytes) -> torch.Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # see the import above
-        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                           mode=ImageReadMode.RGB)
+def default_decoder() -> PilDecoder:
+    """The fastest maintained decoder installed: simplejpeg, else PIL (slower, warned about)."""
+    return SimpleJpegDecoder() if simplejpeg is not None else PilDecoder()
+
+
+def decoder_description(decoder: Optional[PilDecoder] = None) -> str:
+    """One line naming the decoder that runs (``decoder``, default the default one)."""
+    decoder = decoder or default_decoder()
+    text = f"JPEG decoder: {decoder.describe()}"
+    if simplejpeg is None:
+        text += f"; simplejpeg is not importable ({_SIMPLEJPEG_ERROR}), JPEGs decode slower"
+    return text
+
+
+_announced = set()
+
+
+def _announce(decoder: PilDecoder) -> None:
+    """Log the decoder once per process (transforms are built once per loader, in the parent
+    process; workers receive them pickled)."""
+    text = decoder_description(decoder)
+    if text not in _announced:
+        _announced.add(text)
+        log.log(logging.INFO if simplejpeg is not None else logging.WARNING, "%s", text)
+
+
+_fallbacks = 0
+_next_report = 1
+
+
+def _pil_instead(error: Exception, decode_with_pil):
+    """PIL decides on a JPEG simplejpeg refused (truncated data, or a variant libjpeg-turbo's
+    strict mode rejects): if PIL raises too, the sample is corrupt and the loader reports it;
+    if PIL decodes it, the fast path was missed, which is logged (1st, 10th, 100th... time)."""
+    global _fallbacks, _next_report
+    result = decode_with_pil()
+    _fallbacks += 1
+    if _fallbacks == _next_report:
+        _next_report *= 10
+        log.warning("simplejpeg refused %d JPEG(s) that PIL decodes, in this process (latest: "
+                    "%s); those take the slower PIL path", _fallbacks, error)
+    return result
+
+
+def _too_large(width: int, height: int) -> bool:
+    limit = Image.MAX_IMAGE_PIXELS  # PIL raises DecompressionBombError above twice this
+    return limit is not None and width * height > 2 * limit
+
+
+def reduced_box(box: Box, full: Tuple[int, int], reduced: Tuple[int, int], size: int) -> Box:
+    """``box`` (in full-size pixels) in an image decoded at reduced size, still >= ``size``."""
+    sx, sy = reduced[0] / full[0], reduced[1] / full[1]
+    left, top, w, h = box
+    box = (int(left * sx), int(top * sy), max(size, int(w * sx)), max(size, int(h * sy)))
+    return _clip(box, *reduced)
 
 
 def _pil_pixels(img: Image.Image) -> torch.Tensor:
@@ -155,13 +255,16 @@ class TrainTransform:
     """
 
     def __init__(self, size: int, scale: Sequence[float] = (0.05, 1.0), hflip: float = 0.5,
-                 randaugment: Optional[str] = None):
+                 randaugment: Optional[str] = None, decoder: Optional[PilDecoder] = None):
         self.size, self.scale, self.hflip = size, tuple(scale), hflip
         self.randaugment = _build_randaugment(randaugment, size) if randaugment else None
+        self.decoder = decoder or default_decoder()
+        _announce(self.decoder)
 
     def __call__(self, data: bytes, rng: random.Random) -> torch.Tensor:
         out = decode_crop_resize(
-            data, self.size, lambda w, h: random_resized_crop_box(w, h, self.scale, rng))
+            data, self.size, lambda w, h: random_resized_crop_box(w, h, self.scale, rng),
+            self.decoder)
         if rng.random() < self.hflip:
             out = out.flip(-1)
         if self.randaugment is not None:
@@ -181,12 +284,15 @@ class TrainTransform:
 class EvalTransform:
     """Resize + centre crop (``crop_pct`` of the shorter side) -> uint8 (3, size, size)."""
 
-    def __init__(self, size: int, crop_pct: float = EVAL_CROP_PCT):
+    def __init__(self, size: int, crop_pct: float = EVAL_CROP_PCT,
+                 decoder: Optional[PilDecoder] = None):
         self.size, self.crop_pct = size, crop_pct
+        self.decoder = decoder or default_decoder()
+        _announce(self.decoder)
 
     def __call__(self, data: bytes, rng: Optional[random.Random] = None) -> torch.Tensor:
         return decode_crop_resize(data, self.size,
-                                  lambda w, h: center_crop_box(w, h, self.crop_pct))
+                                  lambda w, h: center_crop_box(w, h, self.crop_pct), self.decoder)
 
 
 def _build_randaugment(spec: str, size: int):
