@@ -11,6 +11,7 @@
     # uint8 batches on the device; --shards DIR feeds the real loader and gives the data wait)
     python launch/benchmark.py train --model vit_large_patch16_224 --batch 128 [--zero 1]
         [--image-size 224] [--compile] [--ranks R] [--steps 20] [--precision fp32] [--json]
+        [--profile DIR [--profile-steps 3]]   # a torch.profiler trace and where the time goes
     # one step through our DeepSpeed engine (ZeRO-2, 1 rank, bf16) against a plain PyTorch loop
     python launch/benchmark.py overhead [--json]
 
@@ -124,8 +125,12 @@ def run_train(args) -> dict:
         precision=args.precision, ranks=args.ranks,
         activation_checkpointing=args.activation_checkpointing, num_classes=args.num_classes,
         recipe=args.config, overrides=args.overrides)
+    if args.profile_steps < 1:
+        raise SystemExit("--profile-steps must be >= 1")
     return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
-                         compile=args.compile, shards=args.shards, workers=args.workers)
+                         compile=args.compile, shards=args.shards, workers=args.workers,
+                         profile=str(args.profile) if args.profile else None,
+                         profile_steps=args.profile_steps)
 
 
 def print_train_table(r: dict) -> None:
@@ -145,6 +150,10 @@ def print_train_table(r: dict) -> None:
             ("timed / warmup steps", f"{r['steps']} / {r['warmup_steps']}")]
     for name, value in rows:
         print(f"{name:<26}{value}")
+    if "profile" in r:
+        from pretrain.profile import format_breakdown
+        print(format_breakdown(r["profile"], r["profile_steps"], r["profile_step_ms"]))
+        print(f"trace: {r['profile_dir']}/trace_rank0.json (Perfetto, chrome://tracing)")
 
 
 def run_overhead(args) -> dict:
@@ -227,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "with the pre-logits width set to the model's)")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="any config override, repeatable")
+    train.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                       help="after the timed steps, run --profile-steps more under torch.profiler: "
+                            "DIR/trace_rank<R>.json and a breakdown by kind of work (matmul, attention, "
+                            "norms, optimizer, ...), printed too")
+    train.add_argument("--profile-steps", type=int, default=3, help="steps profiled (default 3)")
     train.add_argument("--json", action="store_true", help="print one JSON object")
 
     over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step")

@@ -107,9 +107,12 @@ def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count
 
 def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: bool = False,
             shards: Optional[str] = None, workers: Optional[int] = None, rank: int = 0,
-            world: int = 1) -> dict:
+            world: int = 1, profile: Optional[str] = None, profile_steps: int = 3) -> dict:
     """Train ``warmup + steps`` steps on this rank (distributed already set up); the figures
-    of the last ``steps``. Collective: every rank of the world must call it."""
+    of the last ``steps``. With ``profile`` (a folder), ``profile_steps`` more steps run under
+    torch.profiler afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out
+    of the figures. Collective: every rank of the world must call it."""
+    from pretrain.profile import profiled
     from pretrain import engine as eng
     from pretrain.data.loader import build_train_loader, prepare_batch
     from pretrain.metrics import StepTimer, peak_tflops
@@ -146,10 +149,8 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
                       cuda_sync=device.type == "cuda")
     step_times = []
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check, timed too
-    for step in range(warmup + steps):
-        if step == warmup:
-            timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
-            timer.exclude_elapsed()
+
+    def one_step(step: int):
         start = time.perf_counter()
         scheduler.step_update(step)
         images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, None, dtype)
@@ -157,7 +158,23 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         loss = eng.train_micro_batch(engine, images, targets, cfg, guard)
         timer.step_done(images=micro * world)
         step_times.append(time.perf_counter() - start)
+        return loss
+
+    for step in range(warmup + steps):
+        if step == warmup:
+            timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
+            timer.exclude_elapsed()
+        loss = one_step(step)
     perf = timer.summary()
+    profiled_ms = None
+    with profiled(profile, rank, device) as breakdown:
+        if profile:
+            for step in range(warmup + steps, warmup + steps + profile_steps):
+                loss = one_step(step)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            profiled_ms = 1e3 * statistics.median(step_times[-profile_steps:])
+    step_times = step_times[:warmup + steps]
     loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
@@ -176,6 +193,9 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         "peak_memory_gib": peak_memory_gib(device),
         "final_loss": loss_value,
     }
+    if breakdown:
+        result.update(profile_dir=str(profile), profile_steps=profile_steps,
+                      profile_step_ms=profiled_ms, profile=breakdown[0])
     return result
 
 

@@ -17,9 +17,10 @@ def _json(*args: str, timeout: float = 240) -> dict:
     return json.loads(lines[0])
 
 
-def test_train_reports_consistent_throughput_on_synthetic_input():
+def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     r = _json("train", *TINY, "--batch", "4", "--precision", "fp32", "--zero", "2",
-              "--steps", "2", "--warmup", "1")
+              "--steps", "2", "--warmup", "1", "--profile", str(tmp_path / "prof"),
+              "--profile-steps", "1")
     assert r["model"] == "vit_tiny_patch16_224" and r["image_size"] == 32
     assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
     assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
@@ -32,6 +33,13 @@ def test_train_reports_consistent_throughput_on_synthetic_input():
     assert r["peak_memory_gib"] > 0
     # the recipe's sigmoid loss on an untrained 10-class head: finite and positive
     assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0
+    # --profile: a trace to open, and the profiled step's time split by kind of work
+    trace = json.loads((tmp_path / "prof" / "trace_rank0.json").read_text())
+    assert any("addmm" in e.get("name", "") or "linear" in e.get("name", "")
+               for e in trace["traceEvents"])
+    shares = r["profile"]["share"]
+    assert shares["matmul"] > 0 and abs(sum(shares.values()) - 1) < 0.01, shares
+    assert r["profile"] == json.loads((tmp_path / "prof" / "breakdown_rank0.json").read_text())
 
 
 def test_train_two_ranks_fed_by_the_real_loader(tiny_data):

@@ -445,7 +445,9 @@ def test_a_finetune_skips_nan_batches_rolls_back_then_stops_like_pretraining(
         calls[0] += 1
         return real(logits * float("nan") if calls[0] in (2, 6, 7, 8, 11, 12, 13) else logits,
                     *args, **kwargs)
-    monkeypatch.setattr(engine, "classification_loss", loss)
+    # where the fine-tune's backend looks it up (bound when finetune.backend was first imported)
+    import finetune.backend
+    monkeypatch.setattr(finetune.backend, "classification_loss", loss)
     out = tmp_path / "ft"
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
         f"output_dir={out}", f"data.root={tiny_data}", "init=null", "data.generate_demo=false",
