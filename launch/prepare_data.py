@@ -4,6 +4,7 @@
     python launch/prepare_data.py imagenet1k --src /data/imagenet --out /shards/in1k --workers 16
     python launch/prepare_data.py cifar10 --src /data/cifar-10-batches-py --out /shards/cifar10
     python launch/prepare_data.py cifar100 --src /data/cifar-100-python --out s3://bucket/cifar100 --stage /scratch/cifar100
+    python launch/prepare_data.py cifar10 --src /data/cifar-10-batches-py --stage /scratch/c10 --out "pipe:aws s3 cp - s3://bucket/c10"
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, metavar="PATH", help="the raw data (see below)")
     p.add_argument("--out", required=True, metavar="DIR|URL",
                    help="output folder; new or empty, or one written before by the same command (resume); "
-                        "or an s3:// or gs:// prefix, written through --stage")
+                        "or a prefix written through --stage: s3://, gs://, http(s):// (PUT) or pipe:CMD (CMD "
+                        "+ '/' + file name is run with the file on its standard input)")
     p.add_argument("--stage", metavar="DIR",
                    help="with a remote --out: the local folder the shards are written to (room for the whole "
                         "output) before they are uploaded, _info.json last; rerun to resume either part")
@@ -83,9 +85,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     remote = is_remote(args.out)
-    if args.out.startswith(("http://", "https://", "pipe:")):
-        build_parser().error(f"--out {args.out}: shards are written to a local folder, s3:// or gs://; "
-                             f"serve them over HTTP once written")
     if remote and not args.stage:
         build_parser().error(f"--out {args.out} is remote: add --stage DIR, a local folder with room "
                              f"for the output, where the shards are written before the upload")

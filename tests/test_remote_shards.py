@@ -66,6 +66,22 @@ class FlakyHandler(SimpleHTTPRequestHandler):
             return
         self.wfile.write(body)
 
+    def do_PUT(self):  # uploads, as WebDAV or a presigned URL take them; fails at p_503 too
+        server = self.server
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with server.lock:
+            fail = server.rng.random() < server.p_503
+            server.failures += fail
+        if fail:
+            self.send_error(503, "busy")
+            return
+        path = Path(self.translate_path(self.path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
 
 @pytest.fixture
 def flaky_http(tmp_path):
@@ -192,29 +208,52 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
                                                                                  s3_server):
     import boto3
 
-    from pretrain.data.loader import EvalLoader
-    from test_folder_layouts import write_images
-
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket="datasets")
-    files = [f"{split}/{cls}/{i:04d}.jpg" for split in ("train", "val")
-             for cls in ("cat", "dog") for i in range(3)]
-    write_images(tmp_path / "raw", files)
-    args = ["imagefolder", "--src", str(tmp_path / "raw"), "--out", "s3://datasets/pets",
-            "--shard-size", "2", "--workers", "1"]
-    refused = run_launcher("prepare_data.py", *args)
+    args = pets(tmp_path)
+    stageless = args[:-2]  # without --stage
+    refused = run_launcher("prepare_data.py", *stageless, "--out", "s3://datasets/pets")
     assert refused.returncode == 2 and "add --stage DIR" in refused.stderr
-    done = run_launcher("prepare_data.py", *args, "--stage", str(tmp_path / "stage"))
+    done = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
     assert done.returncode == 0, done.stderr[-2000:]
     listed = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
     assert {o["Key"] for o in listed} == {f"pets/{f.name}" for f in (tmp_path / "stage").iterdir()
                                           if not f.name.startswith(".")}
-    for split, n in (("train", 6), ("validation", 6)):
-        loader = EvalLoader(ShardSet.from_info("s3://datasets/pets", split), img_size=16,
-                            batch_size=4, num_classes=2)
+    assert_pets("s3://datasets/pets")
+    again = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
+    assert again.returncode == 0, again.stderr[-2000:]  # a rerun finds the work done
+
+
+def pets(tmp_path) -> list:
+    from test_folder_layouts import write_images
+
+    write_images(tmp_path / "raw", [f"{split}/{cls}/{i:04d}.jpg" for split in ("train", "val")
+                                    for cls in ("cat", "dog") for i in range(3)])
+    return ["imagefolder", "--src", str(tmp_path / "raw"), "--shard-size", "2", "--workers", "1",
+            "--stage", str(tmp_path / "stage")]
+
+
+def assert_pets(root: str) -> None:
+    from pretrain.data.loader import EvalLoader
+
+    for split in ("train", "validation"):
+        loader = EvalLoader(ShardSet.from_info(root, split), img_size=16, batch_size=4,
+                            num_classes=2)
         got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
         assert got == sorted((f"{c}/{i:04d}", j) for j, c in enumerate(("cat", "dog"))
                              for i in range(3)), split
-        assert len(got) == n
-    again = run_launcher("prepare_data.py", *args, "--stage", str(tmp_path / "stage"))
-    assert again.returncode == 0, again.stderr[-2000:]  # a rerun finds the work done
+
+
+def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http):
+    url, server, www = flaky_http
+    server.p_503, server.p_cut = 0.35, 0.0  # some uploads fail and are retried
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert server.failures >= 1  # a retried upload, not a lucky run
+    server.p_503 = 0.0
+    assert_pets(f"{url}/pets")
+    piped = tmp_path / "piped"
+    piped.mkdir()
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_pets(str(piped))

@@ -293,24 +293,43 @@ def read_bytes(location: str, policy: RetryPolicy = RetryPolicy()) -> bytes:
 # --------------------------------------------------------------------------------------------
 # Writing (prepare_data.py --out)
 # --------------------------------------------------------------------------------------------
+def _put(local: str, location: str, policy: RetryPolicy) -> None:
+    """One attempt at writing ``local`` to ``location``."""
+    if location.startswith("s3://"):
+        bucket, key = _s3_parts(location)
+        _s3_client().upload_file(local, bucket, key)
+    elif location.startswith(("http://", "https://")):  # a PUT, as WebDAV or a presigned URL take
+        with open(local, "rb") as f:
+            req = urllib.request.Request(location, data=f, method="PUT", headers={
+                "Content-Length": str(os.path.getsize(local)),
+                "Content-Type": "application/octet-stream"})
+            urllib.request.urlopen(req, timeout=policy.timeout_s).close()
+    elif location.startswith("pipe:"):  # the command gets the file on its standard input
+        with open(local, "rb") as f:
+            done = subprocess.run(location[len("pipe:"):], shell=True, stdin=f,
+                                  capture_output=True)
+        if done.returncode:
+            err = done.stderr.decode(errors="replace").strip().splitlines()
+            raise ConnectionError(f"exit status {done.returncode}" + (f": {err[-1]}" if err else ""))
+    else:
+        import fsspec
+        fs, path = fsspec.core.url_to_fs(location)
+        fs.put_file(local, path)
+
+
 def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> None:
-    """Copy a finished local file to ``location`` (s3:// or an fsspec URL such as gs://),
-    retrying transient failures; the object appears whole or not at all (a single PUT or
-    multipart upload completes atomically on object stores)."""
-    if location.startswith(("http://", "https://", "pipe:")):
-        raise ValueError(f"cannot write to {location}: --out takes a local path, s3:// or gs:// "
-                         f"(serve the output over HTTP once it is written)")
+    """Copy a finished local file to ``location`` (s3://, gs:// or another fsspec URL, an HTTP
+    PUT, or ``pipe:<command>`` fed the file), retrying failures after a back-off; on object
+    stores the object appears whole or not at all."""
     for failures in range(1, policy.attempts + 1):
         try:
-            if location.startswith("s3://"):
-                bucket, key = _s3_parts(location)
-                _s3_client().upload_file(local, bucket, key)
-            else:
-                import fsspec
-                fs, path = fsspec.core.url_to_fs(location)
-                fs.put_file(local, path)
+            _put(local, location, policy)
             return
-        except Exception as e:  # noqa: BLE001 -- transport errors of boto3 / fsspec
+        except (ImportError, PermissionError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- transport errors of boto3, urllib, fsspec
+            if isinstance(e, urllib.error.HTTPError) and e.code not in RETRY_HTTP:
+                raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
             if failures == policy.attempts:
                 raise Unreachable(f"{location}: upload failed {failures} times "
                                   f"(last: {type(e).__name__}: {e})") from None
@@ -318,8 +337,19 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
 
 
 def remote_size(location: str) -> Optional[int]:
-    """The size of an object on s3:// or an fsspec URL; None when it is not there."""
+    """The size of an object already at ``location``; None when it is not there, or when that
+    cannot be known (``pipe:``)."""
     try:
+        if location.startswith("pipe:"):
+            return None
+        if location.startswith(("http://", "https://")):
+            req = urllib.request.Request(location, method="HEAD")
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    length = resp.headers.get("Content-Length")
+                    return int(length) if length is not None else None
+            except urllib.error.HTTPError:
+                return None
         if location.startswith("s3://"):
             from botocore.exceptions import ClientError
             bucket, key = _s3_parts(location)
