@@ -118,8 +118,9 @@ class FinetuneStage(Stage):
         self.lineage = state.get("lineage") or self.lineage
 
     def _export(self, backend, name: str, step: int, metrics: dict) -> None:
-        """``<name>.safetensors`` plus ``<name>.json``, a model card a person or script can read
-        (collective: the weights are gathered from every rank first)."""
+        """``<name>.safetensors`` plus ``<name>.json``, a model card a person or script can read,
+        and the folder ``<name>/`` for timm (collective: the weights are gathered from every rank
+        first)."""
         from safetensors.torch import save_file
 
         state = backend.full_state_dict(backend.ema.module if backend.ema is not None else None)
@@ -135,6 +136,21 @@ class FinetuneStage(Stage):
         save_file(state, str(tmp), metadata={"model_card": json.dumps(card)})
         tmp.replace(path)
         path.with_suffix(".json").write_text(json.dumps(card, indent=1))
+        self._export_timm_folder(state, spec, Path(cfg.output_dir) / name, step, card["metrics"])
+
+    def _export_timm_folder(self, state: dict, spec, out: Path, step: int, metrics: dict) -> None:
+        """``<name>/`` in timm's layout (config.json, model.safetensors, README.md): loads with
+        ``timm.create_model("local-dir:<name>", pretrained=True)`` and nothing else."""
+        from pretrain.export import Consolidated
+        from pretrain.timm_folder import write_timm_folder
+
+        c = Consolidated(state_dict=state, spec=spec, source=str(out.with_suffix(".safetensors")),
+                         step=step)
+        # a fine-tune swaps the pre-logits away; a model that kept them (trained from scratch
+        # with model.representation_size) cannot carry its head into timm's ViT
+        write_timm_folder(c, out, head=not spec.representation_size and spec.num_classes > 0,
+                          normalize=self.cfg.data.normalize,
+                          dataset=self.cfg.data.root, metrics=metrics, lineage=self.lineage)
 
 
 def per_class_png(per_class: list, split: str) -> bytes:

@@ -1,7 +1,9 @@
 """Export a pretraining checkpoint as safetensors: one file with the whole model (pre-logits and
-head included, model config in the header) and, optionally, a timm-format backbone file.
+head included, model config in the header), or a model folder in timm's own layout, and,
+optionally, a timm-format backbone file.
 
     python launch/export.py runs/pretrain --out vit_l16_i21k.safetensors
+    python launch/export.py runs/pretrain --out vit_l16_i21k_timm/
     python launch/export.py runs/pretrain/checkpoints/step_00090000 --out full.safetensors \\
         --timm-backbone vit_l16_timm.safetensors
 
@@ -11,10 +13,16 @@ DeepSpeed's zero-to-fp32 utilities. The full file is what `finetune init=FILE` t
 file loads with timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE),
 num_classes=0) (plus the architecture arguments printed below when the model is not a stock
 timm size).
+
+An --out that does not end in .safetensors is a folder (config.json, model.safetensors,
+README.md) that loads with nothing else: timm.create_model("local-dir:FOLDER", pretrained=True),
+and timm.data.resolve_model_data_config(model) gives the run's eval preprocessing. It holds the
+backbone (num_classes=0): timm's ViT has no pre-logits layer to put a head behind.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
@@ -27,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_OUTPUT_DIR",
                    help="pretraining output dir (newest complete checkpoint) or one "
                         "checkpoint dir")
-    p.add_argument("--out", required=True, metavar="FILE",
-                   help="safetensors file to write: the whole model + its config")
+    p.add_argument("--out", required=True, metavar="FILE_OR_FOLDER",
+                   help="FILE.safetensors: the whole model + its config; any other name: a "
+                        "folder in timm's layout (local-dir:FOLDER)")
     p.add_argument("--timm-backbone", metavar="FILE", default=None,
                    help="also write the backbone alone with timm's key names")
     return p
@@ -36,15 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    for out in filter(None, (args.out, args.timm_backbone)):
-        if not out.endswith(".safetensors"):
-            cli.fail(f"output '{out}' must end in .safetensors")
+    folder = not args.out.endswith(".safetensors")
+    if args.timm_backbone and not args.timm_backbone.endswith(".safetensors"):
+        cli.fail(f"--timm-backbone '{args.timm_backbone}' must end in .safetensors")
+    if folder and os.path.isfile(args.out):
+        cli.fail(f"--out '{args.out}' is a file; name a folder, or a FILE.safetensors for the "
+                 f"single-file export")
     from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
     from pretrain.export import timm_kwargs
+    from pretrain.timm_folder import write_timm_folder
 
     try:
         c = consolidate(args.checkpoint)
-        full = export_full(c, args.out)
+        full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
         timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
     except CheckpointError as e:
         cli.fail(str(e))
@@ -57,7 +70,11 @@ def main(argv=None) -> None:
     print(f"model {s.name}: {s.img_size}px, patch {s.patch_size}, width {s.embed_dim}, "
           f"depth {s.depth}, pre-logits {s.representation_size or '-'}, "
           f"{s.num_classes} classes, {params / 1e6:.2f} M parameters (fp32)")
-    print(f"wrote {full}")
+    if folder:
+        print(f"wrote {full}/ (timm layout, backbone); load it with "
+              f"timm.create_model('local-dir:{full}', pretrained=True)")
+    else:
+        print(f"wrote {full}")
     if timm_file is not None:
         extra = "".join(f", {k}={v!r}" for k, v in timm_kwargs(s).items())
         print(f"wrote {timm_file}; load it with timm.create_model('{s.name}', pretrained=True, "

@@ -1,0 +1,165 @@
+"""Model folders in timm's own layout: ``timm.create_model("local-dir:DIR", pretrained=True)``
+with no other argument rebuilds our model, and timm's data config is the run's eval transform."""
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import REPO
+from pretrain.config import ModelConfig
+from pretrain.export import CheckpointError, from_model
+from pretrain.model import create_model
+from pretrain.timm_folder import data_config, load_timm_folder, write_timm_folder
+
+ARCH = dict(name="vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, embed_dim=64,
+            num_heads=2, num_classes=8)
+CLASSES = [f"n{i:08d}" for i in range(8)]
+
+
+def random_model(**overrides):
+    torch.manual_seed(0)
+    model = create_model(ModelConfig(**{**ARCH, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # non-zero everywhere: a zero head would hide a bad load
+            p.normal_(0, 0.05)
+    return model
+
+
+def dataset_root(tmp_path) -> Path:
+    from pretrain.data.info import DatasetInfo, write_info
+    root = tmp_path / "shards"
+    root.mkdir()
+    write_info(root, DatasetInfo(name="tiny", splits={}, classes=CLASSES))
+    return root
+
+
+def card_metadata(folder: Path) -> dict:
+    text = (folder / "README.md").read_text()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_backbone_folder_loads_in_timm_with_no_arguments(tmp_path):
+    from safetensors.torch import load_file
+    import timm
+
+    model = random_model(representation_size=64)  # pre-logits: timm's ViT has no place for them
+    folder = write_timm_folder(from_model(model, source="run/step_4", step=4), tmp_path / "bb",
+                               normalize="minus_one_one", dataset=str(dataset_root(tmp_path)))
+    vit = load_timm_folder(folder)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(vit(x), model.forward_features(x))
+    assert set(load_file(folder / "model.safetensors")) == set(vit.state_dict())
+    assert vit.num_classes == 0
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architecture"] == "vit_tiny_patch16_224" and cfg["num_classes"] == 0
+    assert "label_names" not in cfg["pretrained_cfg"]  # no head: labels would mean nothing
+    data = timm.data.resolve_model_data_config(vit)
+    assert data["input_size"] == (3, 32, 32) and data["crop_pct"] == 0.875
+    assert list(data["mean"]) == [0.5] * 3 and list(data["std"]) == [0.5] * 3
+    meta = card_metadata(folder)
+    assert meta["library_name"] == "timm" and meta["datasets"] == ["tiny"]
+    assert meta["vitscale"]["source"] == {"checkpoint": "run/step_4", "step": 4}
+
+
+def test_a_head_behind_pre_logits_is_refused_in_one_line(tmp_path):
+    with pytest.raises(CheckpointError, match="pre-logits") as e:
+        write_timm_folder(from_model(random_model(representation_size=64)), tmp_path / "x",
+                          head=True)
+    assert "\n" not in str(e.value)
+
+
+def test_the_finetune_stage_writes_classifier_folders_next_to_its_files(tmp_path):
+    import timm
+    from finetune.stage import FinetuneStage
+
+    model = random_model(representation_size=64)
+    model.swap_head(8)  # what a fine-tune does: pre-logits dropped, a new head
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.05)
+    cfg = SimpleNamespace(output_dir=str(tmp_path / "ft"), train=SimpleNamespace(ema_decay=None),
+                          data=SimpleNamespace(normalize="imagenet",
+                                               root=str(dataset_root(tmp_path))))
+    backend = SimpleNamespace(ema=None, module=model, full_state_dict=lambda _: {
+        k: v.detach().float().clone() for k, v in model.state_dict().items()})
+    stage = FinetuneStage(cfg)
+    stage.lineage = {"format": "export", "pretrain_run_id": "abc123", "step": 4}
+    (tmp_path / "ft").mkdir()
+    stage._export(backend, "best", 7, {"eval/dev/top1": 0.25, "train/loss": 1.0})
+
+    out = tmp_path / "ft"
+    assert (out / "best.safetensors").is_file() and (out / "best.json").is_file()
+    vit = load_timm_folder(out / "best")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(vit(x), model(x))
+    assert vit.pretrained_cfg["label_names"] == CLASSES
+    data = timm.data.resolve_model_data_config(vit)
+    assert data["input_size"] == (3, 32, 32) and data["crop_pct"] == 0.875
+    assert tuple(data["mean"]) == (0.485, 0.456, 0.406)
+    assert tuple(data["std"]) == (0.229, 0.224, 0.225)
+    meta = card_metadata(out / "best")
+    assert meta["pipeline_tag"] == "image-classification" and meta["metrics"] == ["accuracy"]
+    assert meta["vitscale"]["results"] == {"eval/dev/top1": 0.25}
+    assert meta["vitscale"]["source"]["init"]["pretrain_run_id"] == "abc123"
+    assert meta["vitscale"]["source"]["step"] == 7
+
+
+@pytest.mark.parametrize("mode", ["minus_one_one", "imagenet"])
+def test_timms_eval_transform_is_the_runs(mode):
+    """timm resizes then crops, we crop then resize: the same geometry up to pixel rounding."""
+    import timm
+    from PIL import Image
+    from pretrain.data.loader import normalize
+    from pretrain.data.transforms import EvalTransform
+
+    yy, xx = np.mgrid[0:48, 0:64]
+    pixels = np.stack([128 + 100 * np.sin(xx / 10.7), 128 + 100 * np.cos(yy / 9.6),
+                       128 + 80 * np.sin((xx + yy) / 16.0)], -1).astype(np.uint8)
+    img = Image.fromarray(pixels)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    ours = normalize(EvalTransform(32)(png.getvalue()).unsqueeze(0), mode)[0]
+
+    def gap(crop_pct):
+        theirs = timm.data.create_transform(**data_config(32, mode, crop_pct))(img)
+        assert theirs.shape == ours.shape
+        std = torch.tensor(data_config(32, mode)["std"]).view(3, 1, 1)
+        return ((ours - theirs) * std).abs()  # in [0, 1] pixel units
+
+    d = gap(0.875)
+    assert d.mean() < 0.005 and d.max() < 0.03, (d.mean(), d.max())
+    assert gap(1.0).mean() > 4 * d.mean()  # the tolerance would catch a wrong crop
+
+
+def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path):
+    """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
+    model = random_model(representation_size=64)
+    config = {"model": {k: v for k, v in ARCH.items()} | {"representation_size": 64},
+              "data": {"normalize": "imagenet", "root": str(dataset_root(tmp_path))}}
+    ckpt = tmp_path / "ds"
+    (ckpt / "global_step4").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step4")
+    torch.save({"module": model.state_dict(), "config": yaml.safe_dump(config), "step": 4},
+               ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    folder = tmp_path / "timm_out"
+    proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(ckpt), "--out",
+                           str(folder), "--timm-backbone", str(tmp_path / "bb.safetensors")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"local-dir:{folder}" in proc.stdout and (tmp_path / "bb.safetensors").is_file()
+    vit = load_timm_folder(folder)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(vit(x), model.forward_features(x))
+    assert tuple(vit.pretrained_cfg["mean"]) == (0.485, 0.456, 0.406)  # the run's data.normalize
+    meta = card_metadata(folder)
+    assert meta["datasets"] == ["tiny"] and meta["vitscale"]["source"]["step"] == 4
