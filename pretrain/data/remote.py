@@ -230,7 +230,6 @@ class RetryingReader(io.RawIOBase):
     def __init__(self, location: str, policy: RetryPolicy = RetryPolicy()):
         self.location, self.policy = location, policy
         self.pos = 0
-        self.retries = 0  # failures survived, for the caller's log
         self._stream, self._total = None, None
         self._attempt(lambda: None)  # fail here, at open, for a location that is not there
 
@@ -264,8 +263,11 @@ class RetryingReader(io.RawIOBase):
                     raise Unreachable(f"{self.location}: {failures} attempts in a row failed "
                                       f"at byte {self.pos} (last: {type(e).__name__}: {e})"
                                       ) from None
-                self.retries += 1
-                time.sleep(self.policy.wait(failures))
+                wait = self.policy.wait(failures)
+                log.warning("%s: %s: %s; retrying at byte %d in %.1f s (failure %d of %d)",
+                            self.location, type(e).__name__, e, self.pos, wait, failures,
+                            self.policy.attempts)
+                time.sleep(wait)
 
     def _drop(self) -> None:
         if self._stream is not None:

@@ -39,7 +39,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 from pretrain.data.info import join, read_info
 from pretrain.data.remote import RetryPolicy, Unreachable, is_remote, open_shard
 
-log = logging.getLogger("pretrain.data.loader")
+log = logging.getLogger("pretrain.data.loader")  # one logger for what the loader warns about
 
 # Why a sample was skipped; the metrics are data/skipped/<cause>.
 SKIP_CAUSES = ("undecodable", "empty", "bad_label", "truncated_shard", "missing_shard",
