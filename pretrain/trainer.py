@@ -211,13 +211,15 @@ def train(cfg: RunConfig, stage=None) -> dict:
 
             if step % cfg.log.every_steps == 0 or step == steps:
                 causes = loader.skipped_by_cause
-                loss_total, *counts = all_reduce_sum([loss_sum, *causes.values()],
-                                                     backend.device)
+                loss_total, total, *counts = all_reduce_sum(
+                    [loss_sum, float(loader.skipped), *causes.values()], backend.device)
                 skipped = {cause: round(n) for cause, n in zip(causes, counts)}
                 metrics = {"train/loss": loss_total / (window * world),
                            "train/lr": backend.optimizer.param_groups[0]["lr"],
                            "train/grad_norm": backend.grad_norm(),
-                           "data/skipped_samples": sum(skipped.values()),
+                           # the per-epoch counts: also right after resuming a checkpoint
+                           # written before the causes were counted
+                           "data/skipped_samples": round(total),
                            **{f"data/skipped/{c}": n for c, n in skipped.items() if n},
                            "train/epoch": loader.epoch,
                            **guard.metrics(), **timer.summary()}
