@@ -115,7 +115,7 @@ def test_the_finetune_stage_writes_classifier_folders_next_to_its_files(tmp_path
 
 @pytest.mark.parametrize("mode", ["minus_one_one", "imagenet"])
 def test_timms_eval_transform_is_the_runs(mode):
-    """timm resizes then crops, we crop then resize: the same geometry up to pixel rounding."""
+    """Our eval transform is timm's, up to one level of uint8 rounding here and there."""
     import timm
     from PIL import Image
     from pretrain.data.loader import normalize
@@ -136,7 +136,7 @@ def test_timms_eval_transform_is_the_runs(mode):
         return ((ours - theirs) * std).abs()  # in [0, 1] pixel units
 
     d = gap(0.875)
-    assert d.mean() < 0.005 and d.max() < 0.03, (d.mean(), d.max())
+    assert d.mean() < 0.001 and d.max() <= 1.01 / 255, (d.mean(), d.max())  # rounding only
     assert gap(1.0).mean() > 4 * d.mean()  # the tolerance would catch a wrong crop
 
 
