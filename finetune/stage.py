@@ -108,6 +108,12 @@ class FinetuneStage(Stage):
                 tracker.log_artifact_bytes("per_class_top1.png",
                                            per_class_png(self.test.per_class_top1, self.test.name))
         self._export(backend, "final", steps, results)
+        t = self.cfg.tracking
+        if backend.rank == 0 and t.logs_model(by_default=True):
+            # the model a user would pick: best by dev top-1 (final without a dev split)
+            out = Path(self.cfg.output_dir)
+            tracker.log_model(out / "best" if (out / "best").is_dir() else out / "final",
+                              t.register_as)
         return results
 
     def state_dict(self) -> dict:

@@ -255,6 +255,29 @@ class TrackingConfig(Section):
     # in the spool (launch/upload_spool.py sends it later).
     close_timeout_s: float = Field(120.0, ge=0, description="wait this long at the end for an "
                                    "unreachable server")
+    # The exported model as an MLflow model of the run (pretrain/model_registry.py): a "model
+    # from code" whose weights are the timm folder's safetensors, so loading unpickles nothing.
+    log_model: Optional[bool] = Field(None, description="log the exported model to the run as "
+                                      "an MLflow model (unset: fine-tunes log their best weights, "
+                                      "pretraining logs nothing; true in pretraining: its "
+                                      "backbone)")
+    register_as: Optional[str] = Field(None, min_length=1, description="also register that model "
+                                       "in the MLflow Model Registry as a new version of this "
+                                       "name (implies log_model)")
+
+    @model_validator(mode="after")
+    def _check_model_logging(self) -> "TrackingConfig":
+        if self.register_as and self.log_model is False:
+            raise ValueError("tracking.register_as needs the model logged; drop "
+                             "tracking.log_model=false")
+        if (self.register_as or self.log_model) and not self.enabled:
+            raise ValueError("tracking.log_model/register_as need tracking.enabled=true")
+        return self
+
+    def logs_model(self, by_default: bool) -> bool:
+        """Whether this stage logs its model: ``by_default`` is the stage's own answer."""
+        return bool(self.register_as) or (by_default if self.log_model is None
+                                          else self.log_model)
 
 
 class DebugConfig(Section):

@@ -64,6 +64,9 @@ class RunState:
     ended: Optional[str] = None  # FINISHED / FAILED / KILLED once the job is over
     end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
     stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
+    # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
+    # model name or None, "version": its version once registered}
+    models: list = field(default_factory=list)
 
     @classmethod
     def load(cls, track_dir: Path) -> "RunState":
@@ -250,6 +253,19 @@ class Remote:
             self.save_state()
         return len(new)
 
+    def register_models(self) -> int:
+        """Register the uploaded models that ask for it (call after :meth:`upload_artifacts`:
+        a version must not point at a half-uploaded model). Returns how many were registered."""
+        from pretrain.model_registry import register
+        done = 0
+        for m in self.state.models:
+            if m.get("register_as") and not m.get("version"):
+                m["version"] = register(self.client, self.state.run_id, m["register_as"],
+                                        m["path"])
+                self.save_state()
+                done += 1
+        return done
+
     def send(self, records: collections.deque) -> int:
         """Send ``records`` ((record, spool end offset or None if it is not in the spool), oldest
         first), popping each once it is in MLflow and advancing the cursor. Returns how many were
@@ -341,6 +357,7 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
                 pending = collections.deque(read_spool(d / SPOOL, read_cursor(d)))
                 n = remote.send(pending)
                 a = remote.upload_artifacts()
+                remote.register_models()
                 if state.ended:
                     remote.finish(state.ended)
             except Exception as e:  # noqa: BLE001

@@ -68,11 +68,40 @@ class Stage:
 
 
 class PretrainStage(Stage):
-    """Pretraining: DeepSpeed, held-out classification and the few-shot probe."""
+    """Pretraining: DeepSpeed, held-out classification and the few-shot probe; with
+    ``tracking.log_model`` the backbone is exported and logged as an MLflow model at the end."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
 
     def evaluators(self, cfg: RunConfig, spec, backend) -> list:
         return build_evaluators(cfg, spec, backend.rank, backend.world_size, backend.device,
                                 backend.dtype)
+
+    def finish(self, backend, steps: int, sink, tracker) -> dict:
+        t = self.cfg.tracking
+        if backend.rank == 0 and t.logs_model(by_default=False):
+            log_backbone(self.cfg.output_dir, tracker, t.register_as)
+        return {}
+
+
+def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
+    """``output_dir/backbone/`` (timm's layout, :mod:`pretrain.timm_folder`) from the newest
+    complete checkpoint, which the loop has just written, logged as the run's MLflow model."""
+    import logging
+
+    from pretrain.export import consolidate
+    from pretrain.timm_folder import write_timm_folder
+    out = Path(output_dir)
+    try:
+        folder = write_timm_folder(consolidate(out), out / "backbone")
+    except Exception as e:  # noqa: BLE001 -- training is done and checkpointed: say, go on
+        logging.getLogger(__name__).warning(
+            "could not export the backbone for MLflow (%s); `python launch/export.py %s --out "
+            "FOLDER` writes it from the checkpoint", str(e).splitlines()[0] if str(e) else
+            type(e).__name__, out)
+        return
+    tracker.log_model(folder, register_as)
 
 
 def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype) -> list:

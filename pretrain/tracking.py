@@ -182,6 +182,9 @@ class NoTracking:
     def log_sample_grid(self, images) -> None:
         pass
 
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+        pass
+
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
@@ -281,6 +284,34 @@ class MlflowTracker:
                     self._write_failed(path, e)
                 else:
                     del self._held[name]
+
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+        """Log the timm ``folder`` as the run's MLflow model ``model`` (and register it as a new
+        version of ``register_as``); see :mod:`pretrain.model_registry`. Packaged here, uploaded
+        and registered by the thread. A failure is one warning: the files on disk stay."""
+        import shutil
+
+        from pretrain.model_registry import MODEL_ARTIFACT, package
+        path = self.dir / ARTIFACTS / MODEL_ARTIFACT
+        partial = self.dir / (MODEL_ARTIFACT + ".partial")  # out of the thread's sight
+        try:
+            package(folder, partial)
+            if path.exists():  # a second finish of the same run (relaunched after it)
+                shutil.rmtree(path)
+            # one rename: the uploading thread sees the whole package or none of it
+            os.replace(partial, path)
+            prefix = MODEL_ARTIFACT + "/"
+            self.state.uploaded = [u for u in self.state.uploaded if not u.startswith(prefix)]
+            self.state.models = [m for m in self.state.models if m["path"] != MODEL_ARTIFACT]
+            self.state.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
+                                      "version": None})
+            self._remote.save_state()
+        except Exception as e:  # noqa: BLE001 -- the exported files are there; MLflow is extra
+            log.warning("could not log %s as an MLflow model (%s); the files on disk are "
+                        "complete", folder, one_line(e))
+            return
+        log.info("MLflow model of %s: runs:/%s/%s%s", folder, self.run_id or "<run id>",
+                 MODEL_ARTIFACT, f", to be registered as '{register_as}'" if register_as else "")
 
     def log_sample_grid(self, images) -> None:
         t0 = time.perf_counter()
@@ -383,6 +414,7 @@ class MlflowTracker:
             self._outbox.append(self._pending.popleft())
         r.send(self._outbox)
         r.upload_artifacts()
+        r.register_models()
         monitor = self._monitor
         if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
                 monitor._process is not None and monitor._process.is_alive()):

@@ -107,7 +107,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
 
-    stage = stage or PretrainStage()
+    stage = stage or PretrainStage(cfg)
     backend = stage.backend(cfg)  # joins the process group
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)

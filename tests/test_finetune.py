@@ -5,23 +5,9 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from conftest import REPO, free_port, run_deepspeed, tiny_run_args
 from pretrain.metrics import read_jsonl
-
-
-@pytest.fixture(scope="module")
-def tiny_cifar(tmp_path_factory):
-    """A CIFAR-10-format set (python pickles) of the same procedural family, prepared."""
-    from pretrain.data.shard_writer import prepare
-    from pretrain.data.synthetic import write_cifar
-
-    base = tmp_path_factory.mktemp("cifar")
-    write_cifar(base / "raw", "cifar10", n_train=640, n_test=200, seed=1)
-    prepare("cifar10", str(base / "raw/cifar-10-batches-py"), str(base / "shards"),
-            shard_size=40, workers=1, progress=False)
-    return base / "shards"
 
 
 def finetune_args(out, data, init):

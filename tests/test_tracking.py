@@ -75,11 +75,12 @@ def report_tracking_time(text):
 @pytest.mark.faults
 def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
         tmp_path, tiny_data, client, mlflow_server, fault_ledger):
+    """... and its backbone, asked for with tracking.register_as, is registered at the end."""
     out, exp = tmp_path / "run", "outage"
     proc, log_path = launch(tmp_path, "outage", tiny_run_args(
         out, tiny_data, f"train.total_steps={STEPS}", "eval.every_steps=20",
         "checkpoint.every_steps=20", "optimizer.lr=3e-3", f"tracking.experiment={exp}",
-        "tracking.flush_every_s=0.2"))
+        "tracking.flush_every_s=0.2", "tracking.register_as=tiny-backbone"))
     try:
         # the server goes down once the run exists and has metrics in it
         def delivered():
@@ -142,6 +143,8 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     from PIL import Image
     with Image.open(f"{local}/train_samples.png") as png:  # 8 samples of 16 px, tiled
         assert png.width >= 3 * 16 and png.height >= 3 * 16
+    from test_model_registry import assert_backbone_registered
+    assert_backbone_registered(mlflow_server.uri, "tiny-backbone", rid, out, tmp_path)
     report_tracking_time(text)
 
 
@@ -222,6 +225,12 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     for step in range(1, 6):
         tracker.log({"train/loss": 1.0 / step, "eval/cifar10_dev/top1": 0.1 * step}, step)
         time.sleep(0.05)  # let the thread try (and fail) while the job "trains"
+    # its model, to be registered: the registration waits for the upload too
+    from pretrain.export import from_model
+    from pretrain.timm_folder import write_timm_folder
+    from test_timm_folder import random_model
+    tracker.log_model(write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
+                                        head=True, normalize="imagenet"), register_as="late")
     tracker.close()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("unreachable" in r.getMessage() for r in warnings) == 1
@@ -244,6 +253,9 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert ft.data.params["optimizer.name"] == "sgd"
     assert steps_of(client, ft.info.run_id) == [1, 2, 3, 4, 5]
     assert "config.yaml" in {a.path for a in client.list_artifacts(ft.info.run_id)}
+    (version,) = client.search_model_versions("name = 'late'")
+    assert version.run_id == ft.info.run_id and version.source == f"runs:/{ft.info.run_id}/model"
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(ft.info.run_id, "model")}
 
     missing = run_launcher("upload_spool.py", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
