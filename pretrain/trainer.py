@@ -136,10 +136,12 @@ def train(cfg: RunConfig, stage=None) -> dict:
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
                            cfg.train.max_rollbacks)
 
-    step, run_id = 0, None
+    step, run_id, carried = 0, None, None
     if resume is not None:
         client = store.load(backend, resume)
         step, run_id = int(client["step"]), client.get("tracking_run_id")
+        if resume.world_size == world:  # the loss window the next log line averages
+            carried = (client.get("loss_window") or [None] * world)[rank]
         loader.load_state_dict(client["loader"])
         if resume.world_size == world:  # dropout / drop-path draws continue exactly
             set_rng_state(client["rng"][rank])
@@ -173,6 +175,10 @@ def train(cfg: RunConfig, stage=None) -> dict:
         tracker.log_sample_grid(first.images)
         batches = itertools.chain([first], batches)
     loss_sum, window = torch.zeros((), device=backend.device), 0
+    if carried:  # steps since the last log line, trained before the checkpoint: the next line
+        # averages them too, as an uninterrupted run's does
+        loss_sum.fill_(carried[0])
+        window = int(carried[1])
     failed_saves = 0
     metrics: dict = {}
     skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
@@ -241,7 +247,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
             if step % cfg.checkpoint.every_steps == 0 or step == steps or signame:
                 started = time.monotonic()
                 failed_saves += not save(store, backend, loader, stage, cfg, step, steps, world,
-                                         tracker.run_id, guard, must_succeed=bool(signame))
+                                         tracker.run_id, guard, must_succeed=bool(signame),
+                                         loss_window=(float(loss_sum), window))
                 if signame:
                     stop.ending()
                     stop.report_save(time.monotonic() - started, signame)
@@ -283,13 +290,16 @@ def roll_back(store: CheckpointStore, backend, guard: NonFiniteGuard, step: int)
 
 
 def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: int, steps: int,
-         world: int, run_id: Optional[str], guard: NonFiniteGuard, must_succeed: bool) -> bool:
+         world: int, run_id: Optional[str], guard: NonFiniteGuard, must_succeed: bool,
+         loss_window: tuple = (0.0, 0)) -> bool:
     """Write checkpoint ``step``; False if the write failed and ``checkpoint.on_write_error``
-    lets the run go on (never for the last one, nor for the one a stop signal asked for)."""
+    lets the run go on (never for the last one, nor for the one a stop signal asked for).
+    ``loss_window``: this rank's (loss sum, micro-batches) since the last log line."""
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
-              "nonfinite_skipped": guard.skipped, "stage": stage.state_dict()}
+              "nonfinite_skipped": guard.skipped, "stage": stage.state_dict(),
+              "loss_window": gather(list(loss_window), world)}
     try:
         ckpt = store.save(backend, step, client)
     except CheckpointWriteError as e:

@@ -488,7 +488,9 @@ def finetune_run_args(out, data, *extra):
             "data.shuffle_buffer=50", "model.img_size=16", "model.patch_size=4", "model.depth=2",
             "model.embed_dim=64", "model.num_heads=2", "model.num_classes=8",
             "train.global_batch_size=16", "train.grad_accum_steps=2", "train.ema_decay=0.9",
-            f"train.total_steps={STEPS}", "schedule.warmup_steps=2", "log.every_steps=1",
+            # a log line every 3 steps: a stop or a kill between two of them must carry the
+            # steps since the last one over, or the next line's average loss would differ
+            f"train.total_steps={STEPS}", "schedule.warmup_steps=2", "log.every_steps=3",
             f"checkpoint.every_steps={EVERY}", "eval.every_steps=10", "eval.batch_size=16",
             f"debug.log_sample_keys={out / 'keys'}", "tracking.system_metrics=false", *extra]
 
