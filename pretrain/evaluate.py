@@ -181,14 +181,21 @@ class ClassificationEvaluator:
     hit when its label is among the k largest logits. Ties (a zero-initialised head at step 0)
     go to the lower class index. ``max_samples``: at most that many samples over all ranks,
     each rank taking its share from the start of its stream.
+
+    After :meth:`run`: ``per_class_top1`` and ``per_class_counts`` ((correct, total) per class).
+    With ``confusion=True`` also ``confusion``, the non-zero cells of the confusion matrix as
+    int64 rows (true class, top-1 prediction, count): one int64 per sample is kept, not a (C, C)
+    matrix, which at 21k classes would take 3.8 GB; off by default (the training-time
+    evaluations never pay for it). :func:`confusion_matrix` makes it dense.
     """
 
     def __init__(self, data: DataFn, *, normalize: Normalize, name: str = "val",
                  every_steps: int = 1000, device: torch.device | str = "cpu",
                  dtype: Optional[torch.dtype] = None, max_samples: Optional[int] = None,
-                 topk: Sequence[int] = (1, 5)):
+                 topk: Sequence[int] = (1, 5), confusion: bool = False):
         self.data, self.normalize, self.name, self.every_steps = data, normalize, name, every_steps
         self.device, self.dtype, self.max_samples, self.topk = device, dtype, max_samples, topk
+        self.track_confusion = confusion
 
     def _batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         rank, world = _rank_world()
@@ -209,10 +216,14 @@ class ClassificationEvaluator:
         forward = _Forward(model, _unwrap(model), self.normalize, self.device, self.dtype)
         hits = torch.zeros(len(self.topk) + 1, dtype=torch.int64, device=forward.device)
         per_class = None  # (correct, total) per class, sized on the first batch
+        cells = [] if self.track_confusion else None  # true * C + predicted, per sample
         with _EvalMode(model):
             for logits, labels in forward.lockstep(self._batches()):
                 k = min(max(self.topk), logits.shape[1])
-                ranked = logits.topk(k, dim=1).indices == labels[:, None]
+                top = logits.topk(k, dim=1).indices
+                ranked = top == labels[:, None]
+                if cells is not None:  # the same top-1 as the hits: the diagonal is the hits
+                    cells.append((labels * logits.shape[1] + top[:, 0]).cpu())
                 for i, kk in enumerate(self.topk):
                     hits[i] += ranked[:, :kk].any(dim=1).sum()
                 hits[-1] += len(labels)
@@ -232,8 +243,23 @@ class ClassificationEvaluator:
         counts = _all_reduce(per_class)
         # Top-1 per class (None for a class absent from the split): what a confusion-style
         # report needs at the end of a fine-tune; not logged as metrics (there are 21k classes).
+        self.per_class_counts = counts.tolist()
         self.per_class_top1 = [int(c) / int(n) if n else None for c, n in zip(*counts.tolist())]
+        if cells is not None:
+            n = per_class.shape[1]
+            flat = _all_gather_rows(torch.cat(cells) if cells else
+                                    torch.zeros(0, dtype=torch.int64))
+            cell, count = torch.unique(flat, return_counts=True)
+            self.confusion = torch.stack([cell // n, cell % n, count], dim=1)
         return {f"top{k}": int(hits[i]) / total for i, k in enumerate(self.topk)}
+
+
+def confusion_matrix(cells: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``ClassificationEvaluator.confusion`` as a dense (true, predicted) int64 matrix."""
+    out = torch.zeros(num_classes * num_classes, dtype=torch.int64)
+    if len(cells):
+        out.index_add_(0, cells[:, 0] * num_classes + cells[:, 1], cells[:, 2])
+    return out.view(num_classes, num_classes)
 
 
 # --------------------------------------------------------------------------------------------

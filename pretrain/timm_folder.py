@@ -59,6 +59,20 @@ def data_config(img_size: int, normalize: str = "minus_one_one",
             "crop_pct": crop_pct, "crop_mode": "center", "mean": list(mean), "std": list(std)}
 
 
+def normalize_of(pretrained_cfg: dict) -> Optional[str]:
+    """The ``data.normalize`` whose :func:`data_config` has this mean/std (None: neither).
+    The name, not the numbers, is what an evaluation needs: the loader's ``x / 127.5 - 1`` and
+    timm's ``(x / 255 - 0.5) / 0.5`` differ in the last bits."""
+    import math
+    for mode in ("minus_one_one", "imagenet"):
+        want = data_config(1, mode)
+        if all(len(pretrained_cfg.get(k) or ()) == 3 and all(
+                math.isclose(a, b, abs_tol=1e-6) for a, b in zip(pretrained_cfg[k], want[k]))
+                for k in ("mean", "std")):
+            return mode
+    return None
+
+
 def dataset_description(root: Optional[str]) -> tuple[Optional[str], Optional[list]]:
     """(dataset name, class names) from a local shard directory's info file, else what the
     path says; remote roots are not read (an export must not wait on the network)."""
@@ -209,6 +223,21 @@ def model_card(c: Consolidated, config: dict, *, dataset: Optional[str], metrics
         lines += ["| metric | value |", "|---|---|",
                   *(f"| {k} | {v:.4f} |" for k, v in sorted(metrics.items())), ""]
     return "\n".join(lines)
+
+
+def read_card(folder: Union[str, os.PathLike]) -> dict:
+    """The YAML metadata block of a folder's README.md ({} when there is none or it does not
+    parse: the card is documentation, a user may have edited it)."""
+    import yaml
+    path = Path(folder) / CARD
+    try:
+        text = path.read_text()
+        if not text.startswith("---\n"):
+            return {}
+        meta = yaml.safe_load(text.split("---\n", 2)[1])
+    except (OSError, UnicodeDecodeError, IndexError, yaml.YAMLError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def load_timm_folder(folder: Union[str, os.PathLike]) -> torch.nn.Module:

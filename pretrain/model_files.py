@@ -1,0 +1,384 @@
+"""Any model this project writes -> a ready model, the settings its run evaluated it with, and
+the MLflow run that produced it: what ``launch/evaluate.py`` needs to reproduce a run's figure.
+
+``load_model(path)`` takes
+
+* a **folder in timm's layout** (``config.json`` + ``model.safetensors``): a fine-tune's ``best/``
+  and ``final/``, ``launch/export.py RUN --out FOLDER``. timm builds it (``local-dir:``), exactly
+  as a user loads it; its ``pretrained_cfg`` gives the resolution, normalisation and label names;
+* a **safetensors file**: a fine-tune's ``best/final.safetensors`` (a JSON model card in the
+  header; the architecture and ``data.normalize`` come from the run's ``config.yaml`` next to
+  it, else from the timm folder of the same name) or ``export.py``'s full file (spec and config
+  in the header);
+* a **checkpoint**: a pretraining output dir or ``checkpoints/step_N/`` (DeepSpeed, merged by
+  :func:`pretrain.export.consolidate`), or a fine-tune's (Accelerate's files plus
+  ``client_state.pt``, read with ``weights_only``). A fine-tune with ``train.ema_decay`` is
+  read as its EMA weights: those are what its figures and exports are of.
+
+The source run is the run id the model carries (card, header, client state), else the one in the
+producing run's ``output_dir/tracking/run.json``, whose ``uri`` says where it is. Anything else is
+refused with :class:`ModelFileError`: one line naming the problem and the fix.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from pretrain.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+# finetune.backend.CLIENT_STATE (pretrain does not import finetune; a test checks they agree)
+CLIENT_STATE = "client_state.pt"
+EMA_STATE = "custom_checkpoint_0.pkl"  # Accelerate's file for the first registered object
+RUN_CONFIG = "config.yaml"
+
+
+class ModelFileError(ConfigError):
+    """MODEL cannot be evaluated: one line naming the path, the problem and the fix."""
+
+
+@dataclass
+class ModelFile:
+    """A model ready for evaluation (eval mode, CPU) plus what its run knew about it."""
+
+    model: nn.Module
+    kind: str  # "timm folder", "safetensors file", "pretraining checkpoint", ...
+    path: Path
+    name: str  # the timm architecture (the ``model`` tag of the runs)
+    img_size: int
+    num_classes: int
+    normalize: str  # data.normalize: "minus_one_one" or "imagenet"
+    label_names: Optional[list] = None
+    step: Optional[int] = None
+    run_dir: Optional[Path] = None  # the producing run's output_dir, when found
+    run_config: dict = field(default_factory=dict)  # its config.yaml as plain data
+    source_run_id: Optional[str] = None
+    source_uri: Optional[str] = None  # where that run is, from its run.json
+    notes: list = field(default_factory=list)  # what had to be assumed, one line each
+
+    @property
+    def stage(self) -> Optional[str]:
+        """"finetune" / "pretrain" when the run's config is known (only a fine-tune has init)."""
+        if not self.run_config:
+            return None
+        return "finetune" if "init" in self.run_config else "pretrain"
+
+    @property
+    def precision(self) -> str:
+        return (self.run_config.get("train") or {}).get("precision") or "fp32"
+
+
+def load_model(path) -> ModelFile:
+    """Read MODEL (see the module docstring); raises :class:`ModelFileError`."""
+    from pretrain.timm_folder import CONFIG, WEIGHTS
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileError(f"MODEL '{path}' not found")
+    if p.is_dir() and (p / CONFIG).is_file() and (p / WEIGHTS).is_file():
+        mf = _timm_folder(p)
+    elif p.is_file() and p.suffix == ".safetensors":
+        mf = _safetensors(p)
+    elif p.is_dir():
+        mf = _checkpoint(p)
+    else:
+        raise ModelFileError(
+            f"MODEL '{path}' is neither a model folder in timm's layout (config.json + "
+            f"model.safetensors), a .safetensors file nor a checkpoint dir; pass e.g. "
+            f"runs/NAME/final, runs/NAME/final.safetensors or runs/NAME")
+    if not mf.num_classes:
+        raise ModelFileError(
+            f"MODEL '{path}' is a backbone without a classifier head (num_classes=0), nothing to "
+            f"take top-1 of; evaluate the run's checkpoint or its full .safetensors export")
+    _find_source_run(mf)
+    return mf
+
+
+# --------------------------------------------------------------------------------------------
+# The three kinds of MODEL
+# --------------------------------------------------------------------------------------------
+def _timm_folder(p: Path) -> ModelFile:
+    from pretrain.timm_folder import CONFIG, load_timm_folder, normalize_of, read_card
+
+    try:
+        config = json.loads((p / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"MODEL '{p}': unreadable {CONFIG} ({e})") from None
+    pcfg = config.get("pretrained_cfg") or {}
+    normalize = normalize_of(pcfg)
+    if normalize is None:
+        raise ModelFileError(
+            f"MODEL '{p}': its pretrained_cfg mean/std ({pcfg.get('mean')}, {pcfg.get('std')}) "
+            f"is neither of this project's normalisations; it was not written by vitscale")
+    try:
+        model = load_timm_folder(p)
+    except Exception as e:  # noqa: BLE001 -- timm's own messages are long; say which folder
+        raise ModelFileError(f"MODEL '{p}': timm cannot build it ({_first_line(e)})") from None
+    source = (read_card(p).get("vitscale") or {}).get("source") or {}
+    mf = ModelFile(model=model, kind="timm folder", path=p,
+                   name=config.get("architecture") or type(model).__name__,
+                   img_size=int(model.patch_embed.img_size[0]),
+                   num_classes=int(getattr(model, "num_classes", 0) or 0), normalize=normalize,
+                   label_names=pcfg.get("label_names"), step=_int(source.get("step")),
+                   source_run_id=source.get("tracking_run_id"))
+    # the card's source is the run's file or checkpoint: its run dir is one or two levels up
+    src = Path(str(source["checkpoint"])) if source.get("checkpoint") else None
+    _attach_run(mf, *([src.parent, src.parent.parent] if src else []), p.parent)
+    return mf
+
+
+def _safetensors(p: Path) -> ModelFile:
+    from safetensors.torch import load_file
+
+    from pretrain.export import FULL_FORMAT, TIMM_FORMAT, read_metadata
+
+    try:
+        meta = read_metadata(p)
+        state = load_file(str(p))
+    except Exception as e:  # noqa: BLE001 -- a corrupt header is the user's file, not a bug
+        raise ModelFileError(f"MODEL '{p}' is not a readable safetensors file "
+                             f"({_first_line(e)})") from None
+    if meta.get("format") == TIMM_FORMAT:
+        raise ModelFileError(f"MODEL '{p}' is a timm backbone export without a head; evaluate "
+                             f"the full export (launch/export.py --out FILE.safetensors)")
+    if meta.get("format") == FULL_FORMAT:  # launch/export.py: spec and config in the header
+        import yaml
+
+        from pretrain.model import ViTSpec
+        spec = ViTSpec(**json.loads(meta["spec"]))
+        run_config = yaml.safe_load(meta.get("config") or "") or {}
+        mf = _built(p, "safetensors file (export)", spec_config(spec), state, run_config,
+                    step=_int(meta.get("step")))
+        mf.source_run_id = meta.get("tracking_run_id")
+        src = Path(meta["source"]) if meta.get("source") else None  # the checkpoint dir
+        _attach_run(mf, *([src.parent.parent] if src else []))
+        return mf
+    if "model_card" not in meta:
+        raise ModelFileError(f"MODEL '{p}' carries no vitscale header (a fine-tune's "
+                             f"model_card or export.py's format/spec); this command evaluates "
+                             f"this project's models")
+    card = json.loads(meta["model_card"])
+    run_config = _run_config(p.parent)
+    if run_config.get("model"):
+        model_cfg = _model_config(run_config, p.parent / RUN_CONFIG)
+        normalize = None
+    else:  # a file copied out of its run: the timm folder of the same name knows the rest
+        model_cfg, normalize = _from_sibling_folder(p, card)
+    mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
+                step=_int(card.get("step")))
+    if run_config:
+        mf.run_dir = p.parent
+    elif normalize is not None:
+        mf.normalize = normalize
+    else:
+        mf.notes.append(f"{p} does not say how its inputs were normalised and no {RUN_CONFIG} "
+                        f"is next to it: assuming the default, minus_one_one")
+    return mf
+
+
+def _checkpoint(p: Path) -> ModelFile:
+    from pretrain.checkpoint import CheckpointError
+
+    ckpt = _checkpoint_dir(p)
+    if ckpt is None:
+        raise ModelFileError(
+            f"MODEL '{p}' is a folder but neither a model folder in timm's layout "
+            f"(config.json + model.safetensors) nor a checkpoint (an output dir with "
+            f"checkpoints/step_*/, or one step dir); pass e.g. runs/NAME/final or runs/NAME")
+    if (ckpt / CLIENT_STATE).is_file():
+        return _accelerate_checkpoint(ckpt)
+    from pretrain.export import consolidate
+    try:
+        c = consolidate(ckpt)
+    except CheckpointError as e:
+        raise ModelFileError(str(e)) from None
+    import yaml
+    run_config = yaml.safe_load(c.config_yaml or "") or {}
+    mf = _built(ckpt, "pretraining checkpoint", spec_config(c.spec), c.state_dict, run_config,
+                step=c.step)
+    mf.source_run_id = c.tracking_run_id
+    _attach_run(mf, ckpt.parent.parent)
+    return mf
+
+
+def _checkpoint_dir(p: Path) -> Optional[Path]:
+    """The checkpoint a path means (newest complete one for an output dir), or None."""
+    from pretrain.checkpoint import TAG_RE, CheckpointStore
+    from pretrain.export import resolve_checkpoint
+
+    if (p / CLIENT_STATE).is_file() or any(p.glob("*model_states.pt")):
+        if TAG_RE.match(p.name) and p.name not in {
+                c.path.name for c in CheckpointStore(p.parent).complete()}:
+            raise ModelFileError(f"checkpoint '{p}' is incomplete (a save was interrupted); pick "
+                                 f"another step in {p.parent} or the output dir itself")
+        return p
+    for root in (p / "checkpoints", p):
+        if root.is_dir() and any(TAG_RE.match(d.name) for d in root.iterdir() if d.is_dir()):
+            latest = CheckpointStore(root).latest()
+            if latest is None:
+                raise ModelFileError(f"no complete checkpoint under '{root}' (every save there "
+                                     f"was interrupted)")
+            return latest.path
+    if (p / "latest").is_file():  # DeepSpeed's own save_checkpoint layout
+        return resolve_checkpoint(p)
+    return None
+
+
+def _accelerate_checkpoint(ckpt: Path) -> ModelFile:
+    """A fine-tune's checkpoint: the weights the run evaluated (the EMA's with ema_decay)."""
+    import yaml
+    from accelerate.utils import load as load_weights_only  # numpy's RNG arrays allowed
+
+    try:
+        client = load_weights_only(ckpt / CLIENT_STATE, map_location="cpu")
+        run_config = yaml.safe_load(client["config"]) or {}
+    except Exception as e:  # noqa: BLE001 -- weights_only refuses anything executable
+        raise ModelFileError(f"cannot read '{ckpt / CLIENT_STATE}' safely (weights_only): "
+                             f"{_first_line(e)}") from None
+    ema = bool((run_config.get("train") or {}).get("ema_decay"))
+    state = _accelerate_weights(ckpt, ema)
+    mf = _built(ckpt, "fine-tune checkpoint" + (" (EMA weights)" if ema else ""),
+                _model_config(run_config, ckpt / CLIENT_STATE), state, run_config,
+                step=_int(client.get("step")))
+    mf.source_run_id = client.get("tracking_run_id")
+    _attach_run(mf, ckpt.parent.parent)
+    return mf
+
+
+def _accelerate_weights(ckpt: Path, ema: bool) -> dict:
+    from accelerate.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+    from accelerate.utils import load as load_weights_only
+
+    if ema:
+        f = ckpt / EMA_STATE
+        if not f.is_file():
+            raise ModelFileError(f"checkpoint '{ckpt}' of a run with train.ema_decay has no "
+                                 f"{EMA_STATE} (the EMA weights it evaluated)")
+        state = load_weights_only(f, map_location="cpu")
+        # timm's ModelEmaV3 keeps the averaged copy as ``.module``
+        return {k[len("module."):]: v for k, v in state.items() if k.startswith("module.")}
+    if (ckpt / SAFE_WEIGHTS_NAME).is_file():
+        from safetensors.torch import load_file
+        return load_file(str(ckpt / SAFE_WEIGHTS_NAME))
+    if (ckpt / WEIGHTS_NAME).is_file():
+        return load_weights_only(ckpt / WEIGHTS_NAME, map_location="cpu")
+    raise ModelFileError(f"checkpoint '{ckpt}' holds no whole-model file ({SAFE_WEIGHTS_NAME} "
+                         f"or {WEIGHTS_NAME}: a sharded FSDP/DeepSpeed save); evaluate the "
+                         f"run's final/ folder or final.safetensors instead")
+
+
+# --------------------------------------------------------------------------------------------
+# Building our model from a state dict
+# --------------------------------------------------------------------------------------------
+def spec_config(spec) -> ModelConfig:
+    """The ModelConfig that rebuilds ``spec`` (a :class:`pretrain.model.ViTSpec`)."""
+    return ModelConfig(name=spec.name, img_size=spec.img_size, patch_size=spec.patch_size,
+                       embed_dim=spec.embed_dim, depth=spec.depth, num_heads=spec.num_heads,
+                       mlp_ratio=spec.mlp_ratio, representation_size=spec.representation_size,
+                       num_classes=spec.num_classes)
+
+
+def _model_config(run_config: dict, where: Path) -> ModelConfig:
+    try:
+        return ModelConfig.model_validate(run_config.get("model") or {})
+    except Exception as e:  # noqa: BLE001 -- a config from another version of this code
+        raise ModelFileError(f"the model section of {where} does not validate "
+                             f"({_first_line(e)})") from None
+
+
+def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_config: dict,
+           step: Optional[int]) -> ModelFile:
+    from pretrain.model import create_model
+
+    model = create_model(model_cfg, device="meta")  # no init work: every tensor is replaced
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if want != got:
+        diff = sorted(set(want) ^ set(got)) + sorted(
+            k for k in set(want) & set(got) if want[k] != got[k])
+        raise ModelFileError(f"MODEL '{path}' does not hold the model its config describes "
+                             f"({model_cfg.name}, {len(diff)} tensors differ, e.g. {diff[0]})")
+    model.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)
+    left = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:  # a buffer the state dict does not carry: would be garbage, not a figure
+        raise ModelFileError(f"MODEL '{path}': {left[0]} is not in the file")
+    spec = model.spec
+    return ModelFile(model=model.eval(), kind=kind, path=path, name=spec.name,
+                     img_size=spec.img_size, num_classes=spec.num_classes,
+                     normalize=(run_config.get("data") or {}).get("normalize", "minus_one_one"),
+                     step=step, run_config=run_config)
+
+
+def _from_sibling_folder(p: Path, card: dict) -> tuple[ModelConfig, Optional[str]]:
+    from pretrain.timm_folder import CONFIG, normalize_of
+
+    folder = p.with_suffix("")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+        args = config["model_args"]
+    except (OSError, ValueError, KeyError):
+        raise ModelFileError(
+            f"MODEL '{p}': cannot tell its architecture (no {RUN_CONFIG} next to it and no "
+            f"{folder.name}/{CONFIG}); evaluate it where the fine-tune wrote it, or its "
+            f"{folder.name}/ folder") from None
+    keys = ("img_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+    cfg = ModelConfig(name=config.get("architecture") or card.get("model"),
+                      num_classes=int(config.get("num_classes") or card.get("num_classes") or 0),
+                      **{k: args[k] for k in keys if k in args})
+    return cfg, normalize_of(config.get("pretrained_cfg") or {})
+
+
+# --------------------------------------------------------------------------------------------
+# The run that produced it
+# --------------------------------------------------------------------------------------------
+def _run_config(run_dir: Path) -> dict:
+    import yaml
+    try:
+        data = yaml.safe_load((run_dir / RUN_CONFIG).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _attach_run(mf: ModelFile, *candidates: Path) -> None:
+    """The first candidate holding a run's config.yaml is the producing run's output_dir."""
+    for d in candidates:
+        cfg = _run_config(d)
+        if cfg:
+            mf.run_dir = d
+            mf.run_config = mf.run_config or cfg
+            return
+
+
+def _find_source_run(mf: ModelFile) -> None:
+    from pretrain.spool import STATE, TRACKING_DIR, RunState
+
+    if mf.run_dir is None or not (mf.run_dir / TRACKING_DIR / STATE).is_file():
+        return
+    try:
+        state = RunState.load(mf.run_dir / TRACKING_DIR)
+    except (OSError, ValueError, TypeError) as e:
+        log.info("cannot read %s (%s)", mf.run_dir / TRACKING_DIR / STATE, _first_line(e))
+        return
+    if mf.source_run_id is None:
+        mf.source_run_id = state.run_id
+    if state.run_id and state.run_id == mf.source_run_id:
+        mf.source_uri = state.uri
+
+
+def _int(value) -> Optional[int]:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,236 @@
+"""``launch/evaluate.py`` on a real fine-tune (tracked to a sqlite MLflow store): each kind of
+MODEL gives the figure the run reported, the files and the MLflow evaluation run are there, and
+timm's own pipeline on the exported folder agrees."""
+import csv
+import io
+import json
+import logging
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, free_port, run_launcher
+from pretrain.metrics import read_jsonl
+
+
+@pytest.fixture(scope="module")
+def ft(tmp_path_factory, tiny_cifar):
+    """One short fine-tune from scratch with an EMA of the weights, tracked to its own store."""
+    base = tmp_path_factory.mktemp("evalcmd")
+    uri = f"sqlite:///{base / 'mlflow.db'}"
+    out = base / "ft"
+    proc = run_launcher(
+        "finetune.py", "--config", str(REPO / "configs/finetune/demo.yaml"), f"output_dir={out}",
+        f"data.root={tiny_cifar}", "init=null", "data.generate_demo=false",
+        "data.num_workers=1", "data.shuffle_buffer=50", "data.dev_fraction=0.1",
+        "model.img_size=28", "model.patch_size=4", "model.depth=2", "model.embed_dim=64",
+        "model.num_heads=2", "model.num_classes=10", "train.global_batch_size=32",
+        "train.total_steps=24", "optimizer.lr=0.03", "train.ema_decay=0.8",
+        "eval.every_steps=12", "log.every_steps=12", "tracking.system_metrics=false",
+        "tracking.log_model=false", env={"MLFLOW_TRACKING_URI": uri}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/test/top1" in r][-1]
+    run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    return SimpleNamespace(out=out, data=tiny_cifar, uri=uri, top1=final["eval/test/top1"],
+                           step=final["step"], run_id=run_id, base=base)
+
+
+def test_the_folder_gives_the_runs_figure_files_and_an_mlflow_run_under_it(ft):
+    from mlflow import MlflowClient
+
+    out = ft.base / "eval-final"
+    proc = run_launcher("evaluate.py", str(ft.out / "final"), "--data", str(ft.data),
+                        "--split", "test", "--out", str(out), "--tracking-uri", ft.uri)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["kind"] == "timm folder" and metrics["samples"] == 200
+    assert metrics["top1"] == pytest.approx(ft.top1, abs=1e-9)
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("top-1") and f"{100 * ft.top1:.2f} %" in line for line in lines)
+    assert any(line.startswith("top-5") for line in lines)
+    assert "per-class top-1 (10 classes):" in proc.stdout
+    assert "class003" in proc.stdout  # the dataset's names, from the folder's label_names
+    assert "eval/test/top1" in proc.stdout and ": the same" in proc.stdout
+    assert not [line for line in proc.stderr.splitlines() if "warning" in line.lower()], \
+        proc.stderr
+
+    # the confusion matrix: rows are the per-class counts, the diagonal the per-class hits
+    per_class = json.loads((out / "per_class_top1.json").read_text())
+    rows = list(csv.reader(io.StringIO((out / "confusion_matrix.csv").read_text())))
+    assert rows[0][1:] == [f"class{c:03d}" for c in range(10)]
+    counts = [[int(v) for v in r[1:]] for r in rows[1:]]
+    for c, (row, info) in enumerate(zip(counts, metrics["per_class"])):
+        assert sum(row) == info["samples"] and row[c] == info["correct"]
+        assert per_class[str(c)] == (row[c] / sum(row) if sum(row) else None)
+    assert sum(map(sum, counts)) == 200
+    assert sum(counts[c][c] for c in range(10)) / 200 == pytest.approx(ft.top1, abs=1e-9)
+    assert (out / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
+
+    # MLflow: an evaluation run nested under the fine-tune, in its experiment
+    client = MlflowClient(ft.uri)
+    source = client.get_run(ft.run_id)
+    evals = client.search_runs([source.info.experiment_id], "tags.stage = 'evaluate'")
+    assert len(evals) == 1
+    run = evals[0]
+    assert run.data.tags["mlflow.parentRunId"] == ft.run_id
+    assert run.data.tags["eval.source_run_id"] == ft.run_id
+    assert run.data.tags["model"] == "vit_tiny_patch16_224"
+    assert run.data.metrics["eval/test/top1"] == pytest.approx(ft.top1, abs=1e-9)
+    assert run.data.metrics["eval/test/top1"] == source.data.metrics["eval/test/top1"]
+    assert run.data.params["data.split"] == "test" and run.data.params["eval.samples"] == "200"
+    assert run.info.status == "FINISHED"
+    assert {"confusion_matrix.png", "metrics.json", "per_class_top1.json",
+            "confusion_matrix.csv"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert run.info.run_id in proc.stdout
+
+
+def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
+    from safetensors.torch import load_file
+
+    from finetune.backend import CLIENT_STATE
+    from pretrain import evaluate_model, model_files
+
+    assert model_files.CLIENT_STATE == CLIENT_STATE
+    for path, kind in ((ft.out / "final.safetensors", "safetensors file (fine-tune)"),
+                       (ft.out, "fine-tune checkpoint (EMA weights)")):
+        mf = model_files.load_model(path)
+        assert mf.kind == kind and mf.step == ft.step and mf.source_run_id == ft.run_id
+        ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
+        assert ev.top1 == pytest.approx(ft.top1, abs=1e-9), (path, ev.top1, ft.top1)
+        assert ev.reported["value"] == ft.top1
+    # the checkpoint was read as the EMA: the weights the run evaluated and exported
+    final = load_file(str(ft.out / "final.safetensors"))
+    assert all(torch.equal(final[k], v) for k, v in mf.model.state_dict().items())
+    trained = load_file(str(mf.path / "model.safetensors"))  # the raw weights differ
+    assert not torch.equal(trained["head.weight"], final["head.weight"])
+
+
+def test_timm_builds_the_logits_of_our_model_from_the_folder(ft):
+    from pretrain.model_files import load_model
+
+    theirs, ours = load_model(ft.out / "final"), load_model(ft.out / "final.safetensors")
+    assert type(theirs.model).__name__ == "VisionTransformer"  # built by timm: local-dir:
+    assert (theirs.normalize, theirs.img_size) == (ours.normalize, ours.img_size)
+    x = torch.randn(4, 3, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(theirs.model(x), ours.model(x))
+
+
+def test_timms_own_eval_pipeline_on_the_folder_gives_the_same_figure(ft):
+    """What a timm user does with the folder: its data config's transform on the decoded images
+    of the split's shards. At the images' own scale (32 px, 87.5 % crop = the model's 28 px)
+    neither pipeline resamples, so not even a near-tie prediction of this barely trained model
+    can move; with a resize the pixels may differ in their last bits (at 24 px here, logits by
+    up to 1e-3), which on the README's demo (48 px) moved none of 500 predictions."""
+    import timm
+    from PIL import Image
+
+    from pretrain import evaluate_model
+    from pretrain.data.info import read_info
+    from pretrain.model_files import load_model
+    from pretrain.timm_folder import load_timm_folder
+
+    model = load_timm_folder(ft.out / "final")
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
+    images, labels = [], []
+    for name in read_info(ft.data).splits["test"].filenames:
+        with tarfile.open(ft.data / name) as tar:
+            samples: dict = {}
+            for m in tar.getmembers():
+                key, ext = m.name.split(".", 1)
+                samples.setdefault(key, {})[ext] = tar.extractfile(m).read()
+        for s in samples.values():
+            images.append(transform(Image.open(io.BytesIO(s["jpg"])).convert("RGB")))
+            labels.append(int(s["cls"]))
+    with torch.no_grad():
+        pred = model(torch.stack(images)).argmax(dim=1)
+    timm_top1 = (pred == torch.tensor(labels)).double().mean().item()
+    ours = evaluate_model.evaluate(load_model(ft.out / "final"), str(ft.data), "test", workers=0)
+    assert len(labels) == ours.samples == 200
+    assert abs(timm_top1 - ours.top1) <= 0.001, (timm_top1, ours.top1)
+
+
+def test_many_classes_print_the_worst_and_best_and_keep_the_matrix_sparse(tmp_path):
+    """No model needed: the report of 30 classes, and 1500 classes' confusion matrix."""
+    from pretrain.evaluate import ClassificationEvaluator
+    from pretrain.evaluate_model import Evaluation, report_lines, write_outputs
+    from pretrain.model_files import ModelFile
+
+    assert not ClassificationEvaluator(list, normalize=None).track_confusion  # off by default
+    for n in (30, 1500):
+        mf = ModelFile(model=None, kind="test", path=tmp_path / "m", name="vit", img_size=8,
+                       num_classes=n, normalize="minus_one_one")
+        per_class = [{"class": c, "name": f"c{c}", "samples": 10, "correct": c % 11,
+                      "top1": (c % 11) / 10} for c in range(n)]
+        cells = torch.tensor([[c, c, c % 11] for c in range(n) if c % 11]
+                             + [[c, (c + 1) % n, 10 - c % 11] for c in range(n)])
+        ev = Evaluation(mf=mf, root="r", split="s", dataset="d", names=None, top1=0.5,
+                        top5=0.9, per_class=per_class, cells=cells, device="cpu",
+                        precision="fp32", batch_size=1)
+        written = [p.name for p in write_outputs(ev, tmp_path / str(n))]
+        text = "\n".join(report_lines(ev, tmp_path / str(n), []))
+        assert " worst 5:" in text and " best 5:" in text and "metrics.json" in text
+        assert len(text.splitlines()) < 25
+    assert "confusion_matrix.png" not in written and "confusion_matrix.json" in written
+    sparse = json.loads((tmp_path / "1500/confusion_matrix.json").read_text())
+    assert sum(c[2] for c in sparse["cells (true, predicted, count)"]) == 15000
+
+
+def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
+    from pretrain import evaluate_model
+    from pretrain.config import ConfigError
+    from pretrain.data.info import DatasetInfo, SplitInfo, write_info
+    from pretrain.model_files import load_model
+
+    proc = run_launcher("evaluate.py", str(tmp_path / "nope"), "--data", str(ft.data),
+                        "--split", "test", "--no-tracking", timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: MODEL '{tmp_path / 'nope'}' not found"]
+
+    (tmp_path / "notes.txt").write_text("hi")
+    (tmp_path / "empty").mkdir()
+    five = tmp_path / "five"
+    five.mkdir()
+    write_info(five, DatasetInfo("five", {"test": SplitInfo("test", 1, ["x.tar"], [1])},
+                                 classes=[f"c{i}" for i in range(5)]))
+    mf = load_model(ft.out / "final")
+    cases = [
+        lambda: load_model(tmp_path / "notes.txt"),  # none of the three
+        lambda: load_model(tmp_path / "empty"),
+        lambda: evaluate_model.evaluate(mf, str(ft.data), "validation"),  # no such split
+        lambda: evaluate_model.evaluate(mf, str(five), "test"),  # 5 classes, not 10
+        lambda: evaluate_model.evaluate(mf, str(tmp_path / "nowhere"), "test"),
+        lambda: evaluate_model.output_dir("m", "test", str(ft.base / "eval-final"), False),
+        lambda: evaluate_model.output_dir("m", "test", str(ft.out), True),  # the run's own
+    ]
+    messages = []
+    for case in cases:
+        with pytest.raises(ConfigError) as e:  # what the launchers print as one line, exit 2
+            case()
+        messages.append(str(e.value))
+        assert "\n" not in str(e.value)
+    assert "neither a model folder" in messages[0] and "checkpoint" in messages[1]
+    assert "splits: test, train" in messages[2]
+    assert "10 classes but" in messages[3] and "has 5" in messages[3]
+    assert "--overwrite" in messages[5] and "training run's output dir" in messages[6]
+
+
+def test_an_unreachable_server_costs_one_warning_and_nothing_else(ft, tmp_path, caplog):
+    from pretrain import evaluate_model
+    from pretrain.model_files import load_model
+
+    ev = evaluate_model.evaluate(load_model(ft.out / "final.safetensors"), str(ft.data), "test",
+                                 workers=0)
+    written = evaluate_model.write_outputs(ev, tmp_path / "ev")
+    with caplog.at_level(logging.INFO, logger="pretrain"):
+        lines = evaluate_model.log_to_mlflow(ev, tmp_path / "ev", written,
+                                             f"http://127.0.0.1:{free_port()}")
+    assert lines == []
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "upload_spool.py" in warnings[0].getMessage()
+    assert json.loads((tmp_path / "ev/metrics.json").read_text())["top1"] == ev.top1
+    assert (tmp_path / "ev/tracking/spool.jsonl").is_file()  # sent later by upload_spool.py
+    assert Path(tmp_path / "ev/tracking/artifacts/confusion_matrix.png").is_file()
