@@ -139,6 +139,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
     elif args.dry_run:
         dry_run(args, cfg)
     else:
+        from pretrain.distributed import leave
         from pretrain.stopping import EXIT_STOPPED, StoppedBySignal
         try:
             run(cfg)
@@ -150,4 +151,6 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
             if os.environ.get("RANK", "0") == "0":
                 sys.stderr.write(f"stopped: {e}\n")
                 sys.stderr.flush()
+            leave()
             raise SystemExit(EXIT_STOPPED)
+        leave()

@@ -38,6 +38,15 @@ def release_shm_buffers() -> None:
             os.unlink(f)
 
 
+def leave() -> None:
+    """Destroy the process group at a clean end (finished, or stopped by a signal), as torch
+    asks: left to the interpreter's exit, torch 2.14's gloo groups sometimes abort the process
+    ("terminate called without an active exception", exit code 134) after its work is done,
+    which a launcher or SLURM script then reads as a crash instead of 0 or 4."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

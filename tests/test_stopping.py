@@ -31,12 +31,14 @@ if mode == "agree":  # step boundaries every 50 ms until the ranks agree to stop
             print(f"rank {rank} stops after step {step} on {name}", flush=True)
             stop.ending()
             stop.restore()
+            dist.destroy_process_group()  # as the trainer does (pretrain.distributed.leave)
             sys.exit(4)
     sys.exit(99)
 if mode == "finish":  # the run is over; rank 1 gets there seconds after rank 0
     time.sleep(4 * rank)
     stop.ending()
     stop.restore()
+    dist.destroy_process_group()
     print(f"rank {rank} finished", flush=True)
     sys.exit(0)
 # "stuck": rank 1 leaves; rank 0 blocks in a system call that signals restart (as in a
