@@ -276,16 +276,16 @@ class TrainTransform:
 
 
 class EvalTransform:
-    """timm's eval transform, pixel for pixel: the shorter side resized to
-    ``floor(size / crop_pct)`` (bilinear, antialiased), then a centred size x size crop ->
-    uint8 (3, size, size).
+    """timm's eval transform: the shorter side resized to ``floor(size / crop_pct)``
+    (bilinear, antialiased), then a centred size x size crop -> uint8 (3, size, size).
 
-    The same geometry and rounding as ``timm.data.create_transform(input_size=size,
-    crop_pct=crop_pct, interpolation="bilinear")``, so a model exported in timm's layout scores
-    the same under timm's own pipeline as under our evaluator. (Cropping first and resizing the
-    crop would be cheaper, but rounds the crop differently: on 32 px CIFAR images that moved
-    several predictions in a hundred.) JPEGs still decode at a reduced DCT scale when the
-    whole image stays at least that large.
+    The same geometry and rounding of sizes and offsets as ``timm.data.create_transform(
+    input_size=size, crop_pct=crop_pct, interpolation="bilinear")``; only the resampling code
+    differs (torch's here, PIL's there: a level of uint8 rounding on some pixels). So a model
+    exported in timm's layout scores the same under timm's own pipeline as under our
+    evaluator. (Cropping first and resizing the crop would be cheaper, but rounds the crop
+    differently: on 32 px CIFAR images that moved several predictions in a hundred.) JPEGs
+    still decode at a reduced DCT scale when the whole image stays at least that large.
     """
 
     def __init__(self, size: int, crop_pct: float = EVAL_CROP_PCT,
