@@ -226,6 +226,14 @@ def _tracking_run_id(client: dict, ckpt: Path) -> Optional[str]:
     return None
 
 
+def tensors_that_differ(expected: dict, got: dict) -> list[str]:
+    """Names missing from either state dict, then those whose shapes differ (sorted)."""
+    want = {k: tuple(v.shape) for k, v in expected.items()}
+    have = {k: tuple(v.shape) for k, v in got.items()}
+    return sorted(set(want) ^ set(have)) + sorted(k for k in set(want) & set(have)
+                                                 if want[k] != have[k])
+
+
 def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
     """Pretraining output dir or checkpoint dir -> the whole ViTClassifier in fp32 + metadata."""
     from pretrain.model import create_model, resolve_spec
@@ -249,11 +257,8 @@ def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
     sd = {k: v.detach().float().contiguous().cpu() for k, v in sd.items()}
 
     # The weights must be exactly the architecture the config describes.
-    expected = {k: tuple(v.shape) for k, v in create_model(cfg.model, "meta").state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in sd.items()}
-    if expected != got:
-        diff = sorted(set(expected) ^ set(got)) + sorted(
-            k for k in set(expected) & set(got) if expected[k] != got[k])
+    diff = tensors_that_differ(create_model(cfg.model, "meta").state_dict(), sd)
+    if diff:
         raise CheckpointError(f"checkpoint '{ckpt}' does not hold the model its config describes "
                               f"({len(diff)} tensors differ, e.g. {diff[0]})")
     step = client.get("step", manifest.get("step"))

@@ -295,14 +295,12 @@ def _model_config(run_config: dict, where: Path) -> ModelConfig:
 
 def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_config: dict,
            step: Optional[int]) -> ModelFile:
+    from pretrain.export import tensors_that_differ
     from pretrain.model import create_model
 
     model = create_model(model_cfg, device="meta")  # no init work: every tensor is replaced
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items()}
-    if want != got:
-        diff = sorted(set(want) ^ set(got)) + sorted(
-            k for k in set(want) & set(got) if want[k] != got[k])
+    diff = tensors_that_differ(model.state_dict(), state)
+    if diff:
         raise ModelFileError(f"MODEL '{path}' does not hold the model its config describes "
                              f"({model_cfg.name}, {len(diff)} tensors differ, e.g. {diff[0]})")
     model.load_state_dict({k: v.float() for k, v in state.items()}, assign=True)

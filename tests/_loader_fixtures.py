@@ -117,6 +117,10 @@ def two_rank_main(rank: int, port: str, root: str, out: str, steps: int, save_at
     Path(out, f"rank{rank}.json").write_text(json.dumps(dict(seen=seen, resumed=resumed,
                                                              state=state)))
     dist.destroy_process_group()
+    # torch 2.14's gloo sometimes aborts a process as the interpreter tears down ("terminate
+    # called without an active exception"), after its work is done
+    import os
+    os._exit(0)
 
 
 def run_two_ranks(root: str, out: Path, steps: int, save_at: int, env: dict | None = None

@@ -44,6 +44,16 @@ def run_deepspeed(nprocs: int, *args: str, timeout: float = 400, fails: bool = F
     return proc
 
 
+def wait_until(condition, proc, what: str, timeout: float = 300, every: float = 0.05) -> None:
+    """Poll ``condition()`` while the run ``proc`` is alive; fail saying ``what`` was awaited."""
+    import time
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
 def tiny_run_args(out: Path, data: Path, *extra: str) -> list[str]:
     """A small ViT with pre-logits on a prepared tiny dataset: seconds per run on the CPU."""
     return [f"output_dir={out}", f"data.root={data}", "data.generate_demo=false",

@@ -2,8 +2,10 @@
 ``tracking.register_as``: ``mlflow.pyfunc.load_model("models:/NAME/1").predict(images)`` gives
 the classes (and scores) the project's own model gives, and loading it unpickles nothing."""
 import io
+import os
 import pickle
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -103,9 +105,10 @@ def assert_backbone_registered(uri: str, name: str, run_id: str, output_dir, tmp
 
     (version,) = MlflowClient(uri).search_model_versions(f"name = '{name}'")
     assert version.run_id == run_id and version.source == f"runs:/{run_id}/model"
-    mlflow.set_tracking_uri(uri)
     images = np.random.default_rng(0).integers(0, 256, (6, 40, 52, 3), dtype=np.uint8)
-    features = mlflow.pyfunc.load_model(f"models:/{name}/1").predict(images)
+    # the store for models:/ URIs, for this call only (mlflow.set_tracking_uri would outlive it)
+    with mock.patch.dict(os.environ, {"MLFLOW_TRACKING_URI": uri}):
+        features = mlflow.pyfunc.load_model(f"models:/{name}/1").predict(images)
 
     c = consolidate(output_dir)  # the newest checkpoint: the last step's weights
     cfg = PretrainConfig.model_validate(yaml.safe_load(c.config_yaml))

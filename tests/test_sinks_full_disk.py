@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import REPO, deepspeed_cmd, tiny_run_args
+from conftest import REPO, deepspeed_cmd, tiny_run_args, wait_until
 from pretrain.metrics import JsonlLogger, MultiLogger, read_jsonl
 from pretrain.spool import RunState, read_spool
 from pretrain.tracking import MlflowTracker
@@ -284,14 +284,6 @@ def block_full(path: Path) -> bool:
     return size > 0 and size % os.statvfs(path).f_bsize == 0
 
 
-def wait_for(condition, proc, what, timeout=120):
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_real_run_whose_output_disk_fills_trains_on_and_counts_the_lines_it_lost(
         tmp_path, tiny_data, store, run_disks, fault_ledger):
     """The issue's case as a user meets it: a 2-rank DeepSpeed pretraining whose output_dir
@@ -312,14 +304,14 @@ def test_a_real_run_whose_output_disk_fills_trains_on_and_counts_the_lines_it_lo
                 "tracking.system_metrics=false", "tracking.flush_every_s=0.2")),
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: printed_step(log_path) >= 3, proc, "step 3")
+        wait_until(lambda: printed_step(log_path) >= 3, proc, "step 3")
         disk.fill()
         filled_at = printed_step(log_path)
         # the files' last blocks take a few more lines; then neither sink can write
-        wait_for(lambda: "cannot write metrics to" in log_path.read_text() and block_full(spool),
+        wait_until(lambda: "cannot write metrics to" in log_path.read_text() and block_full(spool),
                  proc, "both sink files to run out of room")
         failing_from = printed_step(log_path)
-        wait_for(lambda: printed_step(log_path) >= failing_from + 5, proc,
+        wait_until(lambda: printed_step(log_path) >= failing_from + 5, proc,
                  "5 more steps on the full disk")
         disk.grow()  # the operator makes room
         grown_at = printed_step(log_path)

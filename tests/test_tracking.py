@@ -13,7 +13,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from conftest import REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher, tiny_run_args
+from conftest import (REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher, tiny_run_args,
+                      wait_until)
 from pretrain.metrics import read_jsonl
 
 STEPS = 40
@@ -48,14 +49,6 @@ def last_values(out):
             if k not in ("step", "time"):
                 table.setdefault(k, {})[r["step"]] = v
     return table
-
-
-def wait_until(condition, proc, what, timeout=300):
-    deadline = time.time() + timeout
-    while not condition():
-        assert proc.poll() is None, f"the run ended before {what}"
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def launch(tmp_path, name, args):
