@@ -51,6 +51,13 @@ class AccelerateBackend:
               init_weights: Optional[Callable[[nn.Module], None]] = None) -> None:
         from pretrain.model import create_model
 
+        if cfg.train.ema_decay and self._sharded():
+            from pretrain.config import ConfigError
+            # the average is a whole copy of the model on every rank, updated from this
+            # rank's parameters: under sharding those are shards, and so would the exports be
+            raise ConfigError("train.ema_decay needs every rank to hold the whole model, which "
+                              "FSDP and DeepSpeed ZeRO-3 do not; use an Accelerate config "
+                              "without sharding (DDP, ZeRO-1/2) or set train.ema_decay=null")
         model = create_model(cfg.model)  # the new head: zero-initialised, no pre-logits
         if init_weights is not None:
             init_weights(model)
@@ -62,6 +69,16 @@ class AccelerateBackend:
             from timm.utils import ModelEmaV3
             self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay)
             self.accelerator.register_for_checkpointing(self.ema)
+
+    def _sharded(self) -> bool:
+        """Whether Accelerate's config shards the parameters across ranks."""
+        from accelerate.utils import DistributedType
+        kind = self.accelerator.distributed_type
+        if kind == DistributedType.FSDP:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin
+        return kind == DistributedType.DEEPSPEED and plugin is not None and \
+            plugin.zero_stage == 3
 
     @property
     def module(self) -> nn.Module:

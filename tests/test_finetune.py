@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from conftest import REPO, free_port, run_deepspeed, tiny_run_args
 from pretrain.metrics import read_jsonl
@@ -106,3 +107,19 @@ def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(t
     assert (out / "final.safetensors").is_file() and (out / "best.safetensors").is_file()
     assert (out / "checkpoints/step_00000004/COMPLETE.json").is_file()
     assert not (out / "tracking").exists()
+
+
+def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_line(monkeypatch):
+    """The EMA is a whole copy of the model per rank: under FSDP or ZeRO-3 (GPU-only configs,
+    so the sharding is stood in for here) it would average shards, and export them."""
+    from finetune.backend import AccelerateBackend
+    from finetune.config import FinetuneConfig
+    from pretrain.config import ConfigError, load_config
+
+    cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml",
+                      ["init=null", "data.generate_demo=false", "train.ema_decay=0.9"])
+    backend = AccelerateBackend(cfg)
+    assert not backend._sharded()  # DDP on the CPU: the average is allowed
+    monkeypatch.setattr(AccelerateBackend, "_sharded", lambda self: True)
+    with pytest.raises(ConfigError, match="train.ema_decay needs every rank to hold the whole"):
+        backend.build(cfg, micro=8, accum=1, resume=None, store=None)
