@@ -21,10 +21,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
 from pretrain.engine import apply_train_options, build_optimizer, classification_loss
-
-CLIENT_STATE = "client_state.pt"
 
 
 class AccelerateBackend:

@@ -72,6 +72,8 @@ _PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"}
 _PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 MANIFEST = "COMPLETE.json"
+# a fine-tune checkpoint (Accelerate's files) keeps the loop's client state in this file
+CLIENT_STATE = "client_state.pt"
 MANIFEST_TMP = MANIFEST + ".tmp"
 TAG_RE = re.compile(r"^step_(\d{8,})$")
 

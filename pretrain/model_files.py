@@ -30,12 +30,11 @@ from typing import Optional
 
 from torch import nn
 
+from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
-# finetune.backend.CLIENT_STATE (pretrain does not import finetune; a test checks they agree)
-CLIENT_STATE = "client_state.pt"
 EMA_STATE = "custom_checkpoint_0.pkl"  # Accelerate's file for the first registered object
 RUN_CONFIG = "config.yaml"
 

@@ -90,10 +90,8 @@ def test_the_folder_gives_the_runs_figure_files_and_an_mlflow_run_under_it(ft):
 def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
     from safetensors.torch import load_file
 
-    from finetune.backend import CLIENT_STATE
     from pretrain import evaluate_model, model_files
 
-    assert model_files.CLIENT_STATE == CLIENT_STATE
     for path, kind in ((ft.out / "final.safetensors", "safetensors file (fine-tune)"),
                        (ft.out, "fine-tune checkpoint (EMA weights)")):
         mf = model_files.load_model(path)
