@@ -64,6 +64,12 @@ class AccelerateBackend:
         optimizer = build_optimizer(model, cfg)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.cfg, self.accum = cfg, accum
+        # _update drops a step whose gradient norm is not finite, so the non-finite check can
+        # wait until after it (pretrain.guard); under an Accelerate DeepSpeed config
+        # DeepSpeed's step decides alone, and the check comes before the backward pass
+        from accelerate.utils import DistributedType
+        self.defer_check = cfg.train.nonfinite_check == "after_update" and \
+            self.accelerator.distributed_type != DistributedType.DEEPSPEED
         if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
             from timm.utils import ModelEmaV3
             self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay)
@@ -95,8 +101,11 @@ class AccelerateBackend:
             with acc.autocast():
                 loss = classification_loss(self.model(images), targets, cfg.train.loss,
                                            cfg.data.label_smoothing)
-            if guard is not None and not guard.finite(loss):
-                return None
+            if guard is not None:
+                if self.defer_check:
+                    guard.defer(loss)
+                elif not guard.finite(loss):
+                    return None
             acc.backward(loss / self.accum)
         if last:
             self._update()

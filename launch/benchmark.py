@@ -140,6 +140,7 @@ def print_train_table(r: dict) -> None:
             ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"),
             ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
              + (" / compiled" if r["compile"] else "")),
+            ("non-finite check", r["nonfinite_check"].replace("_", " ")),
             ("images/s", f"{r['images_per_sec']:,.1f}"),
             ("TFLOP/s per device", f"{r['tflops_per_device']:.3f}"),
             ("MFU", mfu),

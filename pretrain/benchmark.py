@@ -149,13 +149,15 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
                       cuda_sync=device.type == "cuda")
     step_times = []
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check, timed too
+    defer = eng.defers_check(cfg, engine.optimizer)
 
     def one_step(step: int):
         start = time.perf_counter()
         scheduler.step_update(step)
         images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, None, dtype)
         timer.data_ready()
-        loss = eng.train_micro_batch(engine, images, targets, cfg, guard)
+        loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
+        guard.settle()  # a deferred check is read after the update, as the trainer reads it
         timer.step_done(images=micro * world)
         step_times.append(time.perf_counter() - start)
         return loss
@@ -180,6 +182,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
         "ranks": world, "zero_stage": eng.zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": compile,
+        "nonfinite_check": "after_update" if defer else "before_backward",
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,
         "images_per_sec": perf["perf/images_per_sec"],

@@ -149,6 +149,12 @@ class TrainConfig(Section):
     on_nonfinite: Literal["rollback", "stop"] = Field(
         "rollback", description="rollback: reload the newest checkpoint; stop: end the run")
     max_rollbacks: int = Field(3, ge=0, description="rollbacks per job before stopping instead")
+    # When the check is read: after the update costs the GPU no idle wait per micro-batch, and
+    # applies where the optimizer itself drops a non-finite update (DeepSpeed's bf16 optimizers,
+    # plain PyTorch under Accelerate); elsewhere the check is read before the backward pass.
+    nonfinite_check: Literal["after_update", "before_backward"] = Field(
+        "after_update", description="after_update: a bad loss drops its whole step, which is "
+        "then done again; before_backward: only its micro-batch, at one host sync per micro-batch")
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":

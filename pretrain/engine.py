@@ -157,17 +157,44 @@ def classification_loss(logits: torch.Tensor, targets: torch.Tensor, kind: str,
 
 
 def train_micro_batch(engine, images: torch.Tensor, targets: torch.Tensor, cfg: RunConfig,
-                      guard=None) -> Optional[torch.Tensor]:
+                      guard=None, defer: bool = False) -> Optional[torch.Tensor]:
     """One micro-batch through the DeepSpeed engine: forward, loss, backward, step (DeepSpeed
     applies the update on the accumulation boundary). The trainer and the benchmarks share it,
     so what they time is what trains. With a :class:`pretrain.guard.NonFiniteGuard`, a loss that
-    is not finite on some rank is dropped on every rank before backward: returns None."""
+    is not finite on some rank is dropped on every rank before backward (returns None), or with
+    ``defer`` its check is queued for :meth:`~pretrain.guard.NonFiniteGuard.settle` and the
+    optimizer's own overflow check drops the update (see :func:`drops_nonfinite_updates`)."""
     loss = classification_loss(engine(images), targets, cfg.train.loss, cfg.data.label_smoothing)
-    if guard is not None and not guard.finite(loss):
-        return None
+    if guard is not None:
+        if defer:
+            guard.defer(loss)
+        elif not guard.finite(loss):
+            return None
     engine.backward(loss)
     engine.step()
     return loss.detach()
+
+
+def defers_check(cfg: RunConfig, optimizer) -> bool:
+    """Whether the non-finite check waits until after the update (``train.nonfinite_check``)."""
+    return cfg.train.nonfinite_check == "after_update" and drops_nonfinite_updates(optimizer)
+
+
+def drops_nonfinite_updates(optimizer) -> bool:
+    """Whether DeepSpeed's optimizer skips, on every rank, an update whose gradients are not
+    finite, cleaning its gradient buffers (so the non-finite check can wait until after it).
+
+    Its fp16/bf16 optimizers for ZeRO-0 always do; ZeRO-1/2 do when told to check for overflow
+    (``check_grad_overflow``: on for fp16, and for bf16 by default). ZeRO-3 checks only under
+    fp16, and a plain PyTorch optimizer (fp32, ZeRO-0) never does: those check first."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    if isinstance(optimizer, (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return True
+    return isinstance(optimizer, DeepSpeedZeroOptimizer) and \
+        bool(getattr(optimizer, "check_grad_overflow", False))
 
 
 def input_dtype(precision: str) -> torch.dtype:
@@ -208,6 +235,7 @@ class DeepSpeedBackend:
         self.device = self.engine.device
         self.dtype = input_dtype(cfg.train.precision)
         self.zero_stage = zero_stage(self.ds_config)
+        self.defer_check = defers_check(cfg, self.engine.optimizer)
 
     @property
     def module(self) -> nn.Module:
@@ -219,7 +247,7 @@ class DeepSpeedBackend:
 
     def train_micro_batch(self, images, targets, cfg: RunConfig, guard, last: bool):
         # DeepSpeed knows the accumulation boundary itself: ``last`` is for other backends
-        return train_micro_batch(self.engine, images, targets, cfg, guard)
+        return train_micro_batch(self.engine, images, targets, cfg, guard, self.defer_check)
 
     def update_applied(self) -> bool:
         return self.engine.was_step_applied()

@@ -40,10 +40,13 @@ def _ds_step(cfg, engine, dtype) -> Callable:
     from pretrain.guard import NonFiniteGuard
 
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check too
+    defer = eng.defers_check(cfg, engine.optimizer)
 
     def step(batch):
         images, targets = prepare_batch(batch, engine.device, cfg.data.normalize, None, dtype)
-        return eng.train_micro_batch(engine, images, targets, cfg, guard)
+        loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
+        guard.settle()  # a deferred check is read after the update, as the trainer reads it
+        return loss
     return step
 
 

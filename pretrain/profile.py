@@ -58,11 +58,21 @@ def profiled(out_dir: Optional[str], rank: int, device: torch.device) -> Iterato
     holder.append(breakdown)
 
 
+# CUDA runtime calls in which the host waits for the device (``.item()``, ``.cpu()``, events):
+# while it waits it queues nothing, so the device runs dry unless enough was queued before.
+HOST_SYNC = re.compile(r"^cuda(Stream|Event|Device)Synchronize$")
+
+
 def summarize(prof, on_device: bool) -> Dict[str, float]:
     """Self time per kind in ms (device kernels on a GPU; leaf host ops on a CPU), and each
-    kind's share of the busy time."""
+    kind's share of the busy time; on a GPU also the host's waits for the device."""
     totals: Dict[str, float] = {}
+    syncs, sync_ms = 0, 0.0
     for event in prof.key_averages():
+        if on_device and HOST_SYNC.match(event.key):
+            syncs += event.count
+            sync_ms += event.cpu_time_total / 1e3
+            continue
         us = (getattr(event, "self_device_time_total", None) or
               getattr(event, "self_cuda_time_total", 0)) if on_device else \
             event.self_cpu_time_total
@@ -72,6 +82,7 @@ def summarize(prof, on_device: bool) -> Dict[str, float]:
     busy = sum(totals.values()) or 1.0
     return {"busy_ms": round(busy, 3), "time_base": "device kernels" if on_device else
             "host operators (CPU)",
+            **({"host_syncs": syncs, "host_sync_ms": round(sync_ms, 3)} if on_device else {}),
             "ms": {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
             "share": {k: round(v / busy, 4) for k, v in sorted(totals.items(),
                                                                 key=lambda kv: -kv[1])}}
@@ -85,4 +96,7 @@ def format_breakdown(b: Dict, steps: int, step_ms: float) -> str:
     idle = step_ms - b["busy_ms"] / steps
     lines.append(f"  {'idle / not on the device' if b['time_base'] == 'device kernels' else 'other host time':<24}"
                  f"{max(idle, 0.0):>10.2f} ms")
+    if "host_syncs" in b:
+        lines.append(f"  host waits for the device: {b['host_syncs'] / steps:.1f} per step, "
+                     f"{b['host_sync_ms'] / steps:.2f} ms")
     return "\n".join(lines)

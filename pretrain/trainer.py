@@ -32,7 +32,7 @@ import torch
 from pretrain.checkpoint import Checkpoint, CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig, load_config, save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
-from pretrain.guard import NonFiniteGuard
+from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
 from pretrain.stopping import StopSignals, StoppedBySignal
 
@@ -182,13 +182,27 @@ def train(cfg: RunConfig, stage=None) -> dict:
     failed_saves = 0
     metrics: dict = {}
     skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
+    def nonfinite(good_before: bool, dropped: str = "micro-batch skipped") -> bool:
+        """After a micro-batch dropped for its loss: True when the run rolled back."""
+        nonlocal step, window
+        if guard.verdict(step, dropped) != "rollback":
+            return False
+        if good_before:  # these weights gave finite losses in this very step
+            raise guard.stop(step, "the weights of this step gave finite losses, so the data "
+                                   "is the likely cause")
+        step = roll_back(store, backend, guard, step)
+        scheduler.step_update(step)
+        loss_sum.zero_()  # the rolled-back steps' losses are not this window's
+        window = 0
+        return True
+
     # From here a stop signal is only noted, and the ranks act on it together at a step
     # boundary; before, during setup, it ends the process at once (there is nothing to save).
     stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
     try:
         while step < steps:
             scheduler.step_update(step)
-            done = 0
+            done, step_loss = 0, torch.zeros((), device=backend.device)
             while done < accum:
                 images, targets = prepare_batch(next(batches), backend.device,
                                                 cfg.data.normalize, mixup, backend.dtype)
@@ -197,17 +211,25 @@ def train(cfg: RunConfig, stage=None) -> dict:
                 loss = backend.train_micro_batch(images, targets, cfg, guard,
                                                  last=done == accum - 1)
                 if loss is None:  # not finite: dropped on every rank; the next one replaces it
-                    if guard.verdict(step) == "rollback":
-                        if done:  # these weights gave finite losses in this very step
-                            raise guard.stop(step, "the weights of this step gave finite "
-                                                   "losses, so the data is the likely cause")
-                        step = roll_back(store, backend, guard, step)
-                        scheduler.step_update(step)
-                        loss_sum.zero_()  # the rolled-back steps' losses are not this window's
-                        window = 0
+                    nonfinite(good_before=done > 0)
                     continue
-                loss_sum += loss.float()
+                step_loss += loss.float()
                 done += 1
+            # checks the backend deferred until after the update (see pretrain.guard): a loss
+            # that was not finite made the gradients so, and the optimizer dropped the update
+            late = guard.settle()
+            if not all(late) and backend.update_applied():  # should DeepSpeed ever change
+                raise TrainingStopped(
+                    f"step {step + 1}: the optimizer applied an update although a loss was not "
+                    f"finite; relaunch with train.nonfinite_check=before_backward: it resumes "
+                    f"from the newest checkpoint, which is intact")
+            for i, ok in enumerate(late):
+                if not guard.record(ok) and nonfinite(any(late[:i]), "update dropped, the step "
+                                                      "is done again with new batches"):
+                    break
+            if not all(late):
+                continue  # the same step again (or the one rolled back to), with new batches
+            loss_sum += step_loss
             # the backend's own overflow check (DeepSpeed's ZeRO-1/2, a non-finite gradient
             # norm under Accelerate) may still have dropped the update
             guard.count_update(backend.update_applied())

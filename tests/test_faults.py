@@ -428,11 +428,60 @@ def test_nan_steps_are_skipped_then_rolled_back_then_stop_the_run(tmp_path, tiny
     fault_ledger.record(4, 0)  # skipped, rolled back, then stopped: not finished
 
 
+# Under bf16, DeepSpeed's optimizers for ZeRO-0/1/2 (three different classes) drop a non-finite
+# update themselves, so the check waits until after the update (train.nonfinite_check)
+
+
+def test_nan_checked_after_the_update_skips_rolls_back_then_stops_the_same(tmp_path, tiny_data,
+                                                                           fault_ledger):
+    """One micro-batch a step: the same run as with the check before backward (fp32 above)."""
+    out = tmp_path / "run"
+    text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=1",
+                  "train.nonfinite_limit=3", "train.max_rollbacks=1",
+                  faults={"nan": [3, 7, 8, 9, 12, 13, 14]}, fails=True)
+    assert "update dropped, the step is done again with new batches (1 in a row, 1 in all)" \
+        in text
+    assert "step 6: rolled back to" in text and f"{out}/checkpoints/step_00000005" in text
+    [line] = error_lines(text)
+    assert line.startswith("error: training stopped at step 8: 3 non-finite losses in a row "
+                           "(after 1 rollback(s)); none of them was trained on")
+    losses = last_values(out)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6, 7] and all(map(math.isfinite, losses.values()))
+    assert last_values(out, "train/nonfinite_skipped")[7] == 4
+    assert last_values(out, "train/rollbacks")[7] == 1
+    assert last_values(out, "train/dropped_updates")[7] == 0  # ours, not DeepSpeed's overflows
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [5]
+    fault_ledger.record(7, 0)
+
+
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 2])
+def test_nan_checked_after_the_update_drops_its_whole_step_and_nothing_else(
+        zero, tmp_path, tiny_data, fault_ledger):
+    """Two micro-batches a step: a NaN in the first of step 2's makes DeepSpeed drop that update,
+    and step 2 is done again with the next two. Checked before backward instead, that run is
+    the one whose step-2 micro-batches were both NaN: the same losses, bit for bit, at every
+    step -- the finite micro-batch of the dropped step was not trained on either."""
+    late, early = tmp_path / "after_update", tmp_path / "before_backward"
+    common = ("train.precision=bf16", f"deepspeed.zero_stage={zero}", "train.micro_batch_size=4",
+              "train.total_steps=8", "eval.every_steps=8")
+    text = faulty(late, tiny_data, *common, faults={"nan": [3]})
+    assert "step 2: non-finite loss, update dropped" in text
+    faulty(early, tiny_data, *common, "train.nonfinite_check=before_backward",
+           faults={"nan": [3, 4]})
+    assert last_values(late) == last_values(early) and sorted(last_values(late)) == \
+        list(range(1, 9))
+    assert last_values(late, "train/nonfinite_skipped")[8] == 1
+    assert last_values(early, "train/nonfinite_skipped")[8] == 2
+    fault_ledger.record(3, 0)
+
+
+@pytest.mark.parametrize("check", ["after_update", "before_backward"])
 def test_a_finetune_skips_nan_batches_rolls_back_then_stops_like_pretraining(
-        tmp_path, tiny_data, monkeypatch, fault_ledger):
+        check, tmp_path, tiny_data, monkeypatch, fault_ledger, capfd):
     """In-process (one rank, Accelerate): the fine-tune runs the pretraining loop, so a single
     non-finite batch is skipped, a streak rolls back to the newest checkpoint, and a streak
-    after the last allowed rollback stops the run."""
+    after the last allowed rollback stops the run -- whether the check is read after the update
+    (which drops a non-finite gradient) or before the backward pass."""
     from finetune.config import FinetuneConfig
     from finetune.stage import finetune as train
     from pretrain import engine
@@ -455,13 +504,16 @@ def test_a_finetune_skips_nan_batches_rolls_back_then_stops_like_pretraining(
         "model.embed_dim=64", "model.num_heads=2", "model.num_classes=8",
         "train.global_batch_size=16", "train.total_steps=10", "train.nonfinite_limit=3",
         "train.max_rollbacks=1", "checkpoint.every_steps=3", "log.every_steps=1",
-        "tracking.system_metrics=false"])
+        "tracking.system_metrics=false", f"train.nonfinite_check={check}"])
     # passes 1, 3, 4, 5 are steps 1-4 (pass 2 skipped; checkpoint 3); 6-8 roll back to 3;
     # 9-10 are steps 4-5 again; 11-13 stop the run
     with pytest.raises(TrainingStopped, match=r"^training stopped at step 6: 3 non-finite losses "
                        r"in a row \(after 1 rollback\(s\)\); none of them was trained on\. .* "
                        r"it resumes from the newest checkpoint, which is intact$"):
         train(cfg)
+    dropped = "update dropped, the step is done again with new batches" \
+        if check == "after_update" else "micro-batch skipped"
+    assert f"step 2: non-finite loss, {dropped} (1 in a row, 1 in all)" in capfd.readouterr().err
     assert last_values(out, "train/nonfinite_skipped") == {1: 0, 2: 1, 3: 1, 4: 4, 5: 4}
     assert last_values(out, "train/rollbacks")[5] == 1
     assert all(map(math.isfinite, last_values(out).values()))
