@@ -65,10 +65,11 @@ class AccelerateBackend:
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.cfg, self.accum = cfg, accum
         # _update drops a step whose gradient norm is not finite, so the non-finite check can
-        # wait until after it (pretrain.guard); under an Accelerate DeepSpeed config
-        # DeepSpeed's step decides alone, and the check comes before the backward pass
+        # wait until after it (pretrain.guard); not under an Accelerate DeepSpeed config
+        # (DeepSpeed's step decides alone) nor under fp16 (its loss scaler must see each step)
         from accelerate.utils import DistributedType
         self.defer_check = cfg.train.nonfinite_check == "after_update" and \
+            cfg.train.precision != "fp16" and \
             self.accelerator.distributed_type != DistributedType.DEEPSPEED
         if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
             from timm.utils import ModelEmaV3

@@ -12,6 +12,9 @@
     python launch/benchmark.py train --model vit_large_patch16_224 --batch 128 [--zero 1]
         [--image-size 224] [--compile] [--ranks R] [--steps 20] [--precision fp32] [--json]
         [--profile DIR [--profile-steps 3]]   # a torch.profiler trace and where the time goes
+        [--record benchmarks/train.jsonl]     # keep the result with its command, commit, date
+    # the README's table from those records (between its benchmark-table marker lines)
+    python launch/benchmark.py table benchmarks/train.jsonl --readme README.md
     # one step through our DeepSpeed engine (ZeRO-2, 1 rank, bf16) against a plain PyTorch loop
     python launch/benchmark.py overhead [--json]
 
@@ -157,6 +160,24 @@ def print_train_table(r: dict) -> None:
         print(f"trace: {r['profile_dir']}/trace_rank0.json (Perfetto, chrome://tracing)")
 
 
+def run_table(args) -> int:
+    from pretrain import bench_records
+    from pretrain.cli import fail
+    if not args.records.is_file():
+        fail(f"{args.records}: no such file; write it with `benchmark.py train ... --record "
+             f"{args.records}`")
+    try:
+        table = bench_records.markdown(bench_records.load(args.records))
+        if args.readme is None:
+            print(table)
+        else:
+            bench_records.rewrite_readme(args.readme, table)
+            print(f"rewrote the benchmark table in {args.readme}")
+    except ValueError as e:
+        fail(str(e))
+    return 0
+
+
 def run_overhead(args) -> dict:
     _quiet()
     from pretrain.overhead import measure_overhead
@@ -243,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "norms, optimizer, ...), printed too")
     train.add_argument("--profile-steps", type=int, default=3, help="steps profiled (default 3)")
     train.add_argument("--json", action="store_true", help="print one JSON object")
+    train.add_argument("--record", type=Path, default=None, metavar="FILE",
+                       help="append the result to FILE (JSON lines) with this command, the "
+                            "commit and the date; `table FILE` makes the README table of them")
+
+    table = sub.add_parser("table", help="the README table from train --record files")
+    table.add_argument("records", type=Path, help="a file written by train --record")
+    table.add_argument("--readme", type=Path, default=None,
+                       help="rewrite this file's table between its benchmark-table marker "
+                            "lines instead of printing it")
 
     over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step")
     over.add_argument("--model", default="vit_tiny_patch16_224")
@@ -267,10 +297,15 @@ def main(argv=None) -> int:
         out = make_photos(args.count, args.out, args.shard_size, args.seed)
         print(f"wrote {args.count} photos to {out}")
         return 0
+    if args.command == "table":
+        return run_table(args)
     if args.command == "train":
         with _stdout_to_stderr():
             result = run_train(args)
         show = print_train_table
+        if args.record:
+            from pretrain import bench_records
+            bench_records.append(args.record, result, sys.argv[1:] if argv is None else argv)
     elif args.command == "overhead":
         with _stdout_to_stderr():
             result = run_overhead(args)

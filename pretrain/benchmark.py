@@ -192,6 +192,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         "mfu": perf.get("perf/mfu"),  # None on the CPU: no peak to compare with
         "data_wait_frac": perf["perf/data_wait_frac"],
         "data": "loader" if shards else "synthetic",
+        "loader_workers": data.num_workers if shards else None,
         "step_time_ms_median": 1e3 * statistics.median(step_times[warmup:]),
         "peak_memory_gib": peak_memory_gib(device),
         "final_loss": loss_value,

@@ -7,15 +7,15 @@ counted. When the verdict is read depends on the optimizer (``train.nonfinite_ch
 
 - **after the update**, where the optimizer itself skips an update whose gradients are not
   finite (DeepSpeed's fp16/bf16 optimizers for ZeRO-0/1/2, see
-  :func:`pretrain.engine.drops_nonfinite_updates`; plain PyTorch under Accelerate, which drops a
-  step with a non-finite gradient norm): the check is only queued on the device (:meth:`defer`)
-  and the backward pass follows at once. A bad loss makes the gradients non-finite, the
+  :func:`pretrain.engine.drops_nonfinite_updates`; plain PyTorch under Accelerate in fp32 or
+  bf16, which drops a step with a non-finite gradient norm): the check is only queued on the
+  device (:meth:`defer`) and the backward pass follows at once. A bad loss makes the gradients non-finite, the
   optimizer drops the whole update, and the verdicts, read after it (:meth:`settle`), say why:
   the step is then done again with new micro-batches, so a bad batch costs its step's batches.
   The host waits for nothing it did not wait for already (the optimizer reads the gradient
   norm), and a step trains exactly what it would have with the check read first.
 - **before the backward pass** elsewhere (DeepSpeed under fp32, ZeRO-3 under bf16, a fine-tune
-  under an Accelerate DeepSpeed config) or with
+  in fp16 or under an Accelerate DeepSpeed config) or with
   ``train.nonfinite_check=before_backward`` (:meth:`finite`): the bad micro-batch is dropped --
   no backward, no optimizer step -- and the step goes on with the next micro-batch from the
   loader, so a bad batch costs one batch. The price is one host sync per micro-batch: on a GPU

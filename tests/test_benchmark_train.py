@@ -2,9 +2,13 @@
 DeepSpeed engine on the CPU. Figures are checked for consistency, never against a time."""
 from __future__ import annotations
 
+import datetime
 import json
+import shlex
+import subprocess
 
-from conftest import run_launcher
+from conftest import REPO, run_launcher
+from pretrain.bench_records import BEGIN, END
 
 TINY = ["--model", "vit_tiny_patch16_224", "--image-size", "32", "--num-classes", "10"]
 
@@ -18,9 +22,11 @@ def _json(*args: str, timeout: float = 240) -> dict:
 
 
 def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
-    r = _json("train", *TINY, "--batch", "4", "--precision", "fp32", "--zero", "2",
-              "--steps", "2", "--warmup", "1", "--profile", str(tmp_path / "prof"),
-              "--profile-steps", "1")
+    measured = ["train", *TINY, "--batch", "4", "--precision", "fp32", "--zero", "2",
+                "--steps", "2", "--warmup", "1"]
+    records = tmp_path / "records.jsonl"
+    r = _json(*measured, "--profile", str(tmp_path / "prof"), "--profile-steps", "1",
+              "--record", str(records))
     assert r["model"] == "vit_tiny_patch16_224" and r["image_size"] == 32
     assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
     assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
@@ -41,12 +47,45 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     assert shares["matmul"] > 0 and abs(sum(shares.values()) - 1) < 0.01, shares
     assert r["profile"] == json.loads((tmp_path / "prof" / "breakdown_rank0.json").read_text())
 
+    # --record: the result, with the command that measured it, the commit and the date
+    [kept] = [json.loads(line) for line in records.read_text().splitlines()]
+    assert {k: kept[k] for k in r} == r
+    assert kept["command"] == "python launch/benchmark.py " + shlex.join(measured)
+    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO,
+                          capture_output=True, text=True).stdout.strip()
+    assert kept["commit"].split("+")[0] == head
+    assert kept["date"] == datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+    # the README table made from the records, between its marker lines; a command measured
+    # again keeps its row, with the newest figures
+    again = {**kept, "images_per_sec": 1234.5}
+    records.write_text(records.read_text() + json.dumps(again) + "\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Perf\n\n{BEGIN}\nan old table\n{END}\n\nthe rest\n")
+    done = run_launcher("benchmark.py", "table", str(records), "--readme", str(readme))
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = readme.read_text()
+    assert text.startswith(f"# Perf\n\n{BEGIN}\n| # |") and text.endswith(f"{END}\n\nthe rest\n")
+    [row] = [line for line in text.splitlines() if line.startswith("| 1 | ") and "vit_" in line]
+    assert row.startswith(f"| 1 | {r['device']} | vit_tiny_patch16_224 @32 | 4 × 1 | fp32, ZeRO-2, "
+                          f"check before backward "
+                          f"| synthetic | 1,234.5 | relative only | {kept['commit']} | ")
+    assert f"1. `{kept['command']}`" in text and "an old table" not in text
+    assert "Where a step's time goes" in text and "| 2 |" not in text
+    # a README without the markers is refused, untouched
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    done = run_launcher("benchmark.py", "table", str(records), "--readme", str(plain))
+    assert done.returncode == 2 and plain.read_text() == "no markers\n"
+    assert done.stderr.startswith("error: ") and "benchmark-table: begin" in done.stderr
+
 
 def test_train_two_ranks_fed_by_the_real_loader(tiny_data):
     r = _json("train", "--model", "vit_tiny_patch16_224", "--image-size", "16",
               "--num-classes", "8", "--batch", "4", "--precision", "fp32", "--ranks", "2",
               "--steps", "2", "--warmup", "1", "--shards", str(tiny_data), "--workers", "1")
     assert r["ranks"] == 2 and r["data"] == "loader" and r["zero_stage"] == 1
+    assert r["loader_workers"] == 1
     assert r["images_per_sec"] > 0 and 0 <= r["data_wait_frac"] <= 1
     # per-device TFLOP/s: the global images/s shared by the two ranks
     expected = r["images_per_sec"] * r["train_flops_per_image"] / 2 / 1e12

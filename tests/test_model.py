@@ -142,3 +142,16 @@ def test_any_timm_vit_with_overrides():
 def test_impossible_architectures_are_rejected(kw, key):
     with pytest.raises(ConfigError, match=key):
         resolve_spec(ModelConfig(**kw))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_torch_compile_sees_the_whole_training_model_as_one_graph(checkpointing):
+    """A graph break splits the compiled step and leaves the pieces between to eager mode
+    (an MFU loss on a GPU): the pretraining model -- stochastic depth, dropout, pre-logits, the
+    21k-style head, activation checkpointing or not -- compiles whole."""
+    model = create_model(ModelConfig(name=L16, img_size=32, depth=2, representation_size=64,
+                                     num_classes=100, drop_path_rate=0.1, dropout=0.1)).train()
+    model.backbone.set_grad_checkpointing(checkpointing)
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
+        [str(b.reason) for b in explained.break_reasons]

@@ -1,0 +1,130 @@
+"""Benchmark figures with where they came from, and the README table made from them.
+
+``launch/benchmark.py train ... --record FILE`` appends the result as one JSON line together
+with the command that gave it, the commit it ran (``+dirty`` when tracked files had changes),
+and the date. ``launch/benchmark.py table FILE --readme README.md`` rewrites the part of the
+README between the two marker lines from those records: one row per command and device (the
+newest record wins), the commands listed under the table, and, for records made with
+``--profile``, where their step's time went. No figure in that table is typed by hand.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Iterable
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- benchmark-table: begin -->", "<!-- benchmark-table: end -->"
+# flags that change how a result is printed or kept, not what is measured
+_NOT_MEASURED = {"--json": 0, "--record": 1, "--profile": 1, "--profile-steps": 1}
+
+
+def provenance(argv: Iterable[str]) -> dict:
+    """The command (without the flags that only print or keep results), commit and date."""
+    argv, kept = list(argv), []
+    i = 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in _NOT_MEASURED:
+            i += 1 + (_NOT_MEASURED[flag] if "=" not in argv[i] else 0)
+            continue
+        kept.append(argv[i])
+        i += 1
+    return {"command": "python launch/benchmark.py " + shlex.join(kept),
+            "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc)
+            .strftime("%Y-%m-%d")}
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short=10", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def append(path: Path, result: dict, argv: Iterable[str]) -> dict:
+    record = {**provenance(argv), **result}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def load(path: Path) -> list[dict]:
+    """The newest record per (command, device), in the order each first appeared."""
+    latest: dict = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {n}: not a JSON record ({e.msg})") from None
+            latest[(record.get("command"), record.get("device"))] = record  # keeps its place
+    return list(latest.values())
+
+
+def _options(r: dict) -> str:
+    opts = [r["precision"], f"ZeRO-{r['zero_stage']}"]
+    if r.get("compile"):
+        opts.append("compiled")
+    if r.get("activation_checkpointing"):
+        opts.append("act. ckpt")
+    if r.get("nonfinite_check") == "before_backward":
+        opts.append("check before backward")
+    return ", ".join(opts)
+
+
+def _data(r: dict) -> str:
+    if r.get("data") != "loader":
+        return "synthetic"
+    workers = r.get("loader_workers")
+    return f"shards, {workers} workers: {100 * r['data_wait_frac']:.1f} % wait"
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| # | device | model | batch/GPU × GPUs | options | input | images/s | MFU | "
+             "commit | date |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(records, 1):
+        mfu = "relative only" if r.get("mfu") is None else f"{100 * r['mfu']:.1f} %"
+        lines.append(f"| {i} | {r['device']} | {r['model']} @{r['image_size']} | "
+                     f"{r['batch_per_rank']} × {r['ranks']} | {_options(r)} | {_data(r)} | "
+                     f"{r['images_per_sec']:,.1f} | {mfu} | {r['commit']} | {r['date']} |")
+    lines.append("")
+    lines += [f"{i}. `{r['command']}`" for i, r in enumerate(records, 1)]
+    profiled = [(i, r) for i, r in enumerate(records, 1) if r.get("profile")]
+    if profiled:
+        kinds = sorted({k for _, r in profiled for k in r["profile"]["ms"]},
+                       key=lambda k: -max(r["profile"]["ms"].get(k, 0) for _, r in profiled))
+        lines += ["", "Where a step's time goes (ms per step; device kernels on a GPU, host "
+                  "operators on a CPU; the idle rest is the step time not covered by them):", "",
+                  "| # | step | " + " | ".join(kinds) + " | idle rest | host waits |",
+                  "|---" * (len(kinds) + 4) + "|"]
+        for i, r in profiled:
+            b, steps, step_ms = r["profile"], r["profile_steps"], r["profile_step_ms"]
+            cells = [f"{b['ms'].get(k, 0) / steps:.1f}" for k in kinds]
+            idle = max(step_ms - b["busy_ms"] / steps, 0.0)
+            waits = "—" if "host_syncs" not in b else \
+                f"{b['host_syncs'] / steps:.0f} ({b['host_sync_ms'] / steps:.1f} ms)"
+            lines.append(f"| {i} | {step_ms:.1f} | " + " | ".join(cells) +
+                         f" | {idle:.1f} | {waits} |")
+    return "\n".join(lines)
+
+
+def rewrite_readme(readme: Path, table: str) -> None:
+    """Replace what lies between the marker lines; refuses a README without them."""
+    text = Path(readme).read_text()
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise ValueError(f"{readme} needs one '{BEGIN}' line and one '{END}' line after it, "
+                         f"around the place the table goes")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    Path(readme).write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+
