@@ -58,7 +58,7 @@ class FinetuneStage(Stage):
         return f" from {self.cfg.init or 'scratch'}"
 
     def tracking_tags(self) -> dict:
-        from pretrain.tracking import lineage_tags
+        from pretrain.run_info import lineage_tags
         if not self.cfg.init:
             return {"init": "scratch"}
         return lineage_tags(self.lineage.get("pretrain_run_id"), self.lineage.get("path"),

@@ -12,11 +12,9 @@ from __future__ import annotations
 import datetime
 import json
 import shlex
-import subprocess
 from pathlib import Path
 from typing import Iterable
 
-REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- benchmark-table: begin -->", "<!-- benchmark-table: end -->"
 # flags that change how a result is printed or kept, not what is measured
 _NOT_MEASURED = {"--json": 0, "--record": 1, "--profile": 1, "--profile-steps": 1}
@@ -39,14 +37,12 @@ def provenance(argv: Iterable[str]) -> dict:
 
 
 def _commit() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    try:
-        head = git("rev-parse", "--short=10", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
+    from pretrain.cli import REPO_ROOT
+    from pretrain.run_info import git_info
+    info = git_info(REPO_ROOT)
+    if not info:
         return "unknown (not a git checkout)"
+    return info["git.commit"][:10] + ("+dirty" if info["git.dirty"] == "true" else "")
 
 
 def append(path: Path, result: dict, argv: Iterable[str]) -> dict:

@@ -409,7 +409,7 @@ def _params(ev: Evaluation) -> dict:
 
 def _tags(ev: Evaluation, parent: Optional[str]) -> dict:
     from pretrain.cli import REPO_ROOT
-    from pretrain.tracking import git_info
+    from pretrain.run_info import git_info
     mf = ev.mf
     tags = {"stage": "evaluate", "model": mf.name, "dataset": ev.dataset,
             "eval.split": ev.split, "eval.model_path": str(Path(mf.path).resolve()),

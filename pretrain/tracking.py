@@ -7,11 +7,11 @@ default in the directory the job is launched from -- ``sqlite:///mlflow.db`` (``
 that already holds a file store, as MLflow 3 decides), i.e. what a plain ``mlflow ui`` started
 there shows.
 
-What a run records: the resolved config flattened into params (``optimizer.lr``, ...); tags
-``stage``, ``model``, ``dataset``, ``git.commit``, ``git.dirty``, ``world_size``, ``hosts``
-(+ lineage tags for fine-tunes, :func:`lineage_tags`); artifacts ``config.yaml``,
-``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the trainer's metrics
-against the global step; MLflow's own ``system/*`` metrics.
+What a run records (made by :mod:`pretrain.run_info`): the resolved config flattened into
+params (``optimizer.lr``, ...); tags ``stage``, ``model``, ``dataset``, ``git.commit``,
+``git.dirty``, ``world_size``, ``hosts`` (+ lineage tags for fine-tunes); artifacts
+``config.yaml``, ``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the
+trainer's metrics against the global step; MLflow's own ``system/*`` metrics.
 
 How it stays out of the way (:class:`MlflowTracker`):
 
@@ -46,19 +46,15 @@ from __future__ import annotations
 
 import atexit
 import collections
-import io
 import json
 import logging
-import math
 import os
-import platform
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from pretrain.run_info import dataset_name, environment, flatten, git_info, sample_grid_png
 from pretrain.spool import (ARTIFACTS, SPOOL, STATE, TRACKING_DIR, Remote, RunState,
                             TrackingError, is_permanent, lock, one_line, read_cursor, read_spool,
                             replace_file, undelivered)
@@ -69,7 +65,7 @@ SAMPLES_PNG = "train_samples.png"
 MAX_RETRY_WAIT_S = 30.0  # the longest pause between two delivery attempts
 
 # --------------------------------------------------------------------------------------------
-# What a run records
+# Where runs go (what a run records about itself: pretrain.run_info)
 # --------------------------------------------------------------------------------------------
 def resolve_uri(configured: Optional[str] = None) -> str:
     """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default for the current
@@ -84,83 +80,6 @@ def resolve_uri(configured: Optional[str] = None) -> str:
                                for d in mlruns.iterdir()):
         return mlruns.as_uri()
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
-    """``{"optimizer": {"lr": 1e-3}}`` -> ``{"optimizer.lr": "0.001"}`` (MLflow params are text)."""
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = str(value)
-    return out
-
-
-def git_info(root: Path) -> dict[str, str]:
-    """Commit and dirty flag of the checkout the code runs from (empty outside a checkout)."""
-    def git(*args):
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=20, check=True).stdout.strip()
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    # mlflow.source.git.commit is the tag the UI shows in the run's header
-    return {"git.commit": commit, "git.dirty": str(dirty).lower(),
-            "mlflow.source.git.commit": commit}
-
-
-def environment() -> dict:
-    """Interpreter, platform, accelerator and every installed distribution's version."""
-    from importlib import metadata
-
-    import torch
-    env = {"python": sys.version.split()[0], "platform": platform.platform(),
-           "torch": torch.__version__, "cuda": torch.version.cuda,
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
-    env["packages"] = dict(sorted((d.metadata["Name"] or "?", d.version)
-                                  for d in metadata.distributions()))
-    return env
-
-
-def sample_grid_png(images, max_images: int = 64, min_tile: int = 96) -> bytes:
-    """uint8 (B, 3, H, W) -> PNG bytes of a square-ish grid (small images scaled up, nearest)."""
-    import numpy as np
-    from PIL import Image
-
-    arr = images[:max_images].detach().cpu().numpy() if hasattr(images, "detach") \
-        else np.asarray(images[:max_images])
-    n, _, h, w = arr.shape
-    cols = math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    scale = max(1, math.ceil(min_tile / max(h, w)))
-    th, tw, pad = h * scale, w * scale, 2
-    grid = Image.new("RGB", (cols * (tw + pad) + pad, rows * (th + pad) + pad), (255, 255, 255))
-    for i in range(n):
-        tile = Image.fromarray(np.ascontiguousarray(arr[i].transpose(1, 2, 0)).astype(np.uint8))
-        tile = tile.resize((tw, th), Image.NEAREST)
-        grid.paste(tile, (pad + (i % cols) * (tw + pad), pad + (i // cols) * (th + pad)))
-    buf = io.BytesIO()
-    grid.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str, step: int,
-                 nest: bool = True) -> dict[str, str]:
-    """Tags a fine-tune run carries about the pretraining it starts from.
-
-    Find every fine-tune of a pretraining run with the search filter
-    ``tags.`pretrain.run_id` = '<id>'`` (UI search box or ``MlflowClient.search_runs``). With
-    ``nest`` (and both runs in the same experiment) the UI shows the fine-tunes nested under it.
-    """
-    tags = {"pretrain.checkpoint": str(checkpoint), "pretrain.step": str(int(step))}
-    if pretrain_run_id:
-        tags["pretrain.run_id"] = pretrain_run_id
-        if nest:
-            tags["mlflow.parentRunId"] = pretrain_run_id
-    return tags
 
 
 # --------------------------------------------------------------------------------------------
@@ -443,7 +362,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere.
 
     ``run_id``/``resumed_at``: the MLflow run id from the checkpoint being resumed and its
-    step (None for a fresh run). ``extra_tags``: e.g. :func:`lineage_tags` for a fine-tune.
+    step (None for a fresh run). ``extra_tags``: e.g. :func:`pretrain.run_info.lineage_tags` for a fine-tune.
     Call it on every rank (cheap: rank 0 does the work).
     """
     t = cfg.tracking
@@ -466,7 +385,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         state.run_id = run_id or earlier.run_id
     else:
         hosts = sorted(set(hosts))
-        dataset = dataset or _dataset_name(cfg.data.root)
+        dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,
                 "dataset": dataset,
                 "world_size": str(world_size), "hosts": ",".join(hosts)[:4000],
@@ -489,15 +408,6 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     log.info("tracking to MLflow at %s (experiment '%s'%s)", uri, state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
-
-
-def _dataset_name(root: Optional[str]) -> str:
-    """The name in the shards' _info.json, else the directory's name."""
-    from pretrain.data.info import read_info
-    try:
-        return read_info(root).name
-    except Exception:  # noqa: BLE001 -- a tag is not worth failing over
-        return Path(str(root or "?").rstrip("/")).name
 
 
 def _set_aside(track_dir: Path) -> None:

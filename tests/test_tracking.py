@@ -200,7 +200,8 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     from finetune.config import FinetuneConfig
     from pretrain.config import load_config
     from pretrain.spool import undelivered
-    from pretrain.tracking import lineage_tags, start_tracking
+    from pretrain.run_info import lineage_tags
+    from pretrain.tracking import start_tracking
 
     exp = "lineage"
     # the tracker fails fast by setting these when unset; keep that out of the other tests
