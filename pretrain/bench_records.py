@@ -72,7 +72,8 @@ def _options(r: dict) -> str:
     if r.get("compile"):
         opts.append("compiled")
     if r.get("activation_checkpointing"):
-        opts.append("act. ckpt")
+        opts.append("act. ckpt" + (f" of {r['checkpointed_blocks']} blocks"
+                                   if r.get("checkpointed_blocks") else ""))
     if r.get("nonfinite_check") == "before_backward":
         opts.append("check before backward")
     return ", ".join(opts)

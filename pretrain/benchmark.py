@@ -184,6 +184,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         "precision": cfg.train.precision, "compile": compile,
         "nonfinite_check": "after_update" if defer else "before_backward",
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        "checkpointed_blocks": cfg.train.checkpointed_blocks,  # None: all of them
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,
         "images_per_sec": perf["perf/images_per_sec"],
         "tflops_per_device": perf["perf/tflops"],

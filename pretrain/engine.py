@@ -4,6 +4,7 @@ weight decay, warmup + decay schedule (timm's schedulers), losses, ZeRO-3 model 
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 from typing import Optional
 
@@ -88,8 +89,32 @@ def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
 
 def apply_train_options(model: ViTClassifier, cfg: RunConfig) -> None:
     """What ``train.*`` changes in the model itself, for both stages' backends."""
-    if cfg.train.activation_checkpointing:  # recompute each block's activations in backward
+    t = cfg.train
+    if not t.activation_checkpointing:
+        return
+    blocks = model.backbone.blocks
+    count = len(blocks) if t.checkpointed_blocks is None else t.checkpointed_blocks
+    if count > len(blocks):
+        raise ConfigError(f"config key 'train.checkpointed_blocks': {count} is more than the "
+                          f"model's {len(blocks)} blocks")
+    if count == len(blocks):  # recompute every block's activations in backward (timm's own)
         model.backbone.set_grad_checkpointing(True)
+        return
+    for i in sorted({i * len(blocks) // count for i in range(count)}):  # spread over the depth
+        checkpoint_module(blocks[i])
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    """Make ``module`` keep only its input for the backward pass and run its forward again
+    there. Its parameters and state-dict keys stay as they are (no wrapper module); dropout and
+    stochastic depth draw the same numbers again (the RNG state is replayed). A bound method,
+    not a closure, so that a deep copy (the EMA's) runs its own weights."""
+    module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

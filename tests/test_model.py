@@ -144,14 +144,92 @@ def test_impossible_architectures_are_rejected(kw, key):
         resolve_spec(ModelConfig(**kw))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_torch_compile_sees_the_whole_training_model_as_one_graph(checkpointing):
+@pytest.mark.parametrize("sets", [[], ["train.activation_checkpointing=true"],
+                                  ["train.activation_checkpointing=true",
+                                   "train.checkpointed_blocks=1"]])
+def test_torch_compile_sees_the_whole_training_model_as_one_graph(sets):
     """A graph break splits the compiled step and leaves the pieces between to eager mode
     (an MFU loss on a GPU): the pretraining model -- stochastic depth, dropout, pre-logits, the
-    21k-style head, activation checkpointing or not -- compiles whole."""
+    21k-style head, activation checkpointing of all blocks, some or none -- compiles whole."""
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.engine import apply_train_options
+
     model = create_model(ModelConfig(name=L16, img_size=32, depth=2, representation_size=64,
                                      num_classes=100, drop_path_rate=0.1, dropout=0.1)).train()
-    model.backbone.set_grad_checkpointing(checkpointing)
+    apply_train_options(model, load_config(PretrainConfig, None, [
+        "data.root=/x", "train.total_steps=1", *sets]))
     explained = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), \
         [str(b.reason) for b in explained.break_reasons]
+
+
+def _saved_bytes_and_grads(model, x):
+    """Bytes autograd keeps for the backward pass, and the gradients it then computes."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    torch.manual_seed(1)  # the same dropout / drop-path draws on every call
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).float().square().mean()
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointed", [None, 2, 3])
+def test_selective_activation_checkpointing_trades_memory_for_the_same_gradients(checkpointed):
+    """train.checkpointed_blocks=N: N of the blocks, spread over the depth, keep only their
+    input for backward and recompute the rest there -- fewer saved activations, the very same
+    gradients (stochastic depth and dropout replayed), state-dict keys untouched."""
+    import copy
+
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.engine import apply_train_options
+
+    def build(*sets):
+        cfg = load_config(PretrainConfig, None, ["data.root=/nonexistent", "train.total_steps=1",
+                                                 *sets])
+        torch.manual_seed(0)
+        model = tiny(depth=6, drop_path_rate=0.2, dropout=0.1).train()
+        apply_train_options(model, cfg)
+        return model
+
+    x = torch.randn(4, 3, 16, 16)
+    plain_bytes, plain_grads = _saved_bytes_and_grads(build(), x)
+    sets = ["train.activation_checkpointing=true"]
+    if checkpointed:
+        sets.append(f"train.checkpointed_blocks={checkpointed}")
+    model = build(*sets)
+    saved, grads = _saved_bytes_and_grads(model, x)
+    assert grads.keys() == plain_grads.keys()
+    assert all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    # each checkpointed block keeps its input only: the saved bytes fall with their number
+    per_block = (plain_bytes - _saved_bytes_and_grads(build(*sets[:1]), x)[0]) / 6
+    assert per_block > 0
+    assert saved == pytest.approx(plain_bytes - (checkpointed or 6) * per_block, rel=0.02)
+    assert set(model.state_dict()) == set(build().state_dict())
+    # the EMA is a deep copy: its checkpointed blocks run its own weights, not the live ones
+    ema = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        before = ema(x)
+        for p in model.parameters():
+            p.add_(1.0)
+        assert torch.equal(ema(x), before)
+
+
+def test_checkpointed_blocks_beyond_the_depth_or_without_checkpointing_are_refused():
+    from pretrain.config import ConfigError, PretrainConfig, load_config
+    from pretrain.engine import apply_train_options
+
+    with pytest.raises(ConfigError, match="train.checkpointed_blocks needs "
+                                          "train.activation_checkpointing=true"):
+        load_config(PretrainConfig, None, ["data.root=/x", "train.total_steps=1",
+                                           "train.checkpointed_blocks=2"])
+    cfg = load_config(PretrainConfig, None, ["data.root=/x", "train.total_steps=1",
+                                             "train.activation_checkpointing=true",
+                                             "train.checkpointed_blocks=5"])
+    with pytest.raises(ConfigError, match="'train.checkpointed_blocks': 5 is more than the "
+                                          "model's 4 blocks"):
+        apply_train_options(tiny(), cfg)
