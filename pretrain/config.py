@@ -159,8 +159,9 @@ class TrainConfig(Section):
     # applies where the optimizer itself drops a non-finite update (DeepSpeed's bf16 optimizers,
     # plain PyTorch under Accelerate); elsewhere the check is read before the backward pass.
     nonfinite_check: Literal["after_update", "before_backward"] = Field(
-        "after_update", description="after_update: a bad loss drops its whole step, which is "
-        "then done again; before_backward: only its micro-batch, at one host sync per micro-batch")
+        "after_update", description="after_update (where the optimizer drops non-finite "
+        "updates itself, else before_backward): a bad loss drops its whole step, which is then "
+        "done again; before_backward: only its micro-batch, at one host sync per micro-batch")
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":
