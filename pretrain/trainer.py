@@ -182,6 +182,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     failed_saves = 0
     metrics: dict = {}
     skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
+
     def nonfinite(good_before: bool, dropped: str = "micro-batch skipped") -> bool:
         """After a micro-batch dropped for its loss: True when the run rolled back."""
         nonlocal step, window
