@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from pretrain.config import PretrainConfig, load_config
-from pretrain.distributed import free_port
+from pretrain.distributed import free_port, init_distributed
 from pretrain.engine import input_dtype
 from pretrain.guard import NonFiniteGuard
 from pretrain.metrics import peak_memory_gib
@@ -230,15 +230,14 @@ def _rank_main(rank: int, world: int, port: int, kwargs: dict, queue) -> None:
 
 
 def _measure_here(cfg_json: str, **kwargs) -> dict:
-    import deepspeed
     import torch.distributed as dist
 
     cfg = PretrainConfig.model_validate_json(cfg_json)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(verbose=False)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world = init_distributed()  # a world of one unless a launcher set one up
     try:
-        return measure(cfg, rank=dist.get_rank(), world=dist.get_world_size(), **kwargs)
+        return measure(cfg, rank=rank, world=world, **kwargs)
     finally:
         dist.destroy_process_group()
 
@@ -250,9 +249,6 @@ def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     more are spawned, one per GPU on a GPU machine, gloo ranks on the CPU.
     """
     if ranks == 1:
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         return _measure_here(cfg.model_dump_json(), **kwargs)
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise ValueError(f"--ranks {ranks} but only {torch.cuda.device_count()} GPU(s)")
