@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "lines instead of printing it")
 
     over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step, "
-                                             "each in a process of its own")
+                          "each in a process of its own")
     over.add_argument("--model", default="vit_tiny_patch16_224")
     over.add_argument("--batch", type=int, default=32)
     over.add_argument("--image-size", type=int, default=64)
