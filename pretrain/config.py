@@ -157,11 +157,13 @@ class TrainConfig(Section):
     max_rollbacks: int = Field(3, ge=0, description="rollbacks per job before stopping instead")
     # When the check is read: after the update costs the GPU no idle wait per micro-batch, and
     # applies where the optimizer itself drops a non-finite update (DeepSpeed's bf16 optimizers,
-    # plain PyTorch under Accelerate); elsewhere the check is read before the backward pass.
+    # plain PyTorch under Accelerate) and no fp16 loss scaler would count the bad loss as an
+    # overflow; elsewhere the check is read before the backward pass.
     nonfinite_check: Literal["after_update", "before_backward"] = Field(
         "after_update", description="after_update (where the optimizer drops non-finite "
-        "updates itself, else before_backward): a bad loss drops its whole step, which is then "
-        "done again; before_backward: only its micro-batch, at one host sync per micro-batch")
+        "updates itself, not under fp16; else before_backward): a bad loss drops its whole "
+        "step, which is then done again; before_backward: only its micro-batch, at one host "
+        "sync per micro-batch")
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":

@@ -201,17 +201,22 @@ def train_micro_batch(engine, images: torch.Tensor, targets: torch.Tensor, cfg: 
 
 
 def defers_check(cfg: RunConfig, optimizer) -> bool:
-    """Whether the non-finite check waits until after the update (``train.nonfinite_check``)."""
-    return cfg.train.nonfinite_check == "after_update" and drops_nonfinite_updates(optimizer)
+    """Whether the non-finite check waits until after the update (``train.nonfinite_check``).
+    Never under fp16: its dynamic loss scaler would take every non-finite loss for an
+    overflow, halve the scale (so the step done again would not train what it would have) and,
+    after enough of them, stop the run with a bare exception at the minimum scale."""
+    return cfg.train.nonfinite_check == "after_update" and cfg.train.precision != "fp16" and \
+        drops_nonfinite_updates(optimizer)
 
 
 def drops_nonfinite_updates(optimizer) -> bool:
     """Whether DeepSpeed's optimizer skips, on every rank, an update whose gradients are not
     finite, cleaning its gradient buffers (so the non-finite check can wait until after it).
 
-    Its fp16/bf16 optimizers for ZeRO-0 always do; ZeRO-1/2 do when told to check for overflow
-    (``check_grad_overflow``: on for fp16, and for bf16 by default). ZeRO-3 checks only under
-    fp16, and a plain PyTorch optimizer (fp32, ZeRO-0) never does: those check first."""
+    Its fp16/bf16 optimizers for ZeRO-0 always do (bf16 runs in ``FP16_UnfusedOptimizer`` or
+    ``BF16_Optimizer``); ZeRO-1/2 do when told to check for overflow (``check_grad_overflow``:
+    on for fp16, and for bf16 by default). ZeRO-3 checks only under fp16, and a plain PyTorch
+    optimizer (fp32, ZeRO-0) never does: those check first."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer

@@ -6,26 +6,30 @@ micro-batch whose loss is NaN or infinite on any rank is never trained on, on an
 counted. When the verdict is read depends on the optimizer (``train.nonfinite_check``):
 
 - **after the update**, where the optimizer itself skips an update whose gradients are not
-  finite (DeepSpeed's fp16/bf16 optimizers for ZeRO-0/1/2, see
+  finite (DeepSpeed's bf16 optimizers for ZeRO-0/1/2, see
   :func:`pretrain.engine.drops_nonfinite_updates`; plain PyTorch under Accelerate in fp32 or
-  bf16, which drops a step with a non-finite gradient norm): the check is only queued on the
-  device (:meth:`defer`) and the backward pass follows at once. A bad loss makes the gradients non-finite, the
-  optimizer drops the whole update, and the verdicts, read after it (:meth:`settle`), say why:
-  the step is then done again with new micro-batches, so a bad batch costs its step's batches.
-  The host waits for nothing it did not wait for already (the optimizer reads the gradient
-  norm), and a step trains exactly what it would have with the check read first.
-- **before the backward pass** elsewhere (DeepSpeed under fp32, ZeRO-3 under bf16, a fine-tune
-  in fp16 or under an Accelerate DeepSpeed config) or with
+  bf16, which drops a step with a non-finite gradient norm) and no fp16 loss scaler would
+  count a bad loss as an overflow: the check is only queued on the device (:meth:`defer`) and
+  the backward pass follows at once. A bad loss makes the gradients non-finite, the optimizer
+  drops the whole update, and the verdicts, read after it (:meth:`settle`), say why: the step
+  is then done again with new micro-batches, so a bad batch costs its step's batches. The host
+  waits for nothing it did not wait for already (the optimizer reads the gradient norm), and a
+  step trains exactly what it would have with the check read first. Should a bad loss leave
+  the gradients finite (0 x inf inside the loss), the update went in: the run rolls back to
+  the newest checkpoint, or stops where it may not.
+- **before the backward pass** elsewhere (DeepSpeed under fp32 or fp16, ZeRO-3 under bf16, a
+  fine-tune in fp16 or under an Accelerate DeepSpeed config) or with
   ``train.nonfinite_check=before_backward`` (:meth:`finite`): the bad micro-batch is dropped --
   no backward, no optimizer step -- and the step goes on with the next micro-batch from the
   loader, so a bad batch costs one batch. The price is one host sync per micro-batch: on a GPU
   the CPU waits for the forward pass before it queues the backward one, and the GPU idles.
 
-``train.nonfinite_limit`` bad micro-batches in a row mean the weights themselves have gone bad
-(or the data has): the run then either rolls back to the newest complete checkpoint and goes on
-with the data *after* the bad stretch, as PaLM did for loss spikes (``train.on_nonfinite:
-rollback``, at most ``train.max_rollbacks`` times), or stops with a message saying where it
-stopped and what is on disk (``stop``).
+``train.nonfinite_limit`` bad losses in a row -- with the check after the update: since the
+last update that went in, as a dropped step trains on none of its batches -- mean the weights
+themselves have gone bad (or the data has): the run then either rolls back to the newest
+complete checkpoint and goes on with the data *after* the bad stretch, as PaLM did for loss
+spikes (``train.on_nonfinite: rollback``, at most ``train.max_rollbacks`` times), or stops with
+a message saying where it stopped and what is on disk (``stop``).
 
 Apart from losses, an update can still overflow with a finite loss; those optimizers skip it
 too (``engine.was_step_applied()``), and it is counted as a dropped update.

@@ -183,19 +183,52 @@ def train(cfg: RunConfig, stage=None) -> dict:
     metrics: dict = {}
     skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
 
-    def nonfinite(good_before: bool, dropped: str = "micro-batch skipped") -> bool:
-        """After a micro-batch dropped for its loss: True when the run rolled back."""
+    def rollback() -> None:
         nonlocal step, window
-        if guard.verdict(step, dropped) != "rollback":
-            return False
-        if good_before:  # these weights gave finite losses in this very step
-            raise guard.stop(step, "the weights of this step gave finite losses, so the data "
-                                   "is the likely cause")
         step = roll_back(store, backend, guard, step)
         scheduler.step_update(step)
         loss_sum.zero_()  # the rolled-back steps' losses are not this window's
         window = 0
+
+    def nonfinite(good_before: bool, dropped: str = "micro-batch skipped",
+                  hint: str = "") -> bool:
+        """After a micro-batch dropped for its loss: True when the run rolled back."""
+        if guard.verdict(step, dropped) != "rollback":
+            return False
+        if good_before:  # these weights gave finite losses in this very step
+            raise guard.stop(step, "the weights of this step gave finite losses, so the data "
+                                   "is the likely cause" + hint)
+        rollback()
         return True
+
+    def dropped_step(late: list) -> None:
+        """After a step with a non-finite loss whose check was read after the update
+        (``late``: its micro-batches' verdicts; see pretrain.guard). The optimizer dropped the
+        update, so the step is done again with new batches, unless the run rolls back or stops.
+        Its finite losses do not end the streak of bad ones: the step trained on nothing."""
+        for i, ok in enumerate(late):
+            if ok:
+                continue
+            guard.record(False)
+            if nonfinite(any(late[:i]), "update dropped, the step is done again with new "
+                         "batches", "; train.nonfinite_check=before_backward drops only the "
+                         "bad micro-batches instead of whole steps"):
+                return
+
+    def applied_nonfinite(late: list) -> None:
+        """A loss was not finite but its gradients were (0 x inf inside the loss, say): the
+        optimizer applied the update, so only a checkpoint from before it is clean."""
+        for ok in late:
+            guard.record(ok)
+        message = (f"step {step + 1}: a loss was not finite but its gradients were, and the "
+                   f"optimizer applied the update")
+        if guard.action != "rollback" or guard.rollbacks >= guard.max_rollbacks:
+            raise TrainingStopped(
+                f"{message}; relaunch with train.nonfinite_check=before_backward: it resumes "
+                f"from the newest checkpoint, which is intact")
+        if backend.rank == 0:
+            log.warning("%s: rolling back to undo it", message)
+        rollback()
 
     # From here a stop signal is only noted, and the ranks act on it together at a step
     # boundary; before, during setup, it ends the process at once (there is nothing to save).
@@ -216,20 +249,16 @@ def train(cfg: RunConfig, stage=None) -> dict:
                     continue
                 step_loss += loss.float()
                 done += 1
-            # checks the backend deferred until after the update (see pretrain.guard): a loss
-            # that was not finite made the gradients so, and the optimizer dropped the update
+            # checks the backend deferred until after the update (see pretrain.guard)
             late = guard.settle()
-            if not all(late) and backend.update_applied():  # should DeepSpeed ever change
-                raise TrainingStopped(
-                    f"step {step + 1}: the optimizer applied an update although a loss was not "
-                    f"finite; relaunch with train.nonfinite_check=before_backward: it resumes "
-                    f"from the newest checkpoint, which is intact")
-            for i, ok in enumerate(late):
-                if not guard.record(ok) and nonfinite(any(late[:i]), "update dropped, the step "
-                                                      "is done again with new batches"):
-                    break
             if not all(late):
+                if backend.update_applied():
+                    applied_nonfinite(late)
+                else:
+                    dropped_step(late)
                 continue  # the same step again (or the one rolled back to), with new batches
+            if late:
+                guard.record(True)
             loss_sum += step_loss
             # the backend's own overflow check (DeepSpeed's ZeRO-1/2, a non-finite gradient
             # norm under Accelerate) may still have dropped the update

@@ -7,6 +7,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
   "write_error":  [rank, step, errno]  that rank's writes of checkpoint ``step`` fail (OSError)
   "nan":          [i, j, ...]          rank 0's i-th, j-th... forward pass of this process (from 1)
                                        gives NaN logits
+  "nan_loss":     [i, j, ...]          ...gives a NaN loss whose gradients are finite (as 0 x inf
+                                       inside a loss would), counted with "nan"'s passes
   "slow_save":    seconds              every file of every checkpoint takes this much longer to
                                        write; while one is written, OUTPUT_DIR/saving names it
 """
@@ -76,14 +78,15 @@ if "slow_save" in FAULTS:
         return _torch_save(obj, f, *args, **kwargs)
     torch.save = _slow_save
 
-if "nan" in FAULTS and RANK == 0:
+if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]
 
     def _loss(logits, *args, **kwargs):
         calls[0] += 1
-        if calls[0] in FAULTS["nan"]:
+        if calls[0] in FAULTS.get("nan", []):
             logits = logits * float("nan")
-        return loss_fn(logits, *args, **kwargs)
+        loss = loss_fn(logits, *args, **kwargs)
+        return loss + float("nan") if calls[0] in FAULTS.get("nan_loss", []) else loss
     eng_lib.classification_loss = _loss
 
 sys.argv[0] = str(REPO / "launch" / os.environ.get("FAULTY_LAUNCHER", "pretrain.py"))

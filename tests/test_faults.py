@@ -428,13 +428,56 @@ def test_nan_steps_are_skipped_then_rolled_back_then_stop_the_run(tmp_path, tiny
     fault_ledger.record(4, 0)  # skipped, rolled back, then stopped: not finished
 
 
-# Under bf16, DeepSpeed's optimizers for ZeRO-0/1/2 (three different classes) drop a non-finite
-# update themselves, so the check waits until after the update (train.nonfinite_check)
+# Under bf16, DeepSpeed's optimizers for ZeRO-0/1/2 drop a non-finite update themselves, so
+# the check waits until after the update (train.nonfinite_check)
+
+
+def _which_check_worker(port: int, queue) -> None:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import deepspeed
+
+    from pretrain.benchmark import build_engine
+    from pretrain.config import PretrainConfig, load_config
+    from pretrain.engine import defers_check
+
+    deepspeed.init_distributed(verbose=False)
+    found = {}
+    for precision, zero in [("bf16", 0), ("bf16", 1), ("bf16", 2), ("bf16", 3), ("fp32", 0),
+                            ("fp32", 1), ("fp32", 2)]:
+        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml",
+                          [f"train.precision={precision}", f"deepspeed.zero_stage={zero}"])
+        engine = build_engine(cfg)[0]
+        found[f"{precision} ZeRO-{zero}"] = (type(engine.optimizer).__name__,
+                                             defers_check(cfg, engine.optimizer))
+    # fp16 (no DeepSpeed fp16 on this CPU): its loss scaler must never see a bad loss
+    cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", ["train.precision=fp16"])
+    found["fp16"] = defers_check(cfg, engine.optimizer)
+    queue.put(found)
+
+
+def test_the_check_waits_for_the_update_only_where_the_optimizer_drops_bad_ones():
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_which_check_worker, args=(free_port(), queue))
+    proc.start()
+    found = queue.get(timeout=300)
+    proc.join()
+    defers = {setting: v if isinstance(v, bool) else v[1] for setting, v in found.items()}
+    assert defers == {"bf16 ZeRO-0": True, "bf16 ZeRO-1": True, "bf16 ZeRO-2": True,
+                      "bf16 ZeRO-3": False, "fp32 ZeRO-0": False, "fp32 ZeRO-1": False,
+                      "fp32 ZeRO-2": False, "fp16": False}, found
+    assert found["bf16 ZeRO-1"][0] == "DeepSpeedZeroOptimizer"
 
 
 def test_nan_checked_after_the_update_skips_rolls_back_then_stops_the_same(tmp_path, tiny_data,
                                                                            fault_ledger):
-    """One micro-batch a step: the same run as with the check before backward (fp32 above)."""
+    """One micro-batch a step: the same counts, rollback and stop as with the check before
+    backward (fp32 above)."""
     out = tmp_path / "run"
     text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=1",
                   "train.nonfinite_limit=3", "train.max_rollbacks=1",
@@ -473,6 +516,61 @@ def test_nan_checked_after_the_update_drops_its_whole_step_and_nothing_else(
     assert last_values(late, "train/nonfinite_skipped")[8] == 1
     assert last_values(early, "train/nonfinite_skipped")[8] == 2
     fault_ledger.record(3, 0)
+
+
+def test_a_nan_in_every_try_of_a_step_checked_after_the_update_stops_the_run(tmp_path,
+                                                                            tiny_data,
+                                                                            fault_ledger):
+    """Two micro-batches a step, the second NaN in every try of step 2: each try is dropped
+    whole, and its finite first micro-batch does not end the streak (the step trained on
+    nothing), so the run stops after train.nonfinite_limit tries instead of trying forever --
+    these weights gave finite losses, so the data is to blame, and the message says which
+    check drops only the bad micro-batches."""
+    out = tmp_path / "run"
+    text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=1",
+                  "train.micro_batch_size=4", "train.nonfinite_limit=3",
+                  faults={"nan": [4, 6, 8]}, fails=True)
+    assert "exits with return code = 3" in text
+    assert "step 2: non-finite loss, update dropped, the step is done again with new batches " \
+        "(3 in a row, 3 in all)" in text
+    [line] = error_lines(text)
+    assert line.startswith("error: training stopped at step 2: 3 non-finite losses in a row (the "
+                           "weights of this step gave finite losses, so the data is the likely "
+                           "cause; train.nonfinite_check=before_backward drops only the bad "
+                           "micro-batches instead of whole steps)")
+    assert sorted(last_values(out)) == [1]
+    fault_ledger.record(3, 0)
+
+
+@pytest.mark.parametrize("action", ["rollback", "stop"])
+def test_a_nan_loss_with_finite_gradients_is_undone_or_stops_the_run(action, tmp_path, tiny_data,
+                                                                     fault_ledger):
+    """A loss that is NaN while its gradients are finite (0 x inf inside a loss): checked after
+    the update, the optimizer has already applied that update, so the run rolls back to the
+    checkpoint from before it and goes on -- or, where it may not roll back, stops."""
+    out = tmp_path / "run"
+    text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=1",
+                  "train.total_steps=8", f"train.on_nonfinite={action}",
+                  faults={"nan_loss": [7]}, fails=action == "stop")
+    # forward passes 1-7 are steps 1-7 (checkpoint 5); pass 7's loss is NaN, its update went in
+    applied = "step 7: a loss was not finite but its gradients were, and the optimizer " \
+        "applied the update"
+    if action == "stop":
+        assert "exits with return code = 3" in text
+        [line] = error_lines(text)
+        assert line == f"error: {applied}; relaunch with train.nonfinite_check=before_backward: " \
+            "it resumes from the newest checkpoint, which is intact"
+        assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [5]
+        fault_ledger.record(1, 0)
+        return
+    assert f"{applied}: rolling back to undo it" in text
+    assert "step 7: rolled back to" in text and f"{out}/checkpoints/step_00000005" in text
+    losses = last_values(out)
+    assert sorted(losses) == list(range(1, 9)) and all(map(math.isfinite, losses.values()))
+    assert last_values(out, "train/nonfinite_skipped")[8] == 1
+    assert last_values(out, "train/rollbacks")[8] == 1
+    assert sorted(c.step for c in CheckpointStore(out / "checkpoints").complete()) == [5, 8]
+    fault_ledger.record(1, 1)  # rolled back, then finished
 
 
 @pytest.mark.parametrize("check", ["after_update", "before_backward"])
