@@ -497,7 +497,8 @@ def test_nan_checked_after_the_update_skips_rolls_back_then_stops_the_same(tmp_p
     fault_ledger.record(7, 0)
 
 
-@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, 2])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1,
+                                  pytest.param(2, marks=pytest.mark.slow)])
 def test_nan_checked_after_the_update_drops_its_whole_step_and_nothing_else(
         zero, tmp_path, tiny_data, fault_ledger):
     """Two micro-batches a step: a NaN in the first of step 2's makes DeepSpeed drop that update,
@@ -527,7 +528,9 @@ def test_a_nan_in_every_try_of_a_step_checked_after_the_update_stops_the_run(tmp
     these weights gave finite losses, so the data is to blame, and the message says which
     check drops only the bad micro-batches."""
     out = tmp_path / "run"
-    text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=1",
+    # ZeRO-2 (its gradients are partitioned as they are made), whose whole-step drop the
+    # bit-for-bit test above runs only among the slow variants
+    text = faulty(out, tiny_data, "train.precision=bf16", "deepspeed.zero_stage=2",
                   "train.micro_batch_size=4", "train.nonfinite_limit=3",
                   faults={"nan": [4, 6, 8]}, fails=True)
     assert "exits with return code = 3" in text
