@@ -118,11 +118,18 @@ class AccelerateBackend:
         # the norm of the all-reduced gradients: the same verdict on every rank (None: an
         # Accelerate DeepSpeed config clips, and checks for overflow, inside DeepSpeed's step)
         self._grad_norm = float(norm) if norm is not None else 0.0
-        self._applied = math.isfinite(self._grad_norm)
-        if self._applied:
+        if self.accelerator.scaler is not None:
+            # fp16 (GPU only): the loss scaler skips a step with non-finite gradients itself
+            # and lowers its scale, but only inside optimizer.step(); without that call it
+            # would keep this step's unscaled state, and the next clip would raise
             self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update(self.module)
+            self._applied = not self.optimizer.step_was_skipped
+        else:
+            self._applied = math.isfinite(self._grad_norm)
+            if self._applied:
+                self.optimizer.step()
+        if self._applied and self.ema is not None:
+            self.ema.update(self.module)
         self.optimizer.zero_grad(set_to_none=True)
 
     def update_applied(self) -> bool:

@@ -145,6 +145,18 @@ def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, foreach=True)
 
 
+def steps_to_param_device(optimizer: torch.optim.Optimizer) -> None:
+    """A fused (or capturable) AdamW keeps its step counter on its parameter's device, where
+    its kernel reads it; torch's ``load_state_dict`` moves it there. DeepSpeed's universal
+    checkpoint load sets the counter it read on the CPU directly, so move it here."""
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                if state and "step" in state:
+                    state["step"] = torch.as_tensor(state["step"], dtype=torch.float32).to(p.device)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int):
     """Linear warmup from 0, then linear (ViT paper) or cosine decay to ``min_lr`` at the end.
 
@@ -301,4 +313,5 @@ class DeepSpeedBackend:
                                                    load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {Path(root) / tag}")
+        steps_to_param_device(self.optimizer)
         return client

@@ -60,14 +60,21 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state()}
+    """This rank's random generators. On a GPU, dropout and stochastic depth draw from the
+    device's generator, so it is kept too, or a resumed run would draw other masks."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():  # not when a GPU run resumes on a CPU
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:

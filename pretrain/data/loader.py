@@ -25,6 +25,8 @@ and counted by cause (:attr:`TrainLoader.skipped_by_cause`); it never ends an ep
 """
 from __future__ import annotations
 
+import functools
+
 import atexit
 import logging
 import math
@@ -559,10 +561,18 @@ def normalize(images: torch.Tensor, mode: str = "minus_one_one",
     if mode == "minus_one_one":
         return x.div_(127.5).sub_(1.0)
     if mode == "imagenet":
-        mean = torch.tensor(IMAGENET_MEAN, device=x.device, dtype=dtype).view(1, 3, 1, 1) * 255
-        std = torch.tensor(IMAGENET_STD, device=x.device, dtype=dtype).view(1, 3, 1, 1) * 255
+        mean, std = _imagenet_mean_std(x.device, dtype)
         return x.sub_(mean).div_(std)
     raise LoaderError(f"data.normalize='{mode}' is unknown; use 'minus_one_one' or 'imagenet'")
+
+
+@functools.lru_cache(maxsize=None)
+def _imagenet_mean_std(device: torch.device, dtype: torch.dtype):
+    """Made once per device: a tensor built from a list on a GPU is a blocking copy, which
+    would make the host wait for the device at every batch."""
+    def make(values):
+        return torch.tensor(values, dtype=torch.float32).mul(255).view(1, 3, 1, 1).to(device, dtype)
+    return make(IMAGENET_MEAN), make(IMAGENET_STD)
 
 
 def build_mixup(data, num_classes: int):
