@@ -101,17 +101,24 @@ def markdown(records: list[dict]) -> str:
         kinds = sorted({k for _, r in profiled for k in r["profile"]["ms"]},
                        key=lambda k: -max(r["profile"]["ms"].get(k, 0) for _, r in profiled))
         lines += ["", "Where a step's time goes (ms per step; device kernels on a GPU, host "
-                  "operators on a CPU; the idle rest is the step time not covered by them):", "",
-                  "| # | step | " + " | ".join(kinds) + " | idle rest | host waits |",
-                  "|---" * (len(kinds) + 4) + "|"]
+                  "operators on a CPU; the idle rest is the step time not covered by them; on a "
+                  "GPU, the host's waits for the device and the host time spent in DeepSpeed's "
+                  "step, through which the device idles unless enough work was queued; the "
+                  "kernels DeepSpeed's step launched, on a CPU the operators it called):", "",
+                  "| # | step | " + " | ".join(kinds) + " | idle rest | host waits | "
+                  "host in DeepSpeed's step | launches in it |", "|---" * (len(kinds) + 6) + "|"]
         for i, r in profiled:
             b, steps, step_ms = r["profile"], r["profile_steps"], r["profile_step_ms"]
             cells = [f"{b['ms'].get(k, 0) / steps:.1f}" for k in kinds]
             idle = max(step_ms - b["busy_ms"] / steps, 0.0)
             waits = "—" if "host_syncs" not in b else \
                 f"{b['host_syncs'] / steps:.0f} ({b['host_sync_ms'] / steps:.1f} ms)"
+            in_step = "—" if "engine_step_host_ms" not in b else \
+                f"{b['engine_step_host_ms'] / steps:.1f}"
+            launches = "—" if "engine_step_launches" not in b else \
+                f"{b['engine_step_launches'] / steps:.0f}"
             lines.append(f"| {i} | {step_ms:.1f} | " + " | ".join(cells) +
-                         f" | {idle:.1f} | {waits} |")
+                         f" | {idle:.1f} | {waits} | {in_step} | {launches} |")
     return "\n".join(lines)
 
 

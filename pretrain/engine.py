@@ -14,6 +14,7 @@ from torch import nn
 
 from pretrain.config import ConfigError, PretrainConfig, RunConfig
 from pretrain.model import ViTClassifier, create_model
+from pretrain.profile import ENGINE_STEP
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
@@ -208,7 +209,10 @@ def train_micro_batch(engine, images: torch.Tensor, targets: torch.Tensor, cfg: 
         elif not guard.finite(loss):
             return None
     engine.backward(loss)
-    engine.step()
+    # a profiler range (almost free without a profiler): what runs inside is the update or
+    # DeepSpeed's bookkeeping around it, in `benchmark.py train --profile`'s breakdown
+    with torch.profiler.record_function(ENGINE_STEP):
+        engine.step()
     return loss.detach()
 
 

@@ -15,11 +15,25 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-# First match wins: attention before matmul (flash kernels use tensor cores too).
+# DeepSpeed's step (the update and everything it does around it) runs inside this profiler
+# range (see pretrain.engine.train_micro_batch); the optimizer's own update inside it runs in
+# torch's "Optimizer.step#<class>.step" range. Work launched inside the first but outside the
+# second is DeepSpeed's bookkeeping: flattening, overflow checks, gradient norms, copies back.
+ENGINE_STEP = "vitscale.engine_step"
+OPTIMIZER_STEP = "Optimizer.step#"
+OPTIMIZER, BOOKKEEPING = "optimizer", "DeepSpeed bookkeeping"
+
+# By kernel (or host operator) name; first match wins: attention before matmul (flash kernels
+# use tensor cores too). Inductor's pointwise and reduction kernels are named after the ops they
+# fused ("triton_poi_fused_addmm_gelu_0" is the bias and GELU after a cuBLAS matmul), so they
+# are elementwise work, or norms where a norm was fused in; its templates ("triton_tem_") are
+# matmuls. cuBLAS 12.8+ names its Hopper GEMMs "nvjet_*".
 KINDS = (
-    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product|efficient_attention"),
-    ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|linear|cutlass|sm90_xmma|cublas|wgmma"),
-    ("optimizer", r"adam|multi_tensor|foreach|_fused_|optimizer|lamb|sgd"),
+    ("attention", r"flash|fmha|attention|sdpa|scaled_dot_product"),
+    ("norms", r"^triton_(poi|red|per)_.*norm"),
+    (None, r"^triton_(poi|red|per)_"),
+    ("matmul", r"gemm|matmul|\bmm\b|addmm|bmm|linear|cutlass|xmma|cublas|wgmma|nvjet|^triton_tem_"),
+    (OPTIMIZER, r"adam|multi_tensor|foreach|optimizer|lamb|sgd"),
     ("norms", r"norm"),
     ("communication", r"nccl|allreduce|all_reduce|allgather|all_gather|reduce_scatter|gloo"),
     ("copies", r"memcpy|memset|copy_|\bto\b|contiguous"),
@@ -31,7 +45,7 @@ def kind_of(name: str) -> str:
     low = name.lower()
     for kind, pattern in KINDS:
         if re.search(pattern, low):
-            return kind
+            return kind or OTHER
     return OTHER
 
 
@@ -63,29 +77,75 @@ def profiled(out_dir: Optional[str], rank: int, device: torch.device) -> Iterato
 HOST_SYNC = re.compile(r"^cuda(Stream|Event|Device)Synchronize$")
 
 
+def _phase(event) -> Optional[str]:
+    """OPTIMIZER or BOOKKEEPING for a host event inside DeepSpeed's step, else None."""
+    inside_optimizer = False
+    while event is not None:
+        if event.name.startswith(OPTIMIZER_STEP):
+            inside_optimizer = True
+        elif event.name == ENGINE_STEP:
+            return OPTIMIZER if inside_optimizer else BOOKKEEPING
+        event = event.cpu_parent
+    return None
+
+
 def summarize(prof, on_device: bool) -> Dict[str, float]:
-    """Self time per kind in ms (device kernels on a GPU; leaf host ops on a CPU), and each
-    kind's share of the busy time; on a GPU also the host's waits for the device."""
+    """Time per kind of work in ms, and each kind's share of the busy time: on a GPU the device
+    kernels (each counted once, as the kernel itself: the profiler also hangs its time on the
+    host call that launched it), on a CPU the host operators' self time. Work done inside
+    DeepSpeed's step is the optimizer's update or DeepSpeed's bookkeeping, whatever its name;
+    the rest is sorted by name. Also how many kernels DeepSpeed's step launched (on a CPU: how
+    many operators it called, each a launch or more on a GPU); on a GPU the host's waits for the
+    device, and the host time spent inside DeepSpeed's step (the device idles through it unless
+    enough was queued)."""
+    from torch.autograd import DeviceType
+
     totals: Dict[str, float] = {}
-    syncs, sync_ms = 0, 0.0
-    for event in prof.key_averages():
-        if on_device and HOST_SYNC.match(event.key):
-            syncs += event.count
-            sync_ms += event.cpu_time_total / 1e3
-            continue
-        us = (getattr(event, "self_device_time_total", None) or
-              getattr(event, "self_cuda_time_total", 0)) if on_device else \
-            event.self_cpu_time_total
+
+    def add(kind: str, us: float) -> None:
         if us > 0:
-            kind = kind_of(event.key)
             totals[kind] = totals.get(kind, 0.0) + us / 1e3
+
+    events = [e for e in prof.events() if not e.is_async]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    extra: Dict[str, float] = {}
+    if on_device:
+        # A kernel is tied to the host call that launched it (the profiler's correlation);
+        # that call's ancestors say whether it ran inside DeepSpeed's step.
+        stepped: Dict[str, float] = {}
+        launches = 0
+        for e in host:
+            phase = _phase(e) if e.kernels else None
+            for k in e.kernels if phase else ():
+                add(phase, k.duration)
+                stepped[k.name] = stepped.get(k.name, 0.0) + k.duration
+                launches += 1
+        for e in events:
+            if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False):
+                taken = min(stepped.get(e.name, 0.0), e.self_device_time_total)
+                stepped[e.name] = stepped.get(e.name, 0.0) - taken
+                add(kind_of(e.name), e.self_device_time_total - taken)
+        syncs = [e for e in host if HOST_SYNC.match(e.name)]
+        extra = {"host_syncs": len(syncs),
+                 "host_sync_ms": round(sum(e.cpu_time_total for e in syncs) / 1e3, 3),
+                 "engine_step_host_ms": round(sum(e.cpu_time_total for e in host
+                                                  if e.name == ENGINE_STEP) / 1e3, 3)}
+    else:
+        launches = 0
+        for e in host:
+            phase = _phase(e)
+            add(phase or kind_of(e.name), e.self_cpu_time_total)
+            # an operator called from Python (not from inside another): on a GPU each one
+            # launches a kernel or more
+            launches += bool(phase and e.name.startswith("aten::") and not (
+                e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    extra["engine_step_launches"] = launches
     busy = sum(totals.values()) or 1.0
+    order = sorted(totals.items(), key=lambda kv: -kv[1])
     return {"busy_ms": round(busy, 3), "time_base": "device kernels" if on_device else
-            "host operators (CPU)",
-            **({"host_syncs": syncs, "host_sync_ms": round(sync_ms, 3)} if on_device else {}),
-            "ms": {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
-            "share": {k: round(v / busy, 4) for k, v in sorted(totals.items(),
-                                                                key=lambda kv: -kv[1])}}
+            "host operators (CPU)", **extra,
+            "ms": {k: round(v, 3) for k, v in order},
+            "share": {k: round(v / busy, 4) for k, v in order}}
 
 
 def format_breakdown(b: Dict, steps: int, step_ms: float) -> str:
@@ -99,4 +159,11 @@ def format_breakdown(b: Dict, steps: int, step_ms: float) -> str:
     if "host_syncs" in b:
         lines.append(f"  host waits for the device: {b['host_syncs'] / steps:.1f} per step, "
                      f"{b['host_sync_ms'] / steps:.2f} ms")
+    if "engine_step_host_ms" in b:
+        lines.append(f"  host time in DeepSpeed's step: {b['engine_step_host_ms'] / steps:.2f} ms "
+                     f"per step")
+    if "engine_step_launches" in b:
+        what = "kernels launched" if b["time_base"] == "device kernels" else "operators called"
+        lines.append(f"  {what} in DeepSpeed's step: {b['engine_step_launches'] / steps:.0f} "
+                     f"per step")
     return "\n".join(lines)
