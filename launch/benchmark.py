@@ -144,6 +144,8 @@ def print_train_table(r: dict) -> None:
             ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
              + (" / compiled" if r["compile"] else "")),
             ("non-finite check", r["nonfinite_check"].replace("_", " ")),
+            ("gradient checks", "one pass (deepspeed.one_pass_grad_checks)"
+             if r["one_pass_grad_checks"] else "DeepSpeed's own"),
             ("images/s", f"{r['images_per_sec']:,.1f}"),
             ("TFLOP/s per device", f"{r['tflops_per_device']:.3f}"),
             ("MFU", mfu),

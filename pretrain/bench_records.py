@@ -76,6 +76,8 @@ def _options(r: dict) -> str:
                                    if r.get("checkpointed_blocks") else ""))
     if r.get("nonfinite_check") == "before_backward":
         opts.append("check before backward")
+    if r.get("one_pass_grad_checks") is False and r["zero_stage"] in (1, 2):
+        opts.append("DeepSpeed's per-tensor grad checks")
     return ", ".join(opts)
 
 

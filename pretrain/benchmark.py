@@ -77,16 +77,13 @@ def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
 def build_engine(cfg: PretrainConfig, world: int = 1):
     """``deepspeed.initialize`` on our model, optimizer and DeepSpeed config, as the trainer
     does; returns (engine, optimizer, ds_config)."""
-    import deepspeed
-
     from pretrain import engine as eng
 
     micro, accum = cfg.train.batch_layout(world)
     ds_config = eng.deepspeed_config(cfg, micro, accum, world)
     model = eng.build_model(cfg, ds_config)
     optimizer = eng.build_optimizer(model, cfg)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, optimizer, ds_config
+    return eng.initialize(cfg, model, optimizer, ds_config), optimizer, ds_config
 
 
 def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count: int = 2,
@@ -112,8 +109,9 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
     of the last ``steps``. With ``profile`` (a folder), ``profile_steps`` more steps run under
     torch.profiler afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out
     of the figures. Collective: every rank of the world must call it."""
-    from pretrain.profile import profiled
     from pretrain import engine as eng
+    from pretrain import grad_checks
+    from pretrain.profile import profiled
     from pretrain.data.loader import build_train_loader, prepare_batch
     from pretrain.metrics import StepTimer, peak_tflops
 
@@ -183,6 +181,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         "ranks": world, "zero_stage": eng.zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": compile,
         "nonfinite_check": "after_update" if defer else "before_backward",
+        "one_pass_grad_checks": grad_checks.installed(engine.optimizer),
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "checkpointed_blocks": cfg.train.checkpointed_blocks,  # None: all of them
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,

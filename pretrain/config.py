@@ -226,6 +226,10 @@ class DeepSpeedConfig(Section):
     # A JSON file (path, or a name in configs/deepspeed/) for everything else DeepSpeed offers;
     # batch sizes, precision and clipping still come from this config.
     config: Optional[str] = Field(None, description="DeepSpeed JSON (replaces zero_stage)")
+    one_pass_grad_checks: bool = Field(
+        True, description="ZeRO-1/2: check the gradients for NaN/inf and take their norm in one "
+        "multi-tensor pass each instead of DeepSpeed's per-tensor loops (same verdicts and "
+        "norms, ~4,500 fewer kernel launches per ViT-L update; see pretrain/grad_checks.py)")
 
 
 class LogConfig(Section):

@@ -55,6 +55,19 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
     return out
 
 
+def initialize(cfg: PretrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+               ds_config: dict):
+    """``deepspeed.initialize``; with ``deepspeed.one_pass_grad_checks``, ZeRO-1/2 check and
+    measure the gradients in one pass each (:mod:`pretrain.grad_checks`)."""
+    import deepspeed
+
+    from pretrain import grad_checks
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    if cfg.deepspeed.one_pass_grad_checks:
+        grad_checks.install(engine.optimizer)
+    return engine
+
+
 def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
@@ -265,7 +278,6 @@ class DeepSpeedBackend:
               init_weights=None) -> None:
         """Model, optimizer and engine; ``resume`` (a :class:`pretrain.checkpoint.Checkpoint`
         or None) written on another world size is first converted to a universal checkpoint."""
-        import deepspeed
         if init_weights is not None:
             raise NotImplementedError("pretraining starts from the model's own initialisation")
         self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
@@ -274,8 +286,7 @@ class DeepSpeedBackend:
             store.prepare_universal(resume)
         model = build_model(cfg, self.ds_config)
         self.optimizer = build_optimizer(model, cfg)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                                    config=self.ds_config)
+        self.engine = initialize(cfg, model, self.optimizer, self.ds_config)
         if cfg.train.compile:
             self.engine.compile()
         self.device = self.engine.device

@@ -72,6 +72,15 @@ def profiled(out_dir: Optional[str], rank: int, device: torch.device) -> Iterato
     holder.append(breakdown)
 
 
+# Operators that only make another view of a tensor, allocate, or read its metadata: no kernel
+# on a GPU (DeepSpeed's ZeRO-1/2 step calls several per parameter to point it into its buffer).
+NO_KERNEL = frozenset("aten::" + name for name in (
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "narrow", "slice", "select",
+    "as_strided", "alias", "detach", "t", "transpose", "permute", "expand", "squeeze",
+    "unsqueeze", "flatten", "unflatten", "split", "chunk", "empty", "empty_strided",
+    "empty_like", "_has_compatible_shallow_copy_type", "result_type", "lift_fresh",
+    "resolve_conj", "resolve_neg", "set_"))
+
 # CUDA runtime calls in which the host waits for the device (``.item()``, ``.cpu()``, events):
 # while it waits it queues nothing, so the device runs dry unless enough was queued before.
 HOST_SYNC = re.compile(r"^cuda(Stream|Event|Device)Synchronize$")
@@ -135,10 +144,11 @@ def summarize(prof, on_device: bool) -> Dict[str, float]:
         for e in host:
             phase = _phase(e)
             add(phase or kind_of(e.name), e.self_cpu_time_total)
-            # an operator called from Python (not from inside another): on a GPU each one
-            # launches a kernel or more
-            launches += bool(phase and e.name.startswith("aten::") and not (
-                e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+            # an operator called from Python (not from inside another) that computes
+            # something: on a GPU each one launches a kernel or more
+            launches += bool(phase and e.name.startswith("aten::") and e.name not in NO_KERNEL
+                             and not (e.cpu_parent is not None and
+                                      e.cpu_parent.name.startswith("aten::")))
     extra["engine_step_launches"] = launches
     busy = sum(totals.values()) or 1.0
     order = sorted(totals.items(), key=lambda kv: -kv[1])

@@ -1,0 +1,110 @@
+"""DeepSpeed ZeRO-1/2's two checks of the gradients before an update, each in one pass.
+
+Before each update, DeepSpeed's ZeRO-1/2 optimizer looks at the gradients twice, one tensor at
+a time: whether any holds a NaN or an infinity (about seven small operations per tensor, then
+one read on the host), and their norm for clipping (about five more). ViT-L/16 has 298 such
+tensors, so that is ~4,500 operations per update. On a GPU each is a kernel launch that the
+device finishes in microseconds and then waits for the host to launch the next one:
+`benchmark.py train --profile` counts them ("launches in DeepSpeed's step").
+
+Here both come from one multi-tensor pass (torch's ``_foreach_norm``, the one
+``clip_grad_norm_`` uses) over all the gradients: each tensor's norm accumulated in DeepSpeed's
+norm dtype, float64, as its own loop takes it. Such a norm is non-finite exactly when the tensor
+holds a NaN or an infinity (a finite value squares to at most ~1.2e77: the sum cannot overflow
+float64), so the overflow check reads its verdict off the norms, and the norm DeepSpeed asks for
+next reuses them instead of reading the gradients again. On the CPU the norms agree with
+DeepSpeed's bit for bit (a test checks it); the all-reduces and the host read stay DeepSpeed's.
+
+Only the plain data-parallel case is taken over: no model, pipeline or expert parallelism, no
+optimizer offload, no sparse gradients, a device with float64. Anything else keeps DeepSpeed's
+loops.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+def install(optimizer) -> bool:
+    """Give a DeepSpeed ZeRO-1/2 optimizer the one-pass checks; False where it keeps its own
+    (another optimizer, a DeepSpeed without these methods, or a case listed above)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return False
+    needed = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "averaged_gradients",
+              "bit16_groups", "dp_process_group", "mpu", "cpu_offload", "has_moe_layers")
+    if not all(hasattr(optimizer, name) for name in needed):
+        return False
+    if optimizer.mpu is not None or optimizer.cpu_offload or optimizer.has_moe_layers or \
+            get_norm_dtype() != torch.float64:
+        return False
+    optimizer._one_pass_norms = []  # (gradients, their norms) from the last overflow check
+    optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_any_nonfinite, optimizer)
+    optimizer.get_grad_norm_direct = types.MethodType(_grad_norm, optimizer)
+    return True
+
+
+def installed(optimizer) -> bool:
+    return "get_grad_norm_direct" in vars(optimizer)
+
+
+def _measured(grads) -> list:
+    """The gradients DeepSpeed's norm counts: not its zero padding, not empty ones."""
+    return [g for g in grads if g is not None and g.numel() and
+            not getattr(g, "_zero_padding", False)]
+
+
+def _any_nonfinite(self) -> torch.Tensor:
+    """Whether some gradient of this rank holds a NaN or an infinity (a bool tensor of one
+    element on the device, as DeepSpeed's own returns); keeps each group's norms for
+    :func:`_grad_norm`. DeepSpeed's zero padding is left out: it holds zeros."""
+    groups = [_measured(self.averaged_gradients[i]) for i in range(len(self.bit16_groups))]
+    grads = [g for group in groups for g in group]
+    self._one_pass_norms = []
+    if any(g.is_sparse for g in grads):
+        return type(self).has_overflow_partitioned_grads_serial(self)
+    from deepspeed.accelerator import get_accelerator
+    flag = torch.zeros([1], dtype=torch.float, device=get_accelerator().current_device_name())
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+        flag += (~torch.isfinite(norms)).any()
+        start = 0
+        for group in groups:  # views of the one result, no copies
+            self._one_pass_norms.append((group, norms[start:start + len(group)]))
+            start += len(group)
+    return flag.bool()
+
+
+def _grad_norm(self, gradients, params, norm_type=2):
+    """The L2 norm of this rank's gradients, summed over the data-parallel ranks; a NaN or an
+    infinity comes back as -1, which DeepSpeed reads as an overflow (as its own does)."""
+    grads = _measured(gradients)
+    if float(norm_type) != 2.0 or any(g.is_sparse for g in grads) or len(grads) != len(params):
+        return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+    device = get_accelerator().current_device_name()
+    norms = _take_kept_norms(self, grads)
+    if norms is None and grads:
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    if grads:
+        total = norms.pow(2).sum().float()
+    else:
+        total = torch.tensor(0.0, dtype=torch.float32, device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    total = total.pow(0.5)
+    mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    return total
+
+
+def _take_kept_norms(self, grads):
+    """The norms the overflow check took of these very tensors a moment ago (each used once),
+    or None."""
+    for k, (group, norms) in enumerate(self._one_pass_norms):
+        if len(group) == len(grads) and all(a is b for a, b in zip(group, grads)):
+            del self._one_pass_norms[k]
+            return norms
+    return None
