@@ -13,7 +13,8 @@ norm dtype, float64, as its own loop takes it. Such a norm is non-finite exactly
 holds a NaN or an infinity (a finite value squares to at most ~1.2e77: the sum cannot overflow
 float64), so the overflow check reads its verdict off the norms, and the norm DeepSpeed asks for
 next reuses them instead of reading the gradients again. On the CPU the norms agree with
-DeepSpeed's bit for bit (a test checks it); the all-reduces and the host read stay DeepSpeed's.
+DeepSpeed's bit for bit (a test checks it); on a GPU the multi-tensor kernel sums in another
+order, so the last float64 bits may differ. The all-reduces and the host read stay DeepSpeed's.
 
 Only the plain data-parallel case is taken over: no model, pipeline or expert parallelism, no
 optimizer offload, no sparse gradients, a device with float64. Anything else keeps DeepSpeed's
@@ -22,6 +23,7 @@ loops.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -51,7 +53,7 @@ def installed(optimizer) -> bool:
 
 
 def _measured(grads) -> list:
-    """The gradients DeepSpeed's norm counts: not its zero padding, not empty ones."""
+    """The gradients worth a norm: none of DeepSpeed's marked zero padding, none empty."""
     return [g for g in grads if g is not None and g.numel() and
             not getattr(g, "_zero_padding", False)]
 
@@ -62,7 +64,7 @@ def _any_nonfinite(self) -> torch.Tensor:
     :func:`_grad_norm`. DeepSpeed's zero padding is left out: it holds zeros."""
     groups = [_measured(self.averaged_gradients[i]) for i in range(len(self.bit16_groups))]
     grads = [g for group in groups for g in group]
-    self._one_pass_norms = []
+    self._one_pass_norms = []  # weak references: a dropped update's gradients are freed
     if any(g.is_sparse for g in grads):
         return type(self).has_overflow_partitioned_grads_serial(self)
     from deepspeed.accelerator import get_accelerator
@@ -72,7 +74,8 @@ def _any_nonfinite(self) -> torch.Tensor:
         flag += (~torch.isfinite(norms)).any()
         start = 0
         for group in groups:  # views of the one result, no copies
-            self._one_pass_norms.append((group, norms[start:start + len(group)]))
+            self._one_pass_norms.append(([weakref.ref(g) for g in group],
+                                         norms[start:start + len(group)]))
             start += len(group)
     return flag.bool()
 
@@ -80,8 +83,11 @@ def _any_nonfinite(self) -> torch.Tensor:
 def _grad_norm(self, gradients, params, norm_type=2):
     """The L2 norm of this rank's gradients, summed over the data-parallel ranks; a NaN or an
     infinity comes back as -1, which DeepSpeed reads as an overflow (as its own does)."""
-    grads = _measured(gradients)
-    if float(norm_type) != 2.0 or any(g.is_sparse for g in grads) or len(grads) != len(params):
+    # DeepSpeed's own pairing: the gradients but its marked padding, zipped with the parameters
+    # (the zip drops the unmarked zeros that pad the last rank's partition to its size)
+    paired = [g for g in gradients if not getattr(g, "_zero_padding", False)][:len(params)]
+    grads = _measured(paired)
+    if float(norm_type) != 2.0 or any(g.is_sparse for g in grads):
         return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -101,10 +107,10 @@ def _grad_norm(self, gradients, params, norm_type=2):
 
 
 def _take_kept_norms(self, grads):
-    """The norms the overflow check took of these very tensors a moment ago (each used once),
-    or None."""
+    """The norms the overflow check took of these very tensors a moment ago (each group's used
+    once), or None. ``grads`` may leave out a group's last tensors (the padding of a partition)."""
     for k, (group, norms) in enumerate(self._one_pass_norms):
-        if len(group) == len(grads) and all(a is b for a, b in zip(group, grads)):
+        if len(grads) <= len(group) and all(ref() is g for ref, g in zip(group, grads)):
             del self._one_pass_norms[k]
-            return norms
+            return norms[:len(grads)]
     return None

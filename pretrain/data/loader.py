@@ -570,8 +570,8 @@ def normalize(images: torch.Tensor, mode: str = "minus_one_one",
 def _imagenet_mean_std(device: torch.device, dtype: torch.dtype):
     """Made once per device: a tensor built from a list on a GPU is a blocking copy, which
     would make the host wait for the device at every batch."""
-    def make(values):
-        return torch.tensor(values, dtype=torch.float32).mul(255).view(1, 3, 1, 1).to(device, dtype)
+    def make(values):  # in the input dtype, then x 255: the arithmetic runs always had
+        return torch.tensor(values, dtype=dtype).view(1, 3, 1, 1).mul(255).to(device)
     return make(IMAGENET_MEAN), make(IMAGENET_STD)
 
 
