@@ -109,6 +109,8 @@ def _grad_norm(self, gradients, params, norm_type=2):
 def _take_kept_norms(self, grads):
     """The norms the overflow check took of these very tensors a moment ago (each group's used
     once), or None. ``grads`` may leave out a group's last tensors (the padding of a partition)."""
+    if not grads:
+        return None
     for k, (group, norms) in enumerate(self._one_pass_norms):
         if len(grads) <= len(group) and all(ref() is g for ref, g in zip(group, grads)):
             del self._one_pass_norms[k]
