@@ -42,7 +42,7 @@ def install(optimizer) -> bool:
     if optimizer.mpu is not None or optimizer.cpu_offload or optimizer.has_moe_layers or \
             get_norm_dtype() != torch.float64:
         return False
-    optimizer._one_pass_norms = []  # (gradients, their norms) from the last overflow check
+    optimizer._one_pass_norms = []  # (weak refs to gradients, their norms): last check's
     optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_any_nonfinite, optimizer)
     optimizer.get_grad_norm_direct = types.MethodType(_grad_norm, optimizer)
     return True

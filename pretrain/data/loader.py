@@ -25,9 +25,8 @@ and counted by cause (:attr:`TrainLoader.skipped_by_cause`); it never ends an ep
 """
 from __future__ import annotations
 
-import functools
-
 import atexit
+import functools
 import logging
 import math
 import random
