@@ -65,7 +65,8 @@ class FinetuneStage(Stage):
                             self.lineage.get("step") or 0)
 
     def evaluators(self, cfg, spec, backend) -> list:
-        from pretrain.data.loader import build_eval_loader, normalize
+        from pretrain.data.device_batch import normalize
+        from pretrain.data.eval_loader import build_eval_loader
         from pretrain.evaluate import ClassificationEvaluator
 
         norm = functools.partial(normalize, mode=cfg.data.normalize)

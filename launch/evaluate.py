@@ -87,22 +87,23 @@ def main(argv=None) -> None:
     logging.getLogger("pretrain").setLevel(logging.INFO)
 
     from pretrain import evaluate_model as em
+    from pretrain import evaluation_report as report
     from pretrain.model_files import load_model
     try:
-        out = em.output_dir(args.model, args.split, args.out, args.overwrite)
+        out = report.output_dir(args.model, args.split, args.out, args.overwrite)
         mf = load_model(args.model)
         ev = em.evaluate(mf, args.data, args.split, batch_size=args.batch_size,
                          workers=args.workers, device=args.device, precision=args.precision)
-        written = em.write_outputs(ev, out)
+        written = report.write_outputs(ev, out)
     except cli.user_errors() as e:
         cli.fail(str(e))
     except OSError as e:  # unwritable --out, full disk
         cli.fail(f"cannot write the results: {e}")
     for note in ev.notes:
         logging.getLogger("pretrain").info(note)
-    print("\n".join(em.report_lines(ev, out, written)), flush=True)
+    print("\n".join(report.report_lines(ev, out, written)), flush=True)
     if not args.no_tracking:
-        lines = em.log_to_mlflow(ev, out, written, em.tracking_uri(mf, args.tracking_uri))
+        lines = report.log_to_mlflow(ev, out, written, report.tracking_uri(mf, args.tracking_uri))
         print("\n".join(lines), flush=True) if lines else None
 
 

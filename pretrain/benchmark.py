@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from pretrain.config import PretrainConfig, load_config
+from pretrain.config import PretrainConfig
+from pretrain.config_files import load_config
 from pretrain.distributed import free_port, init_distributed
 from pretrain.engine import input_dtype
 from pretrain.guard import NonFiniteGuard
@@ -89,7 +90,7 @@ def build_engine(cfg: PretrainConfig, world: int = 1):
 def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count: int = 2,
                       seed: int = 0) -> list:
     """``count`` random uint8 batches already on ``device`` (loader output, minus the loader)."""
-    from pretrain.data.loader import Batch
+    from pretrain.data.device_batch import Batch
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -112,7 +113,8 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
     from pretrain import engine as eng
     from pretrain import grad_checks
     from pretrain.profile import profiled
-    from pretrain.data.loader import build_train_loader, prepare_batch
+    from pretrain.data.device_batch import prepare_batch
+    from pretrain.data.loader import build_train_loader
     from pretrain.metrics import StepTimer, peak_tflops
 
     if steps < 1 or warmup < 0:

@@ -9,7 +9,8 @@ import typing
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Type
 
-from pretrain.config import ConfigError, Section, config_keys, load_config
+from pretrain.config import ConfigError, Section
+from pretrain.config_files import config_keys, load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def user_errors() -> tuple:
     """Exceptions that mean "bad input" (config, data, checkpoint): one line, no traceback."""
     from pretrain.data.info import DatasetInfoError
-    from pretrain.data.loader import LoaderError
+    from pretrain.data.shards import LoaderError
     from pretrain.data.sources import PrepareError
     return ConfigError, DatasetInfoError, LoaderError, PrepareError
 

@@ -1,19 +1,16 @@
-"""Typed, validated run configuration: a YAML recipe plus dotted ``key=value`` overrides.
+"""Typed, validated run configuration: the sections every stage's config is built from.
 
 Every stage has one config object (``PretrainConfig`` here, ``FinetuneConfig`` in ``finetune``)
-built from the sections below. Loading is strict: an unknown key, a wrong type or an impossible
-combination raises :class:`ConfigError` with one line that names the key (and, for a misspelled
-key, the closest valid one) before any work starts.
+built from the sections below; :mod:`pretrain.config_files` builds it from a YAML recipe plus
+dotted ``key=value`` overrides. Validation is strict: an unknown key, a wrong type or an
+impossible combination raises :class:`ConfigError` with one line that names the key (and, for a
+misspelled key, the closest valid one) before any work starts.
 """
 from __future__ import annotations
 
-import difflib
-import os
-from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Sequence, Tuple, Type, TypeVar
+from typing import ClassVar, Literal, Optional, Tuple
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ConfigError(ValueError):
@@ -327,6 +324,8 @@ class RunConfig(Section):
     tracking: TrackingConfig = TrackingConfig()
 
     def to_yaml(self) -> str:
+        # Imported here: pretrain.config_files builds on this module's Section and ConfigError.
+        from pretrain.config_files import to_yaml
         return to_yaml(self)
 
 
@@ -335,146 +334,3 @@ class PretrainConfig(RunConfig):
 
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
 
-
-# --------------------------------------------------------------------------------------------
-# Loading, overrides and error messages
-# --------------------------------------------------------------------------------------------
-C = TypeVar("C", bound=Section)
-INHERIT_KEY = "inherit"  # a recipe may start from another: ``inherit: vit_l16_i21k.yaml``
-
-
-def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
-                overrides: Sequence[str] = ()) -> C:
-    """Build ``schema`` from a YAML recipe (optional) and dotted ``key=value`` overrides."""
-    raw: dict = _read_yaml(Path(path)) if path is not None else {}
-    parsed = parse_overrides(overrides)
-    given = {key for key, _ in parsed}
-    for key, value in parsed:
-        for group in getattr(schema, "exclusive_keys", ()):
-            if key in group:
-                for other in set(group) - given:
-                    _set_dotted(raw, other, None)
-        _set_dotted(raw, key, value)
-    try:
-        return schema.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(_describe(e, schema)) from None
-
-
-def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
-    """``["optimizer.lr=3e-4", "data.crop_scale=[0.08,1]"]`` -> [(key, value), ...]; values are YAML."""
-    out = []
-    for arg in args:
-        key, sep, text = arg.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override '{arg}' is not of the form key=value "
-                              f"(e.g. optimizer.lr=3e-4)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError:
-            value = text  # let the schema decide whether a plain string is acceptable
-        out.append((key, value))
-    return out
-
-
-def to_yaml(cfg: Section) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def save_config(cfg: Section, path: os.PathLike | str) -> Path:
-    """Write the resolved config (atomically: a crash never leaves half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, path)
-    return path
-
-
-def _read_yaml(path: Path, _seen: tuple = ()) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"config file '{path}' not found; recipes live in configs/")
-    if path.resolve() in _seen:
-        raise ConfigError(f"config file '{path}' inherits from itself")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file '{path}'{where} is not valid YAML: "
-                          f"{getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of keys, "
-                          f"not a {type(data).__name__}")
-    parent = data.pop(INHERIT_KEY, None)
-    if parent is None:
-        return data
-    base = _read_yaml(path.parent / parent, _seen + (path.resolve(),))
-    return _deep_merge(base, data)
-
-
-def _deep_merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
-    node = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override '{key}': '{'.'.join(parts[:i + 1])}' is a value, "
-                              f"not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def config_keys(schema: Type[Section], prefix: str = "") -> list[str]:
-    """Every dotted leaf key of ``schema``, e.g. ``optimizer.lr``."""
-    keys = []
-    for name, field in schema.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, Section):
-            keys += config_keys(ann, prefix + name + ".")
-        else:
-            keys.append(prefix + name)
-    return keys
-
-
-def suggest_key(key: str, schema: Type[Section]) -> Optional[str]:
-    """The valid key a user most likely meant by ``key``."""
-    valid = config_keys(schema)
-    leaf = key.rsplit(".", 1)[-1]
-    same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
-    if len(same_leaf) == 1:  # right name, wrong section
-        return same_leaf[0]
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    section = key.rsplit(".", 1)[0] + "." if "." in key else ""
-    siblings = {k.rsplit(".", 1)[-1]: k for k in valid if k.startswith(section)
-                and "." not in k[len(section):]}
-    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.5)
-    return siblings[close[0]] if close else None
-
-
-def _describe(err: ValidationError, schema: Type[Section]) -> str:
-    errors = err.errors()
-    first = errors[0]
-    key = ".".join(str(p) for p in first["loc"])
-    if first["type"] == "extra_forbidden":
-        hint = suggest_key(key, schema)
-        msg = f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
-    elif first["type"] == "value_error":
-        # Our own cross-field checks already name their keys.
-        msg = first["msg"].removeprefix("Value error, ")
-    else:
-        got = first.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r})"
-        msg = f"config key '{key}': {first['msg'][0].lower()}{first['msg'][1:]}{shown}"
-    if len(errors) > 1:
-        msg += f" (+{len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return msg

@@ -5,8 +5,8 @@ Each evaluator (big_vision style) has a ``name``, an ``every_steps`` and
 their results ``eval/<name>/<metric>`` for the logger.
 
 - :class:`ClassificationEvaluator`: top-1/top-5 on a held-out split.
-- :class:`FewShotEvaluator`: the ViT paper's few-shot linear probe, closed-form ridge regression
-  on pre-logits features, ``1shot`` ... ``25shot``.
+- :class:`pretrain.fewshot.FewShotEvaluator`: the ViT paper's few-shot linear probe, built on
+  the plumbing below.
 
 Data contract: ``data()`` returns this rank's iterable of batches, each ``(images, labels)``
 (a loader ``Batch`` works: its first two fields are used), images uint8 (B, 3, H, W), labels
@@ -21,23 +21,15 @@ unequal counts would hang the run.
 """
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 DataFn = Callable[[], Iterable[Any]]
 Normalize = Callable[[torch.Tensor], torch.Tensor]
-
-# A large constant bias feature: ridge barely penalises its weight, so the probe effectively
-# learns an unregularised per-class bias (big_vision does the same).
-BIAS_FEATURE = 100.0
 
 
 class Evaluator(Protocol):
@@ -61,7 +53,7 @@ def run_due(evaluators: Sequence[Evaluator], model: nn.Module, step: int,
 # --------------------------------------------------------------------------------------------
 # Distributed plumbing
 # --------------------------------------------------------------------------------------------
-def _rank_world() -> Tuple[int, int]:
+def rank_world() -> Tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -74,18 +66,18 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     """``t`` reduced over ranks (sum by default), on the CPU; ``t`` itself when not distributed."""
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return t.cpu()
     buf = t.to(_comm_device())
     dist.all_reduce(buf, op=op or dist.ReduceOp.SUM)
     return buf.cpu()
 
 
-def _all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     """Every rank's ``t`` (n_r, ...) stacked in rank order, on every rank (n_r may differ)."""
-    world = _rank_world()[1]
+    world = rank_world()[1]
     if world == 1:
         return t.cpu()
     dev = _comm_device()
@@ -99,7 +91,7 @@ def _all_gather_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([p[:n].cpu() for p, n in zip(parts, counts)])
 
 
-def _valid_rows(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+def valid_rows(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     images, labels = batch[0], batch[1]
     keep = labels >= 0
     if not bool(keep.all()):
@@ -107,7 +99,7 @@ def _valid_rows(batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
     return images, labels
 
 
-class _Forward:
+class Forward:
     """Runs a model function on uint8 batches: device transfer, normalisation, precision."""
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], module: nn.Module,
@@ -131,14 +123,14 @@ class _Forward:
                  ) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """(outputs, labels) of this rank's non-empty batches, with as many forward passes on
         every rank (dummy ones on a rank that ran out)."""
-        world = _rank_world()[1]
+        world = rank_world()[1]
         it = iter(batches)
         while True:
             item = next(it, None)
             if world > 1:
                 shape = tuple(item[0].shape[1:]) if item is not None else (0, 0, 0)
-                state = _all_reduce(torch.tensor([int(item is not None), *shape]),
-                                    dist.ReduceOp.MAX)
+                state = all_reduce(torch.tensor([int(item is not None), *shape]),
+                                   dist.ReduceOp.MAX)
                 if state[0] == 0:
                     return
                 if item is None:
@@ -149,7 +141,7 @@ class _Forward:
             yield self(item[0]), item[1].to(self.device, non_blocking=True)
 
 
-class _EvalMode:
+class EvalMode:
     """Model in eval mode for the block, back to its previous mode afterwards (even on error)."""
 
     def __init__(self, model: nn.Module):
@@ -163,7 +155,7 @@ class _EvalMode:
         self.model.train(self.was_training)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
     """The ViTClassifier inside a DeepSpeed engine / DDP wrapper (they keep it as ``module``)."""
     while not hasattr(model, "forward_pre_logits") and hasattr(model, "module"):
         model = model.module
@@ -198,14 +190,14 @@ class ClassificationEvaluator:
         self.track_confusion = confusion
 
     def _batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        rank, world = _rank_world()
+        rank, world = rank_world()
         left = math.inf
         if self.max_samples is not None:
             left = self.max_samples // world + (rank < self.max_samples % world)
         for batch in self.data():
             if left <= 0:
                 return
-            images, labels = _valid_rows(batch)
+            images, labels = valid_rows(batch)
             if len(labels) > left:
                 images, labels = images[:left], labels[:left]
             if len(labels):
@@ -213,11 +205,11 @@ class ClassificationEvaluator:
                 yield images, labels
 
     def run(self, model: nn.Module, step: int) -> Dict[str, float]:
-        forward = _Forward(model, _unwrap(model), self.normalize, self.device, self.dtype)
+        forward = Forward(model, unwrap(model), self.normalize, self.device, self.dtype)
         hits = torch.zeros(len(self.topk) + 1, dtype=torch.int64, device=forward.device)
         per_class = None  # (correct, total) per class, sized on the first batch
         cells = [] if self.track_confusion else None  # true * C + predicted, per sample
-        with _EvalMode(model):
+        with EvalMode(model):
             for logits, labels in forward.lockstep(self._batches()):
                 k = min(max(self.topk), logits.shape[1])
                 top = logits.topk(k, dim=1).indices
@@ -232,23 +224,23 @@ class ClassificationEvaluator:
                                             device=forward.device)
                 per_class[0].index_add_(0, labels, ranked[:, 0].long())
                 per_class[1].index_add_(0, labels, torch.ones_like(labels))
-        hits = _all_reduce(hits)
+        hits = all_reduce(hits)
         total = int(hits[-1])
         if total == 0:
             raise RuntimeError(f"evaluator '{self.name}' got no labelled samples on any rank; "
                                f"check its split (data.val_split) and eval.max_samples")
         if per_class is None:  # this rank had no real batch: contribute zeros of the same size
-            per_class = torch.zeros(2, _unwrap(model).spec.num_classes, dtype=torch.int64,
+            per_class = torch.zeros(2, unwrap(model).spec.num_classes, dtype=torch.int64,
                                     device=forward.device)
-        counts = _all_reduce(per_class)
+        counts = all_reduce(per_class)
         # Top-1 per class (None for a class absent from the split): what a confusion-style
         # report needs at the end of a fine-tune; not logged as metrics (there are 21k classes).
         self.per_class_counts = counts.tolist()
         self.per_class_top1 = [c / n if n else None for c, n in zip(*self.per_class_counts)]
         if cells is not None:
             n = per_class.shape[1]
-            flat = _all_gather_rows(torch.cat(cells) if cells else
-                                    torch.zeros(0, dtype=torch.int64))
+            flat = all_gather_rows(torch.cat(cells) if cells else
+                                   torch.zeros(0, dtype=torch.int64))
             cell, count = torch.unique(flat, return_counts=True)
             self.confusion = torch.stack([cell // n, cell % n, count], dim=1)
         return {f"top{k}": int(hits[i]) / total for i, k in enumerate(self.topk)}
@@ -261,163 +253,3 @@ def confusion_matrix(cells: torch.Tensor, num_classes: int) -> torch.Tensor:
         out.index_add_(0, cells[:, 0] * num_classes + cells[:, 1], cells[:, 2])
     return out.view(num_classes, num_classes)
 
-
-# --------------------------------------------------------------------------------------------
-# Few-shot linear probe
-# --------------------------------------------------------------------------------------------
-def fit_ridge(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2_reg: float
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Closed-form ridge regression of {-1, +1} one-hot targets on features, in float64.
-
-    Features are standardised with the training examples' own mean and std (as big_vision
-    does: pre-logits of different models have very different scales, and one l2_reg should fit
-    them all), plus a constant :data:`BIAS_FEATURE` column. Returns (mean, std, weights);
-    predict with :func:`ridge_predict`. The primal or dual system is solved, whichever is
-    smaller: with few shots there are far fewer examples than feature dimensions.
-    """
-    x = x.double()
-    mean = x.mean(dim=0)
-    std = x.std(dim=0, unbiased=False) + 1e-5
-    xs = _design(x, mean, std)
-    targets = 2.0 * F.one_hot(y, num_classes).double() - 1.0
-    n, d = xs.shape
-    if n >= d:
-        w = torch.linalg.solve(xs.T @ xs + l2_reg * torch.eye(d, dtype=xs.dtype), xs.T @ targets)
-    else:
-        w = xs.T @ torch.linalg.solve(xs @ xs.T + l2_reg * torch.eye(n, dtype=xs.dtype), targets)
-    return mean, std, w
-
-
-def ridge_predict(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
-                  w: torch.Tensor) -> torch.Tensor:
-    return (_design(x.double(), mean, std) @ w).argmax(dim=1)
-
-
-def _design(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    xs = (x - mean) / std
-    return torch.cat([xs, torch.full((len(xs), 1), BIAS_FEATURE, dtype=xs.dtype)], dim=1)
-
-
-def _with_width(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x if len(x) else x.new_zeros(0, width)
-
-
-class FewShotEvaluator:
-    """The few-shot linear probe of the ViT paper / big_vision: ``{k}shot`` test accuracy.
-
-    Per run: pre-logits features (``model.forward_pre_logits``) of a pool of train examples
-    and of the whole test split are extracted once, spread over the ranks. The pool: each rank
-    keeps the first ``2 * ceil(max(shots) / world)`` examples of every class in its stream
-    (reading stops early once all classes are full, when ``num_classes`` is given) -- enough
-    for the largest shot count without running the model on the whole train split. The pool is
-    gathered on every rank; for each class a permutation seeded by ``seed`` orders it, and the
-    k-shot probe uses the first k (so the 5-shot examples include the 1-shot one). The pool,
-    hence the choice, is fixed for a given dataset, seed and world size.
-
-    For each k a ridge regression (:func:`fit_ridge`, ``l2_reg``) is solved on the CPU in
-    float64 by every rank on identical inputs; each rank scores its test features and the
-    correct counts are summed over ranks, so every rank returns the same numbers. A class with
-    fewer than k pool examples uses those it has (logged once).
-    """
-
-    def __init__(self, train_data: DataFn, test_data: DataFn, *, normalize: Normalize,
-                 name: str = "fewshot", every_steps: int = 5000,
-                 shots: Sequence[int] = (1, 5, 10, 25), l2_reg: float = 1024.0,
-                 num_classes: Optional[int] = None, seed: int = 0,
-                 device: torch.device | str = "cpu", dtype: Optional[torch.dtype] = None):
-        if not shots or min(shots) < 1:
-            raise ValueError(f"few-shot '{name}': shots must be positive integers, got "
-                             f"{list(shots)}")
-        self.train_data, self.test_data, self.normalize = train_data, test_data, normalize
-        self.name, self.every_steps, self.shots = name, every_steps, tuple(shots)
-        self.l2_reg, self.num_classes, self.seed = l2_reg, num_classes, seed
-        self.device, self.dtype = device, dtype
-        self._warned = False
-
-    def _pool_batches(self, per_class: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        taken: Dict[int, int] = {}
-        full = 0
-        for batch in self.train_data():
-            images, labels = _valid_rows(batch)
-            keep = []
-            for i, c in enumerate(labels.tolist()):
-                n = taken.get(c, 0)
-                if n < per_class:
-                    keep.append(i)
-                    taken[c] = n + 1
-                    full += n + 1 == per_class
-            if keep:
-                yield images[keep], labels[keep]
-            if self.num_classes is not None and full >= self.num_classes:
-                return
-
-    def _features(self, forward: _Forward, batches) -> Tuple[torch.Tensor, torch.Tensor]:
-        feats: List[torch.Tensor] = []
-        labels: List[torch.Tensor] = []
-        for f, y in forward.lockstep(batches):
-            feats.append(f)
-            labels.append(y)
-        if not feats:
-            return (torch.zeros(0, 0, device=forward.device),
-                    torch.zeros(0, dtype=torch.int64, device=forward.device))
-        return torch.cat(feats), torch.cat(labels)
-
-    def run(self, model: nn.Module, step: int) -> Dict[str, float]:
-        rank, world = _rank_world()
-        vit = _unwrap(model)
-        forward = _Forward(vit.forward_pre_logits, vit, self.normalize, self.device, self.dtype)
-        per_class = 2 * math.ceil(max(self.shots) / world)
-        with _EvalMode(model):
-            pool_x, pool_y = self._features(forward, self._pool_batches(per_class))
-            test_x, test_y = self._features(
-                forward, (b for b in map(_valid_rows, self.test_data()) if len(b[1])))
-
-        # A rank without data has no feature width; take it from the others.
-        width = int(_all_reduce(torch.tensor([pool_x.shape[1], test_x.shape[1]]),
-                                dist.ReduceOp.MAX).max())
-        pool_x = _all_gather_rows(_with_width(pool_x, width))
-        pool_y = _all_gather_rows(pool_y)
-        num_classes = self.num_classes
-        if num_classes is None:
-            top = max(int(pool_y.max()) if len(pool_y) else -1,
-                      int(test_y.max()) if len(test_y) else -1)
-            num_classes = int(_all_reduce(torch.tensor([top]), dist.ReduceOp.MAX)) + 1
-        if len(pool_y) == 0:
-            raise RuntimeError(f"few-shot '{self.name}' got no labelled train samples on any "
-                               f"rank; check eval.fewshot_root and eval.fewshot_train_split")
-        order = self._class_orders(pool_y, num_classes)
-        self._warn_short(order, rank)
-
-        test_x, test_y = _with_width(test_x, width).cpu(), test_y.cpu()
-        correct = torch.zeros(len(self.shots) + 1, dtype=torch.int64)
-        for i, k in enumerate(self.shots):
-            idx = torch.cat([o[:k] for o in order])
-            mean, std, w = fit_ridge(pool_x[idx], pool_y[idx], num_classes, self.l2_reg)
-            if len(test_y):
-                correct[i] = (ridge_predict(test_x, mean, std, w) == test_y).sum()
-        correct[-1] = len(test_y)
-        correct = _all_reduce(correct)
-        total = int(correct[-1])
-        if total == 0:
-            raise RuntimeError(f"few-shot '{self.name}' got no labelled test samples on any "
-                               f"rank; check eval.fewshot_test_split")
-        return {f"{k}shot": int(correct[i]) / total for i, k in enumerate(self.shots)}
-
-    def _class_orders(self, pool_y: torch.Tensor, num_classes: int) -> List[torch.Tensor]:
-        """Pool indices of each class in a seeded random order (identical on every rank)."""
-        gen = torch.Generator().manual_seed(self.seed)
-        order = []
-        for c in range(num_classes):
-            idx = torch.nonzero(pool_y == c).flatten()
-            order.append(idx[torch.randperm(len(idx), generator=gen)])
-        return order
-
-    def _warn_short(self, order: List[torch.Tensor], rank: int) -> None:
-        counts = torch.tensor([len(o) for o in order])
-        k = max(self.shots)
-        short = int((counts < k).sum())
-        if short and not self._warned and rank == 0:
-            log.warning("few-shot '%s': %d of %d classes have fewer than %d train examples "
-                        "(fewest: %d); their probes use the ones there are", self.name, short,
-                        len(order), k, int(counts.min()))
-        self._warned = self._warned or bool(short)

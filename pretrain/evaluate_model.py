@@ -1,32 +1,22 @@
-"""``launch/evaluate.py``: a model on one split of a prepared dataset, with the figure its run
-reported, per-class top-1, a confusion matrix, and an MLflow evaluation run.
+"""``launch/evaluate.py``'s figures: a model on one split of a prepared dataset -- top-1, top-5,
+per-class top-1, the confusion matrix's cells -- next to the figure its run reported. Where they
+go (the files, the printed report, the MLflow run) is :mod:`pretrain.evaluation_report`.
 
 Same figure as the run: the model is read by :mod:`pretrain.model_files` (the EMA weights of a
 fine-tune that kept them), the split by the project's own eval loader
-(:func:`pretrain.data.loader.build_eval_loader`: centre crop 87.5 %, bilinear, the run's
+(:func:`pretrain.data.eval_loader.build_eval_loader`: centre crop 87.5 %, bilinear, the run's
 ``data.normalize``) and scored by :class:`pretrain.evaluate.ClassificationEvaluator`, in one
 process. Precision follows the backend the run trained with: a fine-tune (Accelerate) evaluates
 in fp32 on the CPU and under ``train.precision`` autocast on a GPU; pretraining (DeepSpeed)
 under ``train.precision`` autocast on either. The run's eval batch size is kept too (a batched
 matmul's last bits may depend on the batch). A pretraining run in bf16 evaluated its bf16 copy
 of the weights, we the fp32 masters: equal up to rounding, exact in fp32.
-
-MLflow: the evaluation is written as a run record into ``OUT/tracking/`` (run.json, one spool
-line, the artifacts) and delivered by :func:`pretrain.spool.upload_spool`, the mechanism
-training's tracker and ``launch/upload_spool.py`` share. So a server that is down costs one
-warning, and ``python launch/upload_spool.py OUT`` sends the evaluation later. The run goes into
-the source run's experiment, nested under it.
 """
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import os
-import shutil
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -34,14 +24,6 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.model_files import ModelFile
 
-log = logging.getLogger(__name__)
-
-OUTPUTS = ("metrics.json", "per_class_top1.json", "confusion_matrix.csv",
-           "confusion_matrix.json", "confusion_matrix.png")
-DENSE_MAX_CLASSES = 1000  # beyond: the confusion matrix as sparse JSON cells, no picture
-SHOW_ALL_CLASSES = 20  # printed in full up to this many classes; beyond, the worst and best
-SHOW_FEW = 5
-DEFAULT_EXPERIMENT = "vitscale"  # tracking.experiment's default, both stages
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -78,7 +60,8 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
              workers: Optional[int] = None, device: Optional[str] = None,
              precision: str = "auto") -> Evaluation:
     from pretrain.config import DataConfig
-    from pretrain.data.loader import build_eval_loader, normalize
+    from pretrain.data.device_batch import normalize
+    from pretrain.data.eval_loader import build_eval_loader
     from pretrain.evaluate import ClassificationEvaluator
 
     info = dataset_info(root, split)
@@ -174,248 +157,3 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
     except OSError:
         return None
     return {"metric": key, "step": rows[-1]["step"], "value": rows[-1][key]} if rows else None
-
-
-# --------------------------------------------------------------------------------------------
-# Where the results go, and what is written there
-# --------------------------------------------------------------------------------------------
-def output_dir(model: str, split: str, out: Optional[str], overwrite: bool) -> Path:
-    """``--out``, refused when it already holds an evaluation (unless ``overwrite``); by default
-    a new folder next to the model, ``<model>-eval-<split>`` (``-2``, ``-3``... when taken)."""
-    if out:
-        p = Path(out)
-        if p.exists() and not p.is_dir():
-            raise EvaluateError(f"--out '{out}' is a file; name a folder")
-        if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
-            # --overwrite there would replace a fine-tune's per_class_top1.json and tracking/
-            raise EvaluateError(f"--out '{out}' is a training run's output dir; name another "
-                                f"folder (e.g. {p.name}-eval-{split})")
-        held = [f for f in (*OUTPUTS, "tracking") if (p / f).exists()]
-        if held and not overwrite:
-            raise EvaluateError(f"--out '{out}' already holds an evaluation ({held[0]}); name a "
-                                f"new folder, or pass --overwrite to replace it")
-        return p
-    m = Path(model.rstrip("/"))
-    from pretrain.checkpoint import TAG_RE
-    if TAG_RE.match(m.name) and m.parent.name == "checkpoints":  # not among the step dirs
-        m = m.parent.parent / m.name
-    base = m.with_name(f"{m.name}-eval-{split}")
-    p, i = base, 2
-    while p.exists():
-        p, i = base.with_name(f"{base.name}-{i}"), i + 1
-    return p
-
-
-def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
-    """metrics.json, per_class_top1.json, the confusion matrix (CSV + PNG, or sparse JSON
-    beyond :data:`DENSE_MAX_CLASSES`) into ``out``; returns the files written."""
-    from pretrain.evaluate import confusion_matrix
-    from pretrain.spool import replace_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in OUTPUTS:  # --overwrite: an older evaluation's files must not linger
-        (out / stale).unlink(missing_ok=True)
-    mf = ev.mf
-    metrics = {"model": str(mf.path), "kind": mf.kind, "architecture": mf.name,
-               "step": mf.step, "img_size": mf.img_size, "normalize": mf.normalize,
-               "data": ev.root, "dataset": ev.dataset, "split": ev.split,
-               "samples": ev.samples, "top1": ev.top1, "top5": ev.top5, "device": ev.device,
-               "precision": ev.precision, "batch_size": ev.batch_size,
-               "source_run_id": mf.source_run_id, "reported": ev.reported,
-               "per_class": ev.per_class}
-    files = {"metrics.json": json.dumps(metrics, indent=1),
-             # the fine-tune's own per_class_top1.json layout: class index -> top-1
-             "per_class_top1.json": json.dumps({str(c["class"]): c["top1"]
-                                                for c in ev.per_class}, indent=1)}
-    n = mf.num_classes
-    if n <= DENSE_MAX_CLASSES:
-        dense = confusion_matrix(ev.cells, n)
-        files["confusion_matrix.csv"] = _csv(dense, ev.names)
-    else:
-        dense = None
-        files["confusion_matrix.json"] = json.dumps(
-            {"classes": n, "names": ev.names, "cells (true, predicted, count)":
-             ev.cells.tolist()})
-    written = []
-    for name, text in files.items():
-        replace_file(out / name, text.encode())
-        written.append(out / name)
-    if dense is not None:
-        replace_file(out / "confusion_matrix.png", confusion_png(dense, ev))
-        written.append(out / "confusion_matrix.png")
-    return written
-
-
-def _csv(dense: torch.Tensor, names: Optional[list]) -> str:
-    import csv
-    import io
-    labels = names or [str(i) for i in range(len(dense))]
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["true \\ predicted", *labels])
-    for label, row in zip(labels, dense.tolist()):
-        w.writerow([label, *row])
-    return buf.getvalue()
-
-
-def confusion_png(dense: torch.Tensor, ev: Evaluation) -> bytes:
-    """Rows normalised to the true class's samples; names on the axes when they fit."""
-    import io
-
-    import matplotlib
-    matplotlib.use("Agg")  # no display on cluster nodes
-    import matplotlib.pyplot as plt
-
-    n = len(dense)
-    rows = dense.double().sum(dim=1, keepdim=True)
-    share = (dense.double() / rows.clamp(min=1)).numpy()
-    side = min(max(5.0, 0.45 * n + 2.5), 20.0)
-    fig, ax = plt.subplots(figsize=(side, side * 0.9), dpi=100)
-    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1, interpolation="nearest")
-    if n <= 40:
-        labels = ev.names or [str(i) for i in range(n)]
-        ax.set_xticks(range(n), labels, rotation=90)
-        ax.set_yticks(range(n), labels)
-    if n <= 15:
-        for t in range(n):
-            for p in range(n):
-                if dense[t, p]:
-                    ax.text(p, t, str(int(dense[t, p])), ha="center", va="center", fontsize=8,
-                            color="white" if share[t, p] > 0.5 else "black")
-    ax.set(xlabel="predicted", ylabel="true",
-           title=f"{ev.dataset} {ev.split}: top-1 {100 * ev.top1:.2f} % ({ev.samples} images)")
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def report_lines(ev: Evaluation, out: Path, written: list) -> list[str]:
-    mf = ev.mf
-    lines = [f"model   {mf.path} ({mf.kind}: {mf.name}, {mf.img_size} px, {mf.num_classes} "
-             f"classes" + (f", step {mf.step}" if mf.step is not None else "") + ")",
-             f"data    {ev.root} split '{ev.split}': {ev.samples} images, {ev.device} "
-             f"{ev.precision}, normalize {mf.normalize}, batch {ev.batch_size}",
-             f"top-1   {100 * ev.top1:.2f} %", f"top-5   {100 * ev.top5:.2f} %"]
-    if ev.reported:
-        r = ev.reported
-        same = "the same" if abs(r["value"] - ev.top1) <= 1e-9 else \
-            f"differs by {100 * (ev.top1 - r['value']):+.2f} points"
-        lines.append(f"        the run reported {r['metric']} = {100 * r['value']:.2f} % at step "
-                     f"{r['step']}: {same}")
-    shown = [c for c in ev.per_class if c["samples"]]
-    width = max([len(c["name"]) for c in shown] + [5])
-
-    def row(c):
-        return f"  {c['name']:<{width}}  {100 * c['top1']:6.2f} %  ({c['correct']}/{c['samples']})"
-
-    lines.append(f"per-class top-1 ({len(ev.per_class)} classes"
-                 + (f", {len(ev.per_class) - len(shown)} absent from the split" if
-                    len(shown) < len(ev.per_class) else "") + "):")
-    if len(shown) <= SHOW_ALL_CLASSES:
-        lines += [row(c) for c in shown]
-    else:
-        ranked = sorted(shown, key=lambda c: (c["top1"], c["class"]))
-        lines += [f" worst {SHOW_FEW}:", *map(row, ranked[:SHOW_FEW]),
-                  f" best {SHOW_FEW}:", *map(row, ranked[-SHOW_FEW:]),
-                  f" all {len(ev.per_class)}: {out / 'metrics.json'} (per_class), "
-                  f"{out / 'per_class_top1.json'}"]
-    lines.append(f"wrote   {out}/ ({', '.join(p.name for p in written)})")
-    return lines
-
-
-# --------------------------------------------------------------------------------------------
-# MLflow
-# --------------------------------------------------------------------------------------------
-def tracking_uri(mf: ModelFile, given: Optional[str]) -> str:
-    """--tracking-uri, else MLFLOW_TRACKING_URI, else where the source run is (its run.json),
-    else training's default for this directory (:func:`pretrain.tracking.resolve_uri`)."""
-    from pretrain.tracking import resolve_uri
-    return given or os.environ.get("MLFLOW_TRACKING_URI") or mf.source_uri or resolve_uri()
-
-
-def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[str]:
-    """Record the evaluation in ``out/tracking/`` and deliver it; returns the lines to print.
-    Never raises for MLflow's sake: a failure is one warning (the record stays for
-    ``launch/upload_spool.py``)."""
-    from pretrain.spool import (ARTIFACTS, HTTP_DEFAULTS, SPOOL, TRACKING_DIR, RunState,
-                                TrackingError, one_line, replace_file, upload_spool)
-    for k, v in HTTP_DEFAULTS.items():  # fail fast when the server is down
-        os.environ.setdefault(k, v)
-    mf = ev.mf
-    track = out / TRACKING_DIR
-    if track.exists():  # --overwrite: the old evaluation's record goes with its files
-        shutil.rmtree(track)
-    parent, experiment = None, DEFAULT_EXPERIMENT
-    if mf.source_run_id:
-        try:
-            parent, experiment = _source_run(uri, mf.source_run_id)
-        except Exception as e:  # noqa: BLE001 -- unreachable: upload_spool below says it once
-            parent = mf.source_run_id  # the best guess; nested once the server has it
-            log.debug("source run lookup failed: %s", one_line(e))
-        if parent is None:
-            log.info("source run %s is not in the MLflow store at %s: the evaluation is not "
-                     "nested under it", mf.source_run_id, uri)
-    else:
-        log.info("no source run known for %s (no run id in the model, no tracking/run.json "
-                 "in its run dir): the evaluation is not nested", mf.path)
-    state = RunState(uri=uri, experiment=experiment, ended="FINISHED",
-                     run_name=f"eval {ev.split}: {'/'.join(Path(mf.path).resolve().parts[-2:])}",
-                     params=_params(ev), tags=_tags(ev, parent))
-    (track / ARTIFACTS).mkdir(parents=True)
-    for f in written:
-        shutil.copy2(f, track / ARTIFACTS / f.name)
-    record = {"step": mf.step or 0, "time": int(time.time() * 1000),
-              "metrics": {f"eval/{ev.split}/top1": ev.top1, f"eval/{ev.split}/top5": ev.top5}}
-    replace_file(track / SPOOL, (json.dumps(record) + "\n").encode())
-    state.save(track)
-    try:
-        upload_spool(out, uri)
-    except TrackingError as e:
-        log.warning("%s; the figures above are complete, and `python launch/upload_spool.py "
-                    "%s` sends the evaluation to MLflow later", e, out)
-        return []
-    run_id = RunState.load(track).run_id
-    return [f"MLflow  run {run_id} ('{state.run_name}') in experiment '{experiment}' at {uri}"
-            + (f", nested under run {parent}" if parent else "")]
-
-
-def _source_run(uri: str, run_id: str) -> tuple[Optional[str], str]:
-    """(run id, experiment name) of the source run in this store; (None, default) when the
-    store does not hold it. Raises when the store cannot be reached."""
-    from mlflow import MlflowClient
-
-    from pretrain.spool import is_permanent
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except Exception as e:  # noqa: BLE001
-        if is_permanent(e):
-            return None, DEFAULT_EXPERIMENT
-        raise
-    return run_id, client.get_experiment(run.info.experiment_id).name
-
-
-def _params(ev: Evaluation) -> dict:
-    mf = ev.mf
-    return {k: str(v) for k, v in {
-        "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
-        "model.img_size": mf.img_size, "data.root": ev.root, "data.split": ev.split,
-        "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
-        "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
-
-
-def _tags(ev: Evaluation, parent: Optional[str]) -> dict:
-    from pretrain.cli import REPO_ROOT
-    from pretrain.run_info import git_info
-    mf = ev.mf
-    tags = {"stage": "evaluate", "model": mf.name, "dataset": ev.dataset,
-            "eval.split": ev.split, "eval.model_path": str(Path(mf.path).resolve()),
-            **git_info(REPO_ROOT)}
-    if mf.source_run_id:
-        tags["eval.source_run_id"] = mf.source_run_id
-    if parent:
-        tags["mlflow.parentRunId"] = parent
-    return tags

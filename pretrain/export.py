@@ -36,6 +36,7 @@ from typing import Optional, Union
 
 import torch
 
+from pretrain.atomic_write import write_atomic
 from pretrain.checkpoint import (MANIFEST, TAG_RE, CheckpointError, CheckpointStore,
                                  check_pickles_are_inert)
 from pretrain.config import PretrainConfig
@@ -280,10 +281,8 @@ def _save(tensors: dict, out: Union[str, os.PathLike], metadata: dict) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, out)  # never a half-written file under the final name
-    return out
+    return write_atomic(out, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()},
+                                                  str(tmp), metadata=metadata))
 
 
 def export_full(source: Union[str, os.PathLike, Consolidated], out: Union[str, os.PathLike]

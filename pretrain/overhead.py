@@ -42,7 +42,7 @@ from pretrain.distributed import init_distributed, leave
 
 def _ds_step(cfg, engine, dtype) -> Callable:
     from pretrain import engine as eng
-    from pretrain.data.loader import prepare_batch
+    from pretrain.data.device_batch import prepare_batch
     from pretrain.guard import NonFiniteGuard
 
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check too
@@ -58,7 +58,7 @@ def _ds_step(cfg, engine, dtype) -> Callable:
 
 def _plain_step(cfg, model, optimizer, amp_dtype: Optional[torch.dtype]) -> Callable:
     from pretrain import engine as eng
-    from pretrain.data.loader import prepare_batch
+    from pretrain.data.device_batch import prepare_batch
 
     params = [p for p in model.parameters() if p.requires_grad]
     device = next(model.parameters()).device

@@ -11,7 +11,6 @@ the run with its end tags. See :mod:`pretrain.tracking` for how a job uses them.
 from __future__ import annotations
 
 import collections
-import contextlib
 import fcntl
 import json
 import logging
@@ -19,6 +18,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+
+from pretrain.atomic_write import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +74,7 @@ class RunState:
         return cls(**json.loads((track_dir / STATE).read_text()))
 
     def save(self, track_dir: Path) -> None:
-        replace_file(track_dir / STATE, json.dumps(asdict(self), indent=1).encode())
-
-
-def replace_file(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all; a failed write (a full disk) leaves no temp file
-    taking room."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
+        write_atomic(track_dir / STATE, json.dumps(asdict(self), indent=1).encode())
 
 
 def read_cursor(track_dir: Path) -> int:
@@ -97,7 +85,7 @@ def read_cursor(track_dir: Path) -> int:
 
 
 def write_cursor(track_dir: Path, offset: int) -> None:
-    replace_file(track_dir / CURSOR, str(offset).encode())
+    write_atomic(track_dir / CURSOR, str(offset).encode())
 
 
 def read_spool(path: Path, offset: int = 0) -> Iterator[tuple[dict, int]]:

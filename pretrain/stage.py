@@ -107,8 +107,10 @@ def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
 def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype) -> list:
     """Held-out classification on data.val_split; the few-shot probe when eval.fewshot_root."""
     from pretrain.data.info import read_info
-    from pretrain.data.loader import build_eval_loader, normalize
-    from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator
+    from pretrain.data.device_batch import normalize
+    from pretrain.data.eval_loader import build_eval_loader
+    from pretrain.evaluate import ClassificationEvaluator
+    from pretrain.fewshot import FewShotEvaluator
 
     norm = functools.partial(normalize, mode=cfg.data.normalize)
     common = dict(normalize=norm, device=device, dtype=dtype)

@@ -22,6 +22,8 @@ from typing import Optional, Union
 
 import torch
 
+from pretrain.atomic_write import write_atomic
+from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.export import (BACKBONE_PREFIX, CheckpointError, Consolidated, _as_consolidated,
                              timm_backbone_state)
 from pretrain.model import ViTSpec
@@ -29,11 +31,9 @@ from pretrain.model import ViTSpec
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
-# pretrain/data/loader.py builds every eval loader with EvalTransform's default crop and resize
+# pretrain/data/eval_loader.py builds every eval loader with EvalTransform's default crop and resize
 EVAL_CROP_PCT = 0.875
 EVAL_INTERPOLATION = "bilinear"
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def timm_model_args(spec: ViTSpec) -> dict:
@@ -120,12 +120,6 @@ def timm_state(c: Consolidated, head: bool) -> dict:
     return state
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)  # a reader never sees a half-written file under the final name
-
-
 def write_timm_folder(source: Union[str, os.PathLike, Consolidated], out: Union[str, os.PathLike],
                       *, head: bool = False, normalize: Optional[str] = None,
                       crop_pct: float = EVAL_CROP_PCT, dataset: Optional[str] = None,
@@ -162,13 +156,13 @@ def write_timm_folder(source: Union[str, os.PathLike, Consolidated], out: Union[
     meta = {"format": "pt", "source": c.source}  # "pt": what HF tooling expects in the header
     if c.step is not None:
         meta["step"] = str(c.step)
-    _write_atomic(out / WEIGHTS, lambda p: save_file(
+    write_atomic(out / WEIGHTS, lambda p: save_file(
         {k: v.detach().float().cpu().contiguous() for k, v in state.items()}, str(p),
         metadata=meta))
-    _write_atomic(out / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    write_atomic(out / CONFIG, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
     card = model_card(c, config, dataset=name, metrics=metrics, lineage=lineage,
                       normalize=normalize)
-    _write_atomic(out / CARD, lambda p: p.write_text(card))
+    write_atomic(out / CARD, lambda p: p.write_text(card))
     return out
 
 

@@ -54,10 +54,11 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from pretrain.atomic_write import write_atomic
 from pretrain.run_info import dataset_name, environment, flatten, git_info, sample_grid_png
 from pretrain.spool import (ARTIFACTS, SPOOL, STATE, TRACKING_DIR, Remote, RunState,
                             TrackingError, is_permanent, lock, one_line, read_cursor, read_spool,
-                            replace_file, undelivered)
+                            undelivered)
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,7 @@ class MlflowTracker:
                 path = self.dir / ARTIFACTS / name
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    replace_file(path, data)
+                    write_atomic(path, data)
                 except OSError as e:
                     self._write_failed(path, e)
                 else:
@@ -369,7 +370,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     if rank != 0 or not t.enabled:
         return NoTracking()
     from pretrain.cli import REPO_ROOT
-    from pretrain.config import to_yaml
+    from pretrain.config_files import to_yaml
 
     t0 = time.perf_counter()
     track_dir = Path(output_dir) / TRACKING_DIR

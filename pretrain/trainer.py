@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from pretrain.checkpoint import Checkpoint, CheckpointStore, CheckpointWriteError
-from pretrain.config import ConfigError, RunConfig, load_config, save_config, to_yaml
+from pretrain.config import ConfigError, RunConfig
+from pretrain.config_files import load_config, save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
@@ -105,7 +106,8 @@ def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
 def train(cfg: RunConfig, stage=None) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
     ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
-    from pretrain.data.loader import build_mixup, build_train_loader, prepare_batch
+    from pretrain.data.device_batch import build_mixup, prepare_batch
+    from pretrain.data.loader import build_train_loader
     from pretrain.data.shards import describe_skips
     from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due

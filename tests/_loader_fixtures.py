@@ -88,7 +88,8 @@ def two_rank_main(rank: int, port: str, root: str, out: str, steps: int, save_at
 
     import torch.distributed as dist
 
-    from pretrain.data.loader import ShardSet, TrainLoader
+    from pretrain.data.loader import TrainLoader
+    from pretrain.data.shards import ShardSet
 
     from pretrain.data.remote import RetryPolicy
 

@@ -133,7 +133,7 @@ def accelerate_backend():
     (so the optimizer has state to save)."""
     from finetune.backend import AccelerateBackend
     from finetune.config import FinetuneConfig
-    from pretrain.config import load_config
+    from pretrain.config_files import load_config
 
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
         "init=null", "model.img_size=16", "model.depth=1", "model.embed_dim=32",

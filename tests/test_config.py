@@ -3,8 +3,8 @@ import pytest
 import yaml
 
 from finetune.config import FinetuneConfig
-from pretrain.config import (ConfigError, PretrainConfig, TrainConfig, config_keys, load_config,
-                             save_config)
+from pretrain.config import ConfigError, PretrainConfig, TrainConfig
+from pretrain.config_files import config_keys, load_config, save_config
 
 from conftest import REPO
 

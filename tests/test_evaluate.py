@@ -9,7 +9,8 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 from pretrain.config import ModelConfig
-from pretrain.evaluate import ClassificationEvaluator, FewShotEvaluator, run_due
+from pretrain.evaluate import ClassificationEvaluator, run_due
+from pretrain.fewshot import FewShotEvaluator
 from pretrain.model import create_model
 
 NUM_CLASSES = 4
@@ -115,7 +116,7 @@ def test_fewshot_uses_what_exists_for_a_rare_class_and_says_so_once(caplog):
     train = batched(coloured(train_y, 3), train_y, 16)
     _, test = fewshot_data()
     ev = fewshot(train, test, num_classes=NUM_CLASSES)
-    with caplog.at_level(logging.WARNING, logger="pretrain.evaluate"):
+    with caplog.at_level(logging.WARNING, logger="pretrain.fewshot"):
         first = ev.run(model, step=0)
         ev.run(model, step=1)
     warnings = [r.getMessage() for r in caplog.records]

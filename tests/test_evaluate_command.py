@@ -154,7 +154,8 @@ def test_timms_own_eval_pipeline_on_the_folder_gives_the_same_figure(ft):
 def test_many_classes_print_the_worst_and_best_and_keep_the_matrix_sparse(tmp_path):
     """No model needed: the report of 30 classes, and 1500 classes' confusion matrix."""
     from pretrain.evaluate import ClassificationEvaluator
-    from pretrain.evaluate_model import Evaluation, report_lines, write_outputs
+    from pretrain.evaluate_model import Evaluation
+    from pretrain.evaluation_report import report_lines, write_outputs
     from pretrain.model_files import ModelFile
 
     assert not ClassificationEvaluator(list, normalize=None).track_confusion  # off by default
@@ -178,7 +179,7 @@ def test_many_classes_print_the_worst_and_best_and_keep_the_matrix_sparse(tmp_pa
 
 
 def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
-    from pretrain import evaluate_model
+    from pretrain import evaluate_model, evaluation_report
     from pretrain.config import ConfigError
     from pretrain.data.info import DatasetInfo, SplitInfo, write_info
     from pretrain.model_files import load_model
@@ -201,8 +202,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluate_model.evaluate(mf, str(ft.data), "validation"),  # no such split
         lambda: evaluate_model.evaluate(mf, str(five), "test"),  # 5 classes, not 10
         lambda: evaluate_model.evaluate(mf, str(tmp_path / "nowhere"), "test"),
-        lambda: evaluate_model.output_dir("m", "test", str(ft.base / "eval-final"), False),
-        lambda: evaluate_model.output_dir("m", "test", str(ft.out), True),  # the run's own
+        lambda: evaluation_report.output_dir("m", "test", str(ft.base / "eval-final"), False),
+        lambda: evaluation_report.output_dir("m", "test", str(ft.out), True),  # the run's own
     ]
     messages = []
     for case in cases:
@@ -217,15 +218,15 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
 
 
 def test_an_unreachable_server_costs_one_warning_and_nothing_else(ft, tmp_path, caplog):
-    from pretrain import evaluate_model
+    from pretrain import evaluate_model, evaluation_report
     from pretrain.model_files import load_model
 
     ev = evaluate_model.evaluate(load_model(ft.out / "final.safetensors"), str(ft.data), "test",
                                  workers=0)
-    written = evaluate_model.write_outputs(ev, tmp_path / "ev")
+    written = evaluation_report.write_outputs(ev, tmp_path / "ev")
     with caplog.at_level(logging.INFO, logger="pretrain"):
-        lines = evaluate_model.log_to_mlflow(ev, tmp_path / "ev", written,
-                                             f"http://127.0.0.1:{free_port()}")
+        lines = evaluation_report.log_to_mlflow(ev, tmp_path / "ev", written,
+                                                f"http://127.0.0.1:{free_port()}")
     assert lines == []
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "upload_spool.py" in warnings[0].getMessage()

@@ -438,7 +438,8 @@ def _which_check_worker(port: int, queue) -> None:
     import deepspeed
 
     from pretrain.benchmark import build_engine
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.engine import defers_check
 
     deepspeed.init_distributed(verbose=False)
@@ -586,7 +587,7 @@ def test_a_finetune_skips_nan_batches_rolls_back_then_stops_like_pretraining(
     from finetune.config import FinetuneConfig
     from finetune.stage import finetune as train
     from pretrain import engine
-    from pretrain.config import load_config
+    from pretrain.config_files import load_config
     from pretrain.guard import TrainingStopped
 
     real, calls = engine.classification_loss, [0]

@@ -90,7 +90,7 @@ def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(t
     from finetune.backend import AccelerateBackend
     from finetune.config import FinetuneConfig
     from finetune.stage import finetune
-    from pretrain.config import load_config
+    from pretrain.config_files import load_config
 
     out = tmp_path / "ft"
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
@@ -114,7 +114,8 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
     so the sharding is stood in for here) it would average shards, and export them."""
     from finetune.backend import AccelerateBackend
     from finetune.config import FinetuneConfig
-    from pretrain.config import ConfigError, load_config
+    from pretrain.config import ConfigError
+    from pretrain.config_files import load_config
 
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml",
                       ["init=null", "data.generate_demo=false", "train.ema_decay=0.9"])

@@ -17,8 +17,10 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from conftest import run_launcher
 from pretrain.data import synthetic
+from pretrain.data.eval_loader import EvalLoader
 from pretrain.data.info import read_info
-from pretrain.data.loader import EvalLoader, ShardSet, decode_label, image_bytes
+from pretrain.data.shards import ShardSet
+from pretrain.data.samples import decode_label, image_bytes
 from pretrain.data.shard_writer import prepare
 from pretrain.data.sources import PrepareError
 

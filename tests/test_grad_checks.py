@@ -22,8 +22,9 @@ def _worker(rank: int, world: int, port: int, zero: int, classes: int, queue) ->
 
     from pretrain import grad_checks
     from pretrain.benchmark import build_engine, synthetic_batches
-    from pretrain.config import PretrainConfig, load_config
-    from pretrain.data.loader import prepare_batch
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.data.device_batch import prepare_batch
     from pretrain.engine import train_micro_batch
     from pretrain.profile import summarize
 

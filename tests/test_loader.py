@@ -17,9 +17,10 @@ from _loader_fixtures import (LOADER_ARGS, jpeg_bytes, run_two_ranks, truncate_i
                               write_split)
 from conftest import REPO
 from pretrain.config import DataConfig
-from pretrain.data.loader import (EvalLoader, LoaderError, ShardSet, TrainLoader,
-                                  build_eval_loader, build_mixup, build_train_loader, normalize,
-                                  prepare_batch)
+from pretrain.data.device_batch import build_mixup, normalize, prepare_batch
+from pretrain.data.eval_loader import EvalLoader, build_eval_loader
+from pretrain.data.loader import TrainLoader, build_train_loader
+from pretrain.data.shards import LoaderError, ShardSet
 from pretrain.data.transforms import EvalTransform
 
 SHARD_LENGTHS = [5, 7, 6, 9, 4, 8, 6, 7, 5, 9, 6, 8]  # 80 samples, 12 shards of unequal size
@@ -145,7 +146,8 @@ def test_a_process_that_drops_a_loader_mid_epoch_still_exits(tmp_path):
         "import gc, sys\n"
         f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]\n"
         "from _loader_fixtures import LOADER_ARGS\n"
-        "from pretrain.data.loader import ShardSet, TrainLoader\n"
+        "from pretrain.data.loader import TrainLoader\n"
+        "from pretrain.data.shards import ShardSet\n"
         "gc.disable()\n"
         f"it = iter(TrainLoader(ShardSet.from_info({str(tmp_path)!r}, 'train'), **LOADER_ARGS))\n"
         "next(it)\n"

@@ -151,7 +151,8 @@ def test_torch_compile_sees_the_whole_training_model_as_one_graph(sets):
     """A graph break splits the compiled step and leaves the pieces between to eager mode
     (an MFU loss on a GPU): the pretraining model -- stochastic depth, dropout, pre-logits, the
     21k-style head, activation checkpointing of all blocks, some or none -- compiles whole."""
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.engine import apply_train_options
 
     model = create_model(ModelConfig(name=L16, img_size=32, depth=2, representation_size=64,
@@ -185,7 +186,8 @@ def test_selective_activation_checkpointing_trades_memory_for_the_same_gradients
     gradients (stochastic depth and dropout replayed), state-dict keys untouched."""
     import copy
 
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.engine import apply_train_options
 
     def build(*sets):
@@ -220,7 +222,8 @@ def test_selective_activation_checkpointing_trades_memory_for_the_same_gradients
 
 
 def test_checkpointed_blocks_beyond_the_depth_or_without_checkpointing_are_refused():
-    from pretrain.config import ConfigError, PretrainConfig, load_config
+    from pretrain.config import ConfigError, PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.engine import apply_train_options
 
     with pytest.raises(ConfigError, match="train.checkpointed_blocks needs "

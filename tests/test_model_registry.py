@@ -29,7 +29,7 @@ def project_logits(model, images, img_size, mode):
     (PNG: lossless)."""
     from PIL import Image
 
-    from pretrain.data.loader import normalize
+    from pretrain.data.device_batch import normalize
     from pretrain.data.transforms import EvalTransform
 
     transform = EvalTransform(img_size)
@@ -51,7 +51,7 @@ def test_the_finetunes_best_model_is_registered_and_predicts_the_projects_classe
 
     from finetune.config import FinetuneConfig
     from finetune.stage import finetune
-    from pretrain.config import load_config
+    from pretrain.config_files import load_config
     from pretrain.model import create_model
     from test_finetune import finetune_args
 

@@ -19,7 +19,8 @@ from PIL import Image
 from conftest import run_launcher
 from pretrain.data import synthetic
 from pretrain.data.info import read_info
-from pretrain.data.shard_writer import build_index, prepare
+from pretrain.data.shard_plan import build_index
+from pretrain.data.shard_writer import prepare
 from pretrain.data.sources import Entry, PrepareError, load_synsets, timm_info_file
 
 GOOG = load_synsets("goog")

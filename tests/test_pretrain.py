@@ -44,7 +44,8 @@ def _zero3_init_worker(rank, world, port, queue):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
 
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.engine import build_model, deepspeed_config
 
     deepspeed.init_distributed(verbose=False)

@@ -176,7 +176,8 @@ def test_a_missing_remote_shard_is_skipped_and_counted_or_stops_the_run(tmp_path
     import boto3
 
     from pretrain.config import DataConfig
-    from pretrain.data.loader import LoaderError, build_train_loader
+    from pretrain.data.loader import build_train_loader
+    from pretrain.data.shards import LoaderError
 
     local = tmp_path / "shards"
     write_split(local, [4, 4, 4])
@@ -234,7 +235,7 @@ def pets(tmp_path) -> list:
 
 
 def assert_pets(root: str) -> None:
-    from pretrain.data.loader import EvalLoader
+    from pretrain.data.eval_loader import EvalLoader
 
     for split in ("train", "validation"):
         loader = EvalLoader(ShardSet.from_info(root, split), img_size=16, batch_size=4,

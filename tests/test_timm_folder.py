@@ -118,7 +118,7 @@ def test_timms_eval_transform_is_the_runs(mode):
     """Our eval transform is timm's, up to one level of uint8 rounding here and there."""
     import timm
     from PIL import Image
-    from pretrain.data.loader import normalize
+    from pretrain.data.device_batch import normalize
     from pretrain.data.transforms import EvalTransform
 
     yy, xx = np.mgrid[0:48, 0:64]

@@ -128,7 +128,8 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     assert {"config.yaml", "deepspeed_config.json", "environment.json",
             "train_samples.png"} <= files
     local = client.download_artifacts(rid, "", str(tmp_path / "artifacts"))
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     assert load_config(PretrainConfig, f"{local}/config.yaml").optimizer.lr == pytest.approx(3e-3)
     ds = json.loads(open(f"{local}/deepspeed_config.json").read())
     assert ds["train_batch_size"] == 16
@@ -198,7 +199,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     """In-process (one rank, no DeepSpeed): the fine-tune stage's call, a server that is down
     for the whole job, then the documented upload command."""
     from finetune.config import FinetuneConfig
-    from pretrain.config import load_config
+    from pretrain.config_files import load_config
     from pretrain.spool import undelivered
     from pretrain.run_info import lineage_tags
     from pretrain.tracking import start_tracking
@@ -277,7 +278,8 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
                                                              monkeypatch):
     """In-process and deterministic: the killed job delivered steps 1-6 (checkpoint at 4) and
     left nothing in its spool, so only MLflow itself can say which steps to skip."""
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.tracking import start_tracking
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -308,7 +310,8 @@ def test_a_disabled_tracker_takes_every_call_the_mlflow_tracker_takes(tmp_path):
     real tracker must not crash a run there."""
     import inspect
 
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.tracking import MlflowTracker, NoTracking, start_tracking
 
     def public(cls):
@@ -334,7 +337,8 @@ def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its
         tmp_path, client, mlflow_server, monkeypatch):
     """Two signal stops (KILLED, with the trainer's tags) and two relaunches that resume into
     the same MLflow run: one run, FINISHED, each step once, the stops counted in its tags."""
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.tracking import start_tracking
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -372,7 +376,8 @@ def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its
 
 def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
         tmp_path, client, mlflow_server, monkeypatch):
-    from pretrain.config import PretrainConfig, load_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.spool import upload_spool
     from pretrain.tracking import start_tracking
 

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from pretrain.atomic_write import write_atomic
+
 INFO_NAMES = ("_info.json", "info.json")
 
 
@@ -103,8 +105,4 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
 
 def write_info(root: str | os.PathLike, info: DatasetInfo, name: str = INFO_NAMES[0]) -> Path:
     """Write the info file atomically, so a reader never sees half of it."""
-    path = Path(root) / name
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info.to_json(), indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_atomic(Path(root) / name, json.dumps(info.to_json(), indent=1))

@@ -1,4 +1,4 @@
-"""Streaming train/eval loaders over WebDataset shards described by ``_info.json``.
+"""The streaming train loader over WebDataset shards described by ``_info.json``.
 
 Which shards each worker reads, and in which order, is :mod:`pretrain.data.shards`: each
 data-loader worker of each rank is a reader *slot* whose stream is a pure function of (seed,
@@ -25,137 +25,31 @@ and counted by cause (:attr:`TrainLoader.skipped_by_cause`); it never ends an ep
 """
 from __future__ import annotations
 
-import atexit
-import functools
 import logging
-import math
 import random
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pretrain.data.remote import RetryPolicy
+from pretrain.data.device_batch import Batch
+from pretrain.data.loader_workers import Failed, iterate_workers, new_batch_images, raise_failed
+from pretrain.data.remote import retry_policy
+from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
-                                  WorkerPos, _records, add_counts, deal, slot_stream,
-                                  unfinished_shards)
-from pretrain.data.transforms import CorruptImage, EvalTransform, TrainTransform
+                                  WorkerPos, add_counts, deal, slot_stream, unfinished_shards)
+from pretrain.data.transforms import TrainTransform
 # Workers ignore the signals a scheduler sends to every process of a job: torch's workers die
 # of them, and the trainer, which stops at a step boundary, still needs batches until then.
 from pretrain.stopping import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 STATE_FORMAT = 1
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class Batch(NamedTuple):
-    images: torch.Tensor   # uint8 (B, 3, S, S); normalise on the device with normalize()
-    labels: torch.Tensor   # int64 (B,); -1 marks padding in eval batches
-    keys: List[str]        # the samples' __key__ ("" for eval padding)
-    epochs: torch.Tensor   # int64 (B,), the epoch each sample belongs to
-
-
-class _Failed(NamedTuple):
-    """A worker's LoaderError, passed as an item: raised in the worker it would reach the
-    user wrapped in torch's multi-line traceback text instead of its one line."""
-    message: str
-
-
-def _raise_failed(item) -> None:
-    if isinstance(item, _Failed):
-        raise LoaderError(item.message)
-
-
-# --------------------------------------------------------------------------------------------
-# Worker processes
-# --------------------------------------------------------------------------------------------
-# Workers ignore SIGTERM, but SIGTERM is how torch ends a worker it could not join and how
-# multiprocessing ends daemon children at exit -- and at exit it then joins them, forever, when
-# the iterator was not freed before (a reference cycle is enough). So the loaders end their
-# own workers with SIGKILL: when their iteration ends, and at exit for any left over.
-_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _kill(workers) -> None:
-    for w in list(workers):
-        if w.is_alive():
-            w.kill()
-            w.join()
-
-
-atexit.register(_kill, _WORKERS)  # runs before multiprocessing's own exit handler (LIFO)
-
-
-def _iterate(loader: DataLoader) -> Iterator[Any]:
-    it = iter(loader)
-    workers = list(getattr(it, "_workers", ()))
-    _WORKERS.update(workers)
-    try:
-        yield from it
-    finally:
-        del it  # torch's shutdown: the workers get a few seconds to finish cleanly
-        _kill(workers)
-
-
-def decode_label(sample: dict, num_classes: Optional[int]) -> int:
-    raw = sample.get("cls")
-    if raw is None:
-        raise CorruptImage("sample has no 'cls'")
-    try:
-        label = int(raw.decode() if isinstance(raw, bytes) else raw)
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptImage(f"'cls' is not an integer: {raw[:20]!r}") from None
-    if label < 0 or (num_classes and label >= num_classes):
-        raise CorruptImage(f"'cls' {label} outside [0, {num_classes})")
-    return label
-
-
-def image_bytes(sample: dict) -> bytes:
-    for name in IMAGE_FIELDS:
-        if name in sample:
-            return sample[name]
-    raise CorruptImage(f"sample has no image ({'/'.join(IMAGE_FIELDS)})")
-
-
-class Skip(NamedTuple):
-    cause: str  # one of SKIP_CAUSES
-    reason: str
-
-
-def decode_sample(sample: dict, num_classes: Optional[int], transform):
-    """(label, transformed image) of a raw sample, or why it is skipped."""
-    try:
-        data = image_bytes(sample)
-    except CorruptImage as e:
-        return Skip("empty", str(e))
-    if not data:
-        return Skip("empty", "the image field holds 0 bytes")
-    try:
-        label = decode_label(sample, num_classes)
-    except CorruptImage as e:
-        return Skip("bad_label", str(e))
-    try:
-        return label, transform(data)
-    except CorruptImage as e:
-        return Skip("undecodable", str(e))
-
-
-def _new_batch_images(batch_size: int, size: int) -> torch.Tensor:
-    images = torch.empty((batch_size, 3, size, size), dtype=torch.uint8)
-    # In a worker process, allocating in shared memory saves the copy the queue would make.
-    return images.share_memory_() if get_worker_info() is not None else images
-
-
-# --------------------------------------------------------------------------------------------
-# Train loader
-# --------------------------------------------------------------------------------------------
 @dataclass
 class _RankState:
     workers: List[WorkerPos]
@@ -192,7 +86,7 @@ class _TrainDataset(IterableDataset):
         try:
             yield from self._batches(logical, good, skips)
         except LoaderError as e:
-            yield _Failed(str(e))
+            yield Failed(str(e))
 
     def _batches(self, logical: int, good, skips: WorkerPos):
         # One good sample is always decoded ahead: a batch's position is that of the next
@@ -200,7 +94,7 @@ class _TrainDataset(IterableDataset):
         # counts them twice.
         pending = next(good)
         while True:
-            images = _new_batch_images(self.batch_size, self.transform.size)
+            images = new_batch_images(self.batch_size, self.transform.size)
             labels, keys, epochs = [], [], []
             for i in range(self.batch_size):
                 epoch, _, key, label, image = pending
@@ -300,8 +194,8 @@ class TrainLoader:
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
-            for item in _iterate(loader):
-                _raise_failed(item)
+            for item in iterate_workers(loader):
+                raise_failed(item)
                 images, labels, keys, epochs, meta = item
                 self._advance(meta)
                 if keys_file is not None:
@@ -431,90 +325,8 @@ def _describe(layout: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Eval loader
+# Construction from the config
 # --------------------------------------------------------------------------------------------
-class _EvalDataset(IterableDataset):
-    def __init__(self, plan: ShardPlan, rank: int, workers: int, batches: int, batch_size: int,
-                 transform: EvalTransform, num_classes: Optional[int]):
-        self.plan, self.rank, self.workers, self.batches = plan, rank, workers, batches
-        self.batch_size, self.transform, self.num_classes = batch_size, transform, num_classes
-
-    def __iter__(self):
-        info = get_worker_info()
-        slot = self.rank * self.workers + (info.id if info else 0)
-        warn = RateLimitedLog()
-        samples = (s for s in _records(self.plan, self.plan.slot_shards(0, slot), warn)
-                   if isinstance(s, dict))  # what a bad shard lost is only warned about
-        try:
-            yield from self._batches(samples, warn)
-        except LoaderError as e:
-            yield _Failed(str(e))
-
-    def _batches(self, samples, warn: RateLimitedLog):
-        for _ in range(self.batches):
-            images = _new_batch_images(self.batch_size, self.transform.size)
-            images.zero_()
-            labels = torch.full((self.batch_size,), -1, dtype=torch.int64)
-            keys = [""] * self.batch_size
-            filled = 0
-            for sample in samples:
-                decoded = decode_sample(sample, self.num_classes, self.transform)
-                if isinstance(decoded, Skip):
-                    warn.warning("skipping sample %s: %s", sample.get("__key__"), decoded.reason)
-                    continue
-                labels[filled], images[filled] = decoded
-                keys[filled] = sample["__key__"]
-                filled += 1
-                if filled == self.batch_size:
-                    break
-            yield images, labels, keys, torch.zeros(self.batch_size, dtype=torch.int64)
-
-
-class EvalLoader:
-    """One pass over a split per ``iter()``: every sample once across the world, unshuffled.
-
-    Every rank yields the same number of full-size batches, so sharded models (ZeRO-3) never
-    wait on a rank that ran out; padding rows have label -1 and key "" -- mask them out.
-    Corrupt samples are dropped (they become padding).
-    """
-
-    def __init__(self, shards: ShardSet, *, img_size: int, batch_size: int, rank: int = 0,
-                 world_size: int = 1, num_workers: int = 0, num_classes: Optional[int] = None,
-                 crop_pct: float = 0.875):
-        self.shards, self.rank, self.num_workers = shards, rank, num_workers
-        self.workers = max(1, num_workers)
-        slots = world_size * self.workers
-        if any(n < 0 for n in shards.lengths):
-            raise LoaderError(f"eval split '{shards.name}' lacks shard_lengths in its info file; "
-                              f"equal batch counts per rank need them")
-        dealt, loads = deal(range(len(shards.urls)), shards.lengths, [0] * slots)
-        self.plan = ShardPlan(shards, slots, seed=0, override_epoch=0, override_slots=dealt)
-        longest = max(loads)
-        self.batches_per_worker = math.ceil(longest / batch_size)
-        self.batch_size = batch_size
-        self.transform = EvalTransform(img_size, crop_pct)
-        self.num_classes = num_classes
-
-    def __len__(self) -> int:
-        return self.batches_per_worker * self.workers
-
-    def __iter__(self) -> Iterator[Batch]:
-        dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
-                               self.batch_size, self.transform, self.num_classes)
-        for item in _iterate(DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                                        worker_init_fn=ignore_stop_signals)):
-            _raise_failed(item)
-            yield Batch(*item)
-
-
-# --------------------------------------------------------------------------------------------
-# Construction from the config, and the device-side half of the pipeline
-# --------------------------------------------------------------------------------------------
-def retry_policy(data) -> RetryPolicy:
-    return RetryPolicy(attempts=data.read_attempts, backoff_s=data.retry_backoff_s,
-                       timeout_s=data.read_timeout_s)
-
-
 def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
                        log_sample_keys: Optional[str] = None, pin_memory: bool = False,
@@ -534,65 +346,3 @@ def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        resample=data.resample, crop_scale=data.crop_scale, hflip=data.hflip,
                        randaugment=data.randaugment, num_classes=num_classes,
                        log_sample_keys=log_sample_keys, pin_memory=pin_memory)
-
-
-def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
-                      world_size: int = 1, num_classes: Optional[int] = None,
-                      split: Optional[str] = None, holdout: float = 0.0) -> EvalLoader:
-    """The eval loader of ``data.val_split`` (or ``split``); with ``holdout``, only that
-    hashed share of the split (the dev split a train loader with the same share leaves out)."""
-    split = split or data.val_split
-    if not data.root or not split:
-        raise LoaderError("evaluation needs data.root and data.val_split")
-    shards = ShardSet.from_info(data.root, split, retry_policy(data), data.missing_shards)
-    shards.check_present(data.missing_shards, rank)
-    if holdout:
-        shards = shards.holding_out(holdout, "held")
-    return EvalLoader(shards, img_size=img_size,
-                      batch_size=batch_size, rank=rank, world_size=world_size,
-                      num_workers=data.num_workers, num_classes=num_classes)
-
-
-def normalize(images: torch.Tensor, mode: str = "minus_one_one",
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """uint8 (B, 3, H, W) -> float: [-1, 1] ("minus_one_one") or ImageNet mean/std ("imagenet")."""
-    x = images.to(dtype)
-    if mode == "minus_one_one":
-        return x.div_(127.5).sub_(1.0)
-    if mode == "imagenet":
-        mean, std = _imagenet_mean_std(x.device, dtype)
-        return x.sub_(mean).div_(std)
-    raise LoaderError(f"data.normalize='{mode}' is unknown; use 'minus_one_one' or 'imagenet'")
-
-
-@functools.lru_cache(maxsize=None)
-def _imagenet_mean_std(device: torch.device, dtype: torch.dtype):
-    """Made once per device: a tensor built from a list on a GPU is a blocking copy, which
-    would make the host wait for the device at every batch."""
-    def make(values):  # in the input dtype, then x 255: the arithmetic runs always had
-        return torch.tensor(values, dtype=dtype).view(1, 3, 1, 1).mul(255).to(device)
-    return make(IMAGENET_MEAN), make(IMAGENET_STD)
-
-
-def build_mixup(data, num_classes: int):
-    """timm ``Mixup`` for data.mixup_alpha / cutmix_alpha (None when both are 0).
-
-    Apply it to the normalised float batch on the device: ``x, y = mixup(x, labels)``; ``y``
-    becomes soft targets (B, num_classes) with data.label_smoothing. Needs an even batch.
-    """
-    if data.mixup_alpha <= 0 and data.cutmix_alpha <= 0:
-        return None
-    from timm.data import Mixup
-    return Mixup(mixup_alpha=data.mixup_alpha, cutmix_alpha=data.cutmix_alpha,
-                 label_smoothing=data.label_smoothing, num_classes=num_classes)
-
-
-def prepare_batch(batch: Batch, device: torch.device | str, mode: str = "minus_one_one",
-                  mixup=None, dtype: torch.dtype = torch.float32
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Move a batch to ``device``, normalise it there and apply mixup: (images, targets)."""
-    images = normalize(batch.images.to(device, non_blocking=True), mode, dtype)
-    labels = batch.labels.to(device, non_blocking=True)
-    if mixup is not None:
-        images, labels = mixup(images, labels)
-    return images, labels

@@ -13,7 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD, LoaderError
+from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.data.shards import LoaderError
 
 # Both pipelines get the inception crop torchvision's RandomResizedCrop uses by default.
 REFERENCE_CROP_SCALE = (0.08, 1.0)
@@ -49,7 +50,7 @@ def make_photos(count: int, out: Path, shard_size: int, seed: int = 0) -> Path:
 # --------------------------------------------------------------------------------------------
 def resolve_shards(spec: str, split: str):
     from pretrain.data.info import DatasetInfoError
-    from pretrain.data.loader import ShardSet
+    from pretrain.data.shards import ShardSet
 
     try:
         return ShardSet.from_info(spec, split)
@@ -214,7 +215,7 @@ def _reference_transform(img_size: int):
     from PIL import Image
     from torchvision import transforms as T
 
-    from pretrain.data.loader import IMAGENET_MEAN, IMAGENET_STD
+    from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
 
     transform = T.Compose([T.RandomResizedCrop(img_size, scale=REFERENCE_CROP_SCALE),
                            T.RandomHorizontalFlip(), T.ToTensor(),

@@ -40,7 +40,7 @@ RETRY_HTTP = {408, 425, 429, 500, 502, 503, 504}
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How hard to try (``data.read_retries``, ``data.retry_backoff_s``)."""
+    """How hard to try (``data.read_attempts``, ``data.retry_backoff_s``)."""
 
     attempts: int = 10  # failures in a row, without a byte gained, before giving up
     backoff_s: float = 1.0  # the first wait; doubled each time, at most max_backoff_s
@@ -50,6 +50,11 @@ class RetryPolicy:
     def wait(self, failures: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1)) * \
             random.uniform(0.5, 1.0)  # jitter: ranks that failed together do not retry together
+
+
+def retry_policy(data) -> RetryPolicy:
+    return RetryPolicy(attempts=data.read_attempts, backoff_s=data.retry_backoff_s,
+                       timeout_s=data.read_timeout_s)
 
 
 class Missing(FileNotFoundError):

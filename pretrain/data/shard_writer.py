@@ -3,9 +3,9 @@
 The steps of :func:`prepare`:
 
 1. Check ``DIR``: output written with a different configuration is an error, never overwritten.
-2. Index every sample of the source as compact numpy columns (key, label, where the bytes are):
-   about 60 bytes a sample, so ImageNet-21k's 14 M samples fit in well under 1 GB. The index is
-   cached in ``DIR/.prepare`` so an interrupted run does not scan the source again.
+2. Index every sample of the source as compact numpy columns (key, label, where the bytes are),
+   cached in ``DIR/.prepare`` so an interrupted run does not scan the source again
+   (:mod:`pretrain.data.shard_plan`, as is step 3).
 3. Hold out ``val_count`` samples as ``validation`` by a seeded hash of their key (the same keys
    on every run), sort by key (so the result does not depend on scan order), then shuffle each
    split with a seeded permutation and cut it into shards of ``shard_size``.
@@ -15,7 +15,6 @@ The steps of :func:`prepare`:
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -24,27 +23,25 @@ import os
 import re
 import shutil
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 from PIL import Image
 
+from pretrain.atomic_write import write_atomic
+
 from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
-from .sources import Entry, PrepareError, Source, open_source
+from .shard_plan import (Index, Shard, hold_out, index_entries, load_or_build_index, plan_shards,
+                         sort_by_key, take_rows)
+from .sources import PrepareError, Source, open_source
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "validation", "test")
 DEFAULT_SHARD_SIZE = 1000
 DEFAULT_I21K_VAL_COUNT = 50_000
 JPEG_QUALITY = 95
 WORK_DIR = ".prepare"
 REPORT_NAME = "_skipped.json"
-COLUMNS = ("split", "key", "label", "part", "name", "offset", "size")
-
-Index = Dict[str, np.ndarray]
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,18 +97,12 @@ def check_out_dir(out: Path, settings: dict) -> None:
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     if not config.is_file():
-        _write_atomic(config, json.dumps(settings, indent=1))
+        write_atomic(config, json.dumps(settings, indent=1))
 
 
 def _shards_started(out: Path) -> bool:
     return (out / WORK_DIR / "shards.jsonl").is_file() or any(
         p.name.endswith((".tar", ".tar.tmp")) for p in out.iterdir())
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
@@ -121,125 +112,6 @@ def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
     info = read_info(out)
     present = all((out / f).is_file() for s in info.splits.values() for f in s.filenames)
     return info if present and info.extra.get("prepare") == settings else None
-
-
-# --------------------------------------------------------------------------------------------
-# The index
-# --------------------------------------------------------------------------------------------
-def build_index(entries: Iterable[Entry], chunk: int = 1 << 20) -> Index:
-    """Compact numpy columns of all entries, built a chunk at a time so Python objects stay few."""
-    chunks: List[Index] = []
-    batch: List[Entry] = []
-    for entry in entries:
-        batch.append(entry)
-        if len(batch) == chunk:
-            chunks.append(_columns(batch))
-            batch = []
-    if batch or not chunks:
-        chunks.append(_columns(batch))
-    return {c: np.concatenate([ch[c] for ch in chunks]) for c in COLUMNS}
-
-
-def _columns(batch: List[Entry]) -> Index:
-    return dict(
-        split=np.array([SPLITS.index(e.split) for e in batch], dtype=np.uint8),
-        key=np.array([e.key.encode() for e in batch], dtype=bytes),
-        label=np.array([e.label for e in batch], dtype=np.int32),
-        part=np.array([e.part for e in batch], dtype=np.int32),
-        # A file name that is not UTF-8 must still open the file it came from.
-        name=np.array([e.name.encode("utf-8", "surrogateescape") for e in batch], dtype=bytes),
-        offset=np.array([e.offset for e in batch], dtype=np.int64),
-        size=np.array([e.size for e in batch], dtype=np.int64),
-    )
-
-
-def _take(index: Index, rows: np.ndarray) -> Index:
-    return {c: index[c][rows] for c in COLUMNS}
-
-
-def _entries(index: Index) -> Iterable[Entry]:
-    for s, k, l, p, n, o, z in zip(*(index[c].tolist() for c in COLUMNS)):
-        yield Entry(SPLITS[s], k.decode(), l, p, n.decode("utf-8", "surrogateescape"), o, z)
-
-
-def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
-    """The cached index of an interrupted run, or a fresh scan of the source (then cached)."""
-    cache, scan = work / "index.npz", work / "scan.json"
-    if cache.is_file() and scan.is_file():
-        state = json.loads(scan.read_text())
-        source.parts, source.unknown = state["parts"], state["unknown"]
-        with np.load(cache) as z:
-            return {c: z[c] for c in COLUMNS}
-    shutil.rmtree(work / "spill", ignore_errors=True)
-    from tqdm import tqdm
-
-    entries = tqdm(source.entries(), desc="index", unit="img", disable=not progress, mininterval=1.0)
-    index = build_index(entries)
-    tmp = cache.with_name("index.tmp.npz")
-    with open(tmp, "wb") as f:
-        np.savez(f, **index)
-    _write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}))
-    os.replace(tmp, cache)
-    return index
-
-
-def key_hash(keys: np.ndarray, seed: int) -> np.ndarray:
-    """A seeded 64-bit hash per key: stable across runs, machines and Python versions."""
-    salt = str(seed).encode()
-    return np.fromiter((int.from_bytes(hashlib.blake2b(k, digest_size=8, key=salt).digest(), "little")
-                        for k in keys.tolist()), dtype=np.uint64, count=len(keys))
-
-
-def hold_out(index: Index, val_count: int, seed: int) -> None:
-    """Move the ``val_count`` training samples with the smallest key hash to ``validation``."""
-    train = np.flatnonzero(index["split"] == SPLITS.index("train"))
-    if val_count >= len(train):
-        raise PrepareError(f"--val-count {val_count} leaves no training images ({len(train)} found); "
-                           f"lower it")
-    hashes = key_hash(index["key"][train], seed)
-    chosen = train[np.argpartition(hashes, val_count - 1)[:val_count]] if val_count else train[:0]
-    index["split"][chosen] = SPLITS.index("validation")
-
-
-def sort_by_key(index: Index, source: Optional[Source] = None) -> Index:
-    """Sorted by key, so the output depends on the set of samples, not on the scan order.
-
-    A key must be unique within its split only: the splits' shards are separate, and datasets
-    exported split by split number their files afresh in each (``train/cat/0001.png`` and
-    ``val/cat/0001.png``).
-    """
-    index = _take(index, np.argsort(index["key"], kind="stable"))
-    for code, split in enumerate(SPLITS):
-        rows = np.flatnonzero(index["split"] == code)
-        keys = index["key"][rows]
-        dup = np.flatnonzero(keys[1:] == keys[:-1])
-        if len(dup):
-            first, second = _entries(_take(index, rows[dup[0]:dup[0] + 2]))
-            both = f"{source.describe(first)} and {source.describe(second)}" if source else "two images"
-            raise PrepareError(f"{both} share the sample key '{first.key}' in split '{split}'; "
-                               f"rename one of them")
-    return index
-
-
-# --------------------------------------------------------------------------------------------
-# The plan: which rows go to which shard
-# --------------------------------------------------------------------------------------------
-@dataclass
-class Shard:
-    split: str
-    filename: str
-    rows: np.ndarray  # positions in the index, in the order written
-
-
-def plan_shards(index: Index, name: str, shard_size: int, seed: int) -> List[Shard]:
-    shards = []
-    for code, split in enumerate(SPLITS):
-        rows = np.flatnonzero(index["split"] == code)
-        # A seeded permutation of the whole split: class-sorted sources come out mixed.
-        rows = rows[np.random.default_rng([seed, code]).permutation(len(rows))]
-        for j, start in enumerate(range(0, len(rows), shard_size)):
-            shards.append(Shard(split, f"{name}-{split}-{j:06d}.tar", rows[start:start + shard_size]))
-    return shards
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +183,7 @@ def write_shard(job: Tuple[str, str, Index]) -> Tuple[str, int, list]:
     count, skipped = 0, []
     with open(tmp, "wb") as f:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            for entry in _entries(rows):
+            for entry in index_entries(rows):
                 # An I/O error (a file gone, a failing disk) stops the run, which resumes later
                 # without loss; only an image that does not decode is skipped.
                 data = source.read(entry)
@@ -416,7 +288,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     todo = [s for s in shards if not (s.filename in done and (out_dir / s.filename).is_file())]
     if len(todo) < len(shards):
         log.info("resuming: %d of %d shards are complete", len(shards) - len(todo), len(shards))
-    jobs = [(s.filename, s.split, _take(index, s.rows)) for s in todo]
+    jobs = [(s.filename, s.split, take_rows(index, s.rows)) for s in todo]
     _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
 
     done = _read_ledger(ledger)
@@ -440,7 +312,7 @@ def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
         split.num_samples += record["count"]
         skipped.extend(record["skipped"])
     report = dict(num_skipped=len(skipped), unknown_classes=sorted(set(source.unknown)), skipped=skipped)
-    _write_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
+    write_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
     info = DatasetInfo(name=settings["name"], splits=splits, classes=list(source.classes),
                        extra=dict(prepare=settings, num_skipped=len(skipped)))
     write_info(out, info)

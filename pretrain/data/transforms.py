@@ -12,7 +12,7 @@ pretraining, so the work is arranged to be cheap:
   simplejpeg is not installed (logged: the decoder in use, and any JPEG simplejpeg refused);
 * the crop is resized with torch's uint8 antialiased bilinear kernel (the same filter as PIL's,
   vectorised) -- no float conversion and no normalisation on the CPU; the model side normalises
-  the uint8 batch on the device (:func:`pretrain.data.loader.normalize`).
+  the uint8 batch on the device (:func:`pretrain.data.device_batch.normalize`).
 
 Train: inception-style random resized crop, horizontal flip, optional timm RandAugment.
 Eval: resize so the centre crop is ``crop_pct`` of the shorter side, then centre crop.

@@ -1,0 +1,37 @@
+"""Writing a file whole or not at all.
+
+Files that another process may read while we write them, or that a restarted run reads after a
+crash (configs, dataset info, the index cache, exported weights, evaluation outputs, tracking
+spools), are written under a temporary name in the same folder and then renamed over the final
+name. A rename within a folder is atomic, so a reader sees the old file or the new one, never
+half of one. A write that fails (a full disk, Ctrl-C) removes its temporary file, so it takes no
+room. This does not flush to disk: checkpoints and shards, which must survive a power loss,
+fsync on their own (``pretrain.checkpoint``, ``pretrain.data.shard_writer``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable, Union
+
+
+def write_atomic(path: Union[str, os.PathLike],
+                 data: Union[bytes, str, Callable[[Path], None]]) -> Path:
+    """Replace ``path`` with ``data``: bytes, text, or a function that writes the file it is
+    given (for writers that take a path, such as safetensors' ``save_file``)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        if callable(data):
+            data(tmp)
+        elif isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,196 @@
+"""The class-folder layouts, read in place file by file (README, "Prepare data"):
+
+* ``imagefolder``: ``root/<class>/*``; ``root/train/<class>`` + ``root/val/<class>`` give two splits.
+  Keys are unique per split (exports number their files afresh in each split) and carry the
+  class folder (``cat/0001`` and ``dog/0001`` are the usual case, not a clash).
+* ``imagenet1k``: the same with timm's 1000-synset order; ``val/`` in synset folders or flat with
+  a label file.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+from pretrain.data.sources import (Entry, PrepareError, Source, _is_image, as_text, sample_key,
+                                   timm_info_file)
+
+IMAGENET1K_SYNSETS = "imagenet_synsets.txt"
+# Label files recognised next to a flat ImageNet-1k ``val/`` folder.
+VAL_LABEL_FILES = ("LOC_val_solution.csv", "val_labels.txt", "val.txt")
+FOLDER_LAYOUT = "<root>/<class>/<image> or <root>/{train,val}/<class>/<image>"
+# What a macOS zip unpacks next to the class folders; never a class of its own.
+IGNORED_FOLDERS = ("__MACOSX",)
+
+
+def _visible(name: str) -> bool:
+    # Hidden entries are editor, notebook and macOS leftovers (.ipynb_checkpoints, ._x.jpg).
+    return not name.startswith(".") and name not in IGNORED_FOLDERS
+
+
+def _subfolders(folder: Path) -> List[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _visible(p.name))
+
+
+def _images_below(folder: str) -> Optional[str]:
+    """The first image anywhere under ``folder``, or None."""
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if _visible(d))
+        image = next((f for f in sorted(files) if _visible(f) and _is_image(f)), None)
+        if image is not None:
+            return os.path.join(here, image)
+    return None
+
+
+class ImageFolder(Source):
+    """``root/<class>/*`` (one split ``train``) or ``root/train/<class>`` + ``root/val/<class>``."""
+
+    name = "imagefolder"
+
+    def __init__(self, src: str, classes: Optional[Sequence[str]] = None, skip_unknown: bool = False) -> None:
+        super().__init__()
+        self.src = src
+        self.split_dirs = self._split_dirs(Path(src))
+        self.has_validation = "validation" in self.split_dirs
+        # A fixed class list (ImageNet-1k) pins the labels; otherwise the training folders, sorted.
+        self.fixed_classes = classes is not None
+        self.classes = list(classes) if classes is not None else self._folder_classes()
+        self._label = {c: i for i, c in enumerate(self.classes)}
+        self._skip_unknown = skip_unknown
+
+    @staticmethod
+    def _split_dirs(root: Path) -> dict:
+        if not root.is_dir():
+            raise PrepareError(f"--src {root} is not a folder; point it at the dataset root")
+        val = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
+        if (root / "train").is_dir() and val is not None:
+            return {"train": root / "train", "validation": val}
+        return {"train": root}
+
+    def _folder_classes(self) -> List[str]:
+        classes = sorted({as_text(p.name) for p in _subfolders(self.split_dirs["train"])})
+        if not classes:
+            raise PrepareError(f"no class folders in {self.split_dirs['train']}; expected {FOLDER_LAYOUT}")
+        return classes
+
+    def _key(self, class_name: str, stem: str) -> str:
+        return sample_key(f"{class_name}/{stem}")
+
+    def label_of(self, class_name: str, where: str) -> Optional[int]:
+        label = self._label.get(class_name)
+        if label is None:
+            if not self._skip_unknown:
+                hint = ("pass --skip-unknown to leave it out" if self.fixed_classes else
+                        "every validation class needs a training folder of the same name")
+                raise PrepareError(f"class folder '{class_name}' ({where}) is not a known class; {hint}")
+            self.unknown.append(class_name)
+        return label
+
+    def entries(self) -> Iterator[Entry]:
+        for split, root in self.split_dirs.items():
+            yield from self._folder_split(split, root)
+
+    def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
+        # Images outside class folders would have no label, and images below them a wrong one:
+        # both are refused rather than dropped or mislabelled.
+        loose = next((e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)
+                      and _is_image(e.name)), None)
+        if loose is not None:
+            raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
+                               f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
+        for class_dir in _subfolders(root):
+            class_name = as_text(class_dir.name)
+            label = self.label_of(class_name, str(class_dir))
+            if label is None:
+                continue
+            names, subfolders = [], []
+            for e in os.scandir(class_dir):
+                if not _visible(e.name):
+                    continue
+                if e.is_dir():
+                    subfolders.append(e.path)
+                elif e.is_file() and _is_image(e.name):
+                    names.append(e.name)
+            for sub in sorted(subfolders):
+                nested = _images_below(sub)
+                if nested is not None:
+                    raise PrepareError(f"found images two levels down in {class_dir} (e.g. {nested}); "
+                                       f"expected {FOLDER_LAYOUT}; point --src at the folder whose "
+                                       f"subfolders are the classes, or move the images up into their class folder")
+            self.parts.append(str(class_dir))
+            names.sort()
+            stems = [sample_key(os.path.splitext(n)[0]) for n in names]
+            repeated = {stem for stem, n in Counter(stems).items() if n > 1}
+            for name, stem in zip(names, stems):
+                # "a.jpg" next to "a.png" would share a key; keep the extension for those only.
+                unique = sample_key(name) if stem in repeated else stem
+                yield Entry(split, self._key(class_name, unique), label, len(self.parts) - 1, name, 0, -1)
+
+    def read(self, entry: Entry) -> bytes:
+        with open(os.path.join(self.parts[entry.part], entry.name), "rb") as f:
+            return f.read()
+
+
+class ImageNet1k(ImageFolder):
+    """``train/<synset>/*.JPEG`` with timm's 1000-synset order; ``val/`` in synset folders or flat.
+
+    A flat ``val/`` needs a label file in ``ROOT`` or ``ROOT/val``: Kaggle's ``LOC_val_solution.csv``
+    (``ImageId,PredictionString`` with the synset first) or ``val_labels.txt`` / ``val.txt`` with
+    lines ``<file name> <synset or class index>``.
+    """
+
+    name = "imagenet1k"
+
+    def __init__(self, src: str, skip_unknown: bool = False) -> None:
+        synsets = timm_info_file(IMAGENET1K_SYNSETS).read_text().split()
+        super().__init__(src, classes=synsets, skip_unknown=skip_unknown)
+        if "validation" not in self.split_dirs:
+            raise PrepareError(f"{src} needs train/ and val/ folders (ImageNet-1k layout); use "
+                               f"'imagefolder' for a single folder of classes")
+
+    def _key(self, class_name: str, stem: str) -> str:
+        # ImageNet file names are unique on their own (n01440764_10026, ILSVRC2012_val_00000001).
+        return sample_key(stem)
+
+    def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
+        if split == "validation" and not _subfolders(root):
+            yield from self._flat_val(root)
+        else:
+            yield from super()._folder_split(split, root)
+
+    def _flat_val(self, root: Path) -> Iterator[Entry]:
+        labels = self._val_labels(root)
+        self.parts.append(str(root))
+        part = len(self.parts) - 1
+        for name in sorted(e.name for e in os.scandir(root)
+                           if e.is_file() and _visible(e.name) and _is_image(e.name)):
+            stem = os.path.splitext(name)[0]
+            if stem not in labels:
+                raise PrepareError(f"{root / name} has no entry in the validation label file; "
+                                   f"fix the label file or remove the image")
+            label = self.label_of(labels[stem], str(root / name))
+            if label is not None:
+                yield Entry("validation", sample_key(stem), label, part, name, 0, -1)
+
+    def _val_labels(self, root: Path) -> dict:
+        """File stem -> synset, from whichever known label file is present."""
+        for folder in (root.parent, root):
+            for filename in VAL_LABEL_FILES:
+                path = folder / filename
+                if path.is_file():
+                    return self._parse_val_labels(path)
+        raise PrepareError(f"{root} is flat but no label file was found; put one of "
+                           f"{', '.join(VAL_LABEL_FILES)} next to it, or sort val/ into synset folders")
+
+    def _parse_val_labels(self, path: Path) -> dict:
+        labels = {}
+        with open(path, newline="") as f:
+            rows = csv.reader(f) if path.suffix == ".csv" else (line.split() for line in f)
+            for row in rows:
+                if len(row) < 2 or row[0] == "ImageId":
+                    continue
+                stem, label = os.path.splitext(row[0])[0], row[1].split()[0]
+                labels[stem] = self.classes[int(label)] if label.isdigit() else label
+        return labels

@@ -1,0 +1,61 @@
+"""What both loaders share about running in torch data-loader worker processes.
+
+The batch tensors are made in shared memory, a worker's :class:`LoaderError` comes back as an
+item and is raised in the main process, and every worker is ended, by SIGKILL, when its
+iteration ends or at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any, Iterator, NamedTuple
+
+import torch
+from torch.utils.data import DataLoader, get_worker_info
+
+from pretrain.data.shards import LoaderError
+
+
+class Failed(NamedTuple):
+    """A worker's LoaderError, passed as an item: raised in the worker it would reach the
+    user wrapped in torch's multi-line traceback text instead of its one line."""
+    message: str
+
+
+def raise_failed(item) -> None:
+    if isinstance(item, Failed):
+        raise LoaderError(item.message)
+
+
+# Workers ignore SIGTERM, but SIGTERM is how torch ends a worker it could not join and how
+# multiprocessing ends daemon children at exit -- and at exit it then joins them, forever, when
+# the iterator was not freed before (a reference cycle is enough). So the loaders end their
+# own workers with SIGKILL: when their iteration ends, and at exit for any left over.
+_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _kill(workers) -> None:
+    for w in list(workers):
+        if w.is_alive():
+            w.kill()
+            w.join()
+
+
+atexit.register(_kill, _WORKERS)  # runs before multiprocessing's own exit handler (LIFO)
+
+
+def iterate_workers(loader: DataLoader) -> Iterator[Any]:
+    it = iter(loader)
+    workers = list(getattr(it, "_workers", ()))
+    _WORKERS.update(workers)
+    try:
+        yield from it
+    finally:
+        del it  # torch's shutdown: the workers get a few seconds to finish cleanly
+        _kill(workers)
+
+
+def new_batch_images(batch_size: int, size: int) -> torch.Tensor:
+    images = torch.empty((batch_size, 3, size, size), dtype=torch.uint8)
+    # In a worker process, allocating in shared memory saves the copy the queue would make.
+    return images.share_memory_() if get_worker_info() is not None else images
