@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
-from pretrain.data.sources import (Entry, PrepareError, Source, _is_image, as_text, sample_key,
+from pretrain.data.sources import (Entry, PrepareError, Source, as_text, is_image, sample_key,
                                    timm_info_file)
 
 IMAGENET1K_SYNSETS = "imagenet_synsets.txt"
@@ -38,7 +38,7 @@ def _images_below(folder: str) -> Optional[str]:
     """The first image anywhere under ``folder``, or None."""
     for here, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if _visible(d))
-        image = next((f for f in sorted(files) if _visible(f) and _is_image(f)), None)
+        image = next((f for f in sorted(files) if _visible(f) and is_image(f)), None)
         if image is not None:
             return os.path.join(here, image)
     return None
@@ -96,7 +96,7 @@ class ImageFolder(Source):
         # Images outside class folders would have no label, and images below them a wrong one:
         # both are refused rather than dropped or mislabelled.
         loose = next((e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)
-                      and _is_image(e.name)), None)
+                      and is_image(e.name)), None)
         if loose is not None:
             raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
                                f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
@@ -111,7 +111,7 @@ class ImageFolder(Source):
                     continue
                 if e.is_dir():
                     subfolders.append(e.path)
-                elif e.is_file() and _is_image(e.name):
+                elif e.is_file() and is_image(e.name):
                     names.append(e.name)
             for sub in sorted(subfolders):
                 nested = _images_below(sub)
@@ -165,7 +165,7 @@ class ImageNet1k(ImageFolder):
         self.parts.append(str(root))
         part = len(self.parts) - 1
         for name in sorted(e.name for e in os.scandir(root)
-                           if e.is_file() and _visible(e.name) and _is_image(e.name)):
+                           if e.is_file() and _visible(e.name) and is_image(e.name)):
             stem = os.path.splitext(name)[0]
             if stem not in labels:
                 raise PrepareError(f"{root / name} has no entry in the validation label file; "

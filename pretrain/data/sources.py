@@ -86,7 +86,7 @@ def load_synsets(which: str) -> List[str]:
     return synsets
 
 
-def _is_image(name: str) -> bool:
+def is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
@@ -145,7 +145,7 @@ class _SynsetLabels(Source):
 
     def _members(self, tar: tarfile.TarFile, label: int, part: int) -> Iterator[Entry]:
         for member in tar:
-            if member.isfile() and _is_image(member.name):
+            if member.isfile() and is_image(member.name):
                 stem = os.path.splitext(os.path.basename(member.name))[0]
                 yield Entry("train", sample_key(stem), label, part, "", member.offset_data, member.size)
 
@@ -200,7 +200,7 @@ class OuterTarStream(_SynsetLabels):
                         continue
                     with tarfile.open(fileobj=outer.extractfile(inner_info), mode="r|") as inner:
                         for member in inner:
-                            if not (member.isfile() and _is_image(member.name)):
+                            if not (member.isfile() and is_image(member.name)):
                                 continue
                             if spill is None or spill.tell() >= SPILL_FILE_BYTES:
                                 spill = self._next_spill(spill)
