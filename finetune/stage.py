@@ -13,6 +13,7 @@ import io
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 from finetune.config import FinetuneConfig
 from pretrain.stage import Stage
@@ -89,11 +90,11 @@ class FinetuneStage(Stage):
         """The EMA weights when there are any: figures and exports are of the average."""
         return backend.ema.module if backend.ema is not None else backend.model
 
-    def after_eval(self, results: dict, step: int, backend) -> None:
+    def after_eval(self, results: dict, step: int, backend, tracker) -> None:
         top1 = results.get("eval/dev/top1")
         if top1 is not None and top1 > self.best:
             self.best = top1
-            self._export(backend, "best", step, results)
+            self._export(backend, "best", step, results, tracker.settled_run_id())
 
     def finish(self, backend, steps: int, sink, tracker) -> dict:
         results = {}
@@ -108,7 +109,7 @@ class FinetuneStage(Stage):
                 tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
                 tracker.log_artifact_bytes("per_class_top1.png",
                                            per_class_png(self.test.per_class_top1, self.test.name))
-        self._export(backend, "final", steps, results)
+        self._export(backend, "final", steps, results, tracker.settled_run_id())
         t = self.cfg.tracking
         if backend.rank == 0 and t.logs_model(by_default=True):
             # the model a user would pick: best by dev top-1 (final without a dev split)
@@ -124,11 +125,15 @@ class FinetuneStage(Stage):
         self.best = float(state.get("best", -1.0))
         self.lineage = state.get("lineage") or self.lineage
 
-    def _export(self, backend, name: str, step: int, metrics: dict) -> None:
+    def _export(self, backend, name: str, step: int, metrics: dict,
+                run_id: Optional[str]) -> None:
         """``<name>.safetensors`` plus ``<name>.json``, a model card a person or script can read,
         and the folder ``<name>/`` for timm (collective: the weights are gathered from every rank
-        first)."""
+        first). ``run_id``: this run's MLflow run, so a copy of the files that left the output
+        folder still names the run it came from (None where the server was not reached)."""
         from safetensors.torch import save_file
+
+        from pretrain.atomic_write import write_atomic
 
         state = backend.full_state_dict(backend.ema.module if backend.ema is not None else None)
         if state is None:  # not the main process
@@ -136,23 +141,24 @@ class FinetuneStage(Stage):
         cfg, spec = self.cfg, backend.module.spec
         card = {"model": spec.name, "resolution": spec.img_size, "ema_decay": cfg.train.ema_decay,
                 "num_classes": spec.num_classes, "dataset": cfg.data.root, "step": step,
-                "init": self.lineage,
+                "tracking_run_id": run_id, "init": self.lineage,
                 "metrics": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
         path = Path(cfg.output_dir) / f"{name}.safetensors"
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(state, str(tmp), metadata={"model_card": json.dumps(card)})
-        tmp.replace(path)
-        path.with_suffix(".json").write_text(json.dumps(card, indent=1))
-        self._export_timm_folder(state, spec, Path(cfg.output_dir) / name, step, card["metrics"])
+        write_atomic(path, lambda tmp: save_file(state, str(tmp),
+                                                 metadata={"model_card": json.dumps(card)}))
+        write_atomic(path.with_suffix(".json"), json.dumps(card, indent=1))
+        self._export_timm_folder(state, spec, Path(cfg.output_dir) / name, step, card["metrics"],
+                                 run_id)
 
-    def _export_timm_folder(self, state: dict, spec, out: Path, step: int, metrics: dict) -> None:
+    def _export_timm_folder(self, state: dict, spec, out: Path, step: int, metrics: dict,
+                            run_id: Optional[str]) -> None:
         """``<name>/`` in timm's layout (config.json, model.safetensors, README.md): loads with
         ``timm.create_model("local-dir:<name>", pretrained=True)`` and nothing else."""
         from pretrain.export import Consolidated
         from pretrain.timm_folder import write_timm_folder
 
         c = Consolidated(state_dict=state, spec=spec, source=str(out.with_suffix(".safetensors")),
-                         step=step)
+                         step=step, tracking_run_id=run_id)
         # a fine-tune swaps the pre-logits away; a model that kept them (trained from scratch
         # with model.representation_size) cannot carry its head into timm's ViT
         write_timm_folder(c, out, head=not spec.representation_size and spec.num_classes > 0,

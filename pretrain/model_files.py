@@ -172,6 +172,7 @@ def _safetensors(p: Path) -> ModelFile:
         model_cfg, normalize = _from_sibling_folder(p, card)
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
                 step=_int(card.get("step")))
+    mf.source_run_id = card.get("tracking_run_id")  # also where the file left its run's folder
     if run_config:
         mf.run_dir = p.parent
     elif normalize is not None:

@@ -46,7 +46,7 @@ class Stage:
         """The weights the figures (and exports) are of."""
         return backend.module
 
-    def after_eval(self, results: dict, step: int, backend) -> None:
+    def after_eval(self, results: dict, step: int, backend, tracker) -> None:
         """Act on an evaluation's results (collective: every rank calls it)."""
 
     def finish(self, backend, steps: int, sink, tracker) -> dict:

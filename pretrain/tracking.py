@@ -93,6 +93,9 @@ class NoTracking:
     run_id = None
     unwritten = 0
 
+    def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
+        return None
+
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         pass
 
@@ -151,6 +154,7 @@ class MlflowTracker:
         # MLflow's system-metrics thread warns (and stops) on every failed request; ours says
         # it once and restarts that thread when the server is back
         logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
+        self._first_attempt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
@@ -158,6 +162,14 @@ class MlflowTracker:
     @property
     def run_id(self) -> Optional[str]:
         return self.state.run_id
+
+    def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
+        """The run id, once the first attempt to reach MLflow has ended. That attempt starts
+        with the job, so only what a job writes in its first seconds waits here, and an
+        unreachable server fails it within MLFLOW_HTTP_REQUEST_TIMEOUT. For files that name
+        their run (a fine-tune's exports); None when the server was not reached."""
+        self._first_attempt.wait(timeout)
+        return self.run_id
 
     @property
     def unwritten(self) -> int:
@@ -294,7 +306,10 @@ class MlflowTracker:
             if stopping and deadline is None:
                 deadline = time.monotonic() + self.close_timeout_s
             try:
-                self._attempt()
+                try:
+                    self._attempt()
+                finally:
+                    self._first_attempt.set()
                 if stopping:
                     self._finish()
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later

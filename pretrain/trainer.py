@@ -301,7 +301,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
             if results:
                 sink.log(results, step)
                 metrics.update(results)
-                stage.after_eval(results, step, backend)
+                stage.after_eval(results, step, backend, tracker)
                 timer.exclude_elapsed()
 
             signame = stop.agreed() if step < steps else None

@@ -106,6 +106,28 @@ def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
     assert not torch.equal(trained["head.weight"], final["head.weight"])
 
 
+def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp_path):
+    """Best and final exports travel (to a model store, another cluster): without the run's
+    folder beside them, the files themselves must still say which MLflow run made them."""
+    import shutil
+
+    from pretrain.model_files import load_model
+
+    for name in ("final", "best"):
+        card = json.loads((ft.out / f"{name}.json").read_text())
+        assert card["tracking_run_id"] == ft.run_id, name
+        shutil.copytree(ft.out / name, tmp_path / name)
+        shutil.copy(ft.out / f"{name}.safetensors", tmp_path)
+    hidden = ft.out.with_name("ft-elsewhere")
+    ft.out.rename(hidden)  # the run's folder is out of reach, as on another machine
+    try:
+        for copied in ("final", "final.safetensors", "best", "best.safetensors"):
+            mf = load_model(tmp_path / copied)
+            assert mf.run_dir is None and mf.source_run_id == ft.run_id, copied
+    finally:
+        hidden.rename(ft.out)
+
+
 def test_timm_builds_the_logits_of_our_model_from_the_folder(ft):
     from pretrain.model_files import load_model
 
