@@ -93,7 +93,7 @@ def test_the_finetune_stage_writes_classifier_folders_next_to_its_files(tmp_path
     stage = FinetuneStage(cfg)
     stage.lineage = {"format": "export", "pretrain_run_id": "abc123", "step": 4}
     (tmp_path / "ft").mkdir()
-    stage._export(backend, "best", 7, {"eval/dev/top1": 0.25, "train/loss": 1.0})
+    stage._export(backend, "best", 7, {"eval/dev/top1": 0.25, "train/loss": 1.0}, "ft456")
 
     out = tmp_path / "ft"
     assert (out / "best.safetensors").is_file() and (out / "best.json").is_file()
@@ -111,6 +111,7 @@ def test_the_finetune_stage_writes_classifier_folders_next_to_its_files(tmp_path
     assert meta["vitscale"]["results"] == {"eval/dev/top1": 0.25}
     assert meta["vitscale"]["source"]["init"]["pretrain_run_id"] == "abc123"
     assert meta["vitscale"]["source"]["step"] == 7
+    assert meta["vitscale"]["source"]["tracking_run_id"] == "ft456"  # the fine-tune's own run
 
 
 @pytest.mark.parametrize("mode", ["minus_one_one", "imagenet"])
