@@ -133,6 +133,16 @@ def _read_tensors(path: Path) -> tuple[dict, dict]:
     return tensors, {}
 
 
+def _run_id(meta: dict) -> Optional[str]:
+    """The run that wrote the file: export.py's header, or a fine-tune export's model card."""
+    if meta.get("tracking_run_id"):
+        return meta["tracking_run_id"]
+    try:
+        return json.loads(meta.get("model_card") or "{}").get("tracking_run_id")
+    except (ValueError, AttributeError):
+        return None
+
+
 def _from_file(path: Path) -> InitSource:
     tensors, meta = _read_tensors(path)
     if all(k.startswith("module.") for k in tensors):  # saved from a DDP-wrapped model
@@ -142,7 +152,7 @@ def _from_file(path: Path) -> InitSource:
         fmt = "export" if meta.get("format") == FULL_FORMAT else "state_dict"
         step = meta.get("step")
         return InitSource(fmt, str(path), tensors, int(step) if step else None,
-                          meta.get("tracking_run_id"),
+                          _run_id(meta),
                           json.loads(meta["spec"]) if "spec" in meta else None,
                           extra={"source": meta["source"]} if "source" in meta else {})
     state = {}
@@ -153,7 +163,7 @@ def _from_file(path: Path) -> InitSource:
             state[BACKBONE_PREFIX + k] = v
     step = meta.get("step")
     return InitSource("timm", str(path), state, int(step) if step else None,
-                      meta.get("tracking_run_id"),
+                      _run_id(meta),
                       json.loads(meta["spec"]) if "spec" in meta else None)
 
 

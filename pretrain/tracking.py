@@ -164,11 +164,12 @@ class MlflowTracker:
         return self.state.run_id
 
     def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
-        """The run id, once the first attempt to reach MLflow has ended. That attempt starts
-        with the job, so only what a job writes in its first seconds waits here, and an
-        unreachable server fails it within MLFLOW_HTTP_REQUEST_TIMEOUT. For files that name
-        their run (a fine-tune's exports); None when the server was not reached."""
-        self._first_attempt.wait(timeout)
+        """The run id, once the first attempt to create or re-open the run has ended. That
+        attempt starts with the job, so only what a job writes in its first seconds waits here,
+        and an unreachable server fails it within MLFLOW_HTTP_REQUEST_TIMEOUT. For files that
+        name their run (a fine-tune's exports); None when the server was not reached."""
+        if not self._first_attempt.wait(timeout):
+            self._first_attempt.set()  # waited once; later calls take what is known at once
         return self.run_id
 
     @property
@@ -342,7 +343,10 @@ class MlflowTracker:
         if self._held:  # the disk was full: maybe there is room again
             self._write_held()
         if not r.connected:
-            r.connect()
+            try:
+                r.connect()
+            finally:
+                self._first_attempt.set()  # the run id is decided (or not): see settled_run_id
             if self.system_metrics:
                 self._start_system_metrics()
         while self._pending:  # the training thread appends to _pending; only we touch _outbox

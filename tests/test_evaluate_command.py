@@ -111,6 +111,7 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
     folder beside them, the files themselves must still say which MLflow run made them."""
     import shutil
 
+    from finetune.weights import read_init
     from pretrain.model_files import load_model
 
     for name in ("final", "best"):
@@ -124,6 +125,8 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         for copied in ("final", "final.safetensors", "best", "best.safetensors"):
             mf = load_model(tmp_path / copied)
             assert mf.run_dir is None and mf.source_run_id == ft.run_id, copied
+        # a fine-tune started from the copy records it as its source run
+        assert read_init(tmp_path / "best.safetensors").pretrain_run_id == ft.run_id
     finally:
         hidden.rename(ft.out)
 

@@ -11,8 +11,6 @@ from typing import List, NamedTuple, Tuple
 
 import torch
 
-from pretrain.data.shards import LoaderError
-
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -33,6 +31,7 @@ def normalize(images: torch.Tensor, mode: str = "minus_one_one",
     if mode == "imagenet":
         mean, std = _imagenet_mean_std(x.device, dtype)
         return x.sub_(mean).div_(std)
+    from pretrain.data.shards import LoaderError  # here: model exports import this module
     raise LoaderError(f"data.normalize='{mode}' is unknown; use 'minus_one_one' or 'imagenet'")
 
 
