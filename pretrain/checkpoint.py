@@ -1,8 +1,9 @@
 """Checkpoints that survive failures, for both stages.
 
 The files of a checkpoint are the training backend's (DeepSpeed's ``save_checkpoint`` for
-pretraining, Accelerate's ``save_state`` for fine-tuning: see :class:`pretrain.trainer.Backend`);
-this store decides where they go, when a checkpoint counts and which one a relaunch resumes from.
+pretraining, :class:`pretrain.engine.DeepSpeedBackend`; Accelerate's ``save_state`` for
+fine-tuning, :class:`finetune.backend.AccelerateBackend`); this store decides where they go,
+when a checkpoint counts and which one a relaunch resumes from.
 
 Layout: ``output_dir/checkpoints/step_00001000/`` holds the backend's files plus ``COMPLETE.json``,
 a manifest written by rank 0 only after every rank has returned from its save. A directory
