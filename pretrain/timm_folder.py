@@ -23,7 +23,6 @@ from typing import Optional, Union
 import torch
 
 from pretrain.atomic_write import write_atomic
-from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.export import (BACKBONE_PREFIX, CheckpointError, Consolidated, _as_consolidated,
                              timm_backbone_state)
 from pretrain.model import ViTSpec
@@ -51,7 +50,8 @@ def data_config(img_size: int, normalize: str = "minus_one_one",
     if normalize == "minus_one_one":  # x / 127.5 - 1
         mean, std = (0.5,) * 3, (0.5,) * 3
     elif normalize == "imagenet":
-        mean, std = IMAGENET_MEAN, IMAGENET_STD
+        from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+        mean, std = IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     else:
         raise ValueError(f"data.normalize='{normalize}' is unknown; use 'minus_one_one' or "
                          f"'imagenet'")

@@ -307,10 +307,7 @@ class MlflowTracker:
             if stopping and deadline is None:
                 deadline = time.monotonic() + self.close_timeout_s
             try:
-                try:
-                    self._attempt()
-                finally:
-                    self._first_attempt.set()
+                self._attempt()
                 if stopping:
                     self._finish()
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later

@@ -11,9 +11,6 @@ from typing import List, NamedTuple, Tuple
 
 import torch
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 class Batch(NamedTuple):
     images: torch.Tensor   # uint8 (B, 3, S, S); normalise on the device with normalize()
@@ -39,9 +36,11 @@ def normalize(images: torch.Tensor, mode: str = "minus_one_one",
 def _imagenet_mean_std(device: torch.device, dtype: torch.dtype):
     """Made once per device: a tensor built from a list on a GPU is a blocking copy, which
     would make the host wait for the device at every batch."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
     def make(values):  # in the input dtype, then x 255: the arithmetic runs always had
         return torch.tensor(values, dtype=dtype).view(1, 3, 1, 1).mul(255).to(device)
-    return make(IMAGENET_MEAN), make(IMAGENET_STD)
+    return make(IMAGENET_DEFAULT_MEAN), make(IMAGENET_DEFAULT_STD)
 
 
 def build_mixup(data, num_classes: int):

@@ -13,7 +13,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.data.shards import LoaderError
 
 # Both pipelines get the inception crop torchvision's RandomResizedCrop uses by default.
@@ -88,11 +87,12 @@ def bench_reference(urls: List[str], *, workers: int, batches: int, batch_size: 
     """The plain pipeline of the webdataset and torchvision docs, float output, normalised."""
     import torch
     import webdataset as wds
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     from torchvision import transforms as T
 
     transform = T.Compose([T.RandomResizedCrop(img_size, scale=REFERENCE_CROP_SCALE),
                            T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                           T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
     dataset = (wds.WebDataset(urls, resampled=True, shardshuffle=False,
                               nodesplitter=wds.split_by_node)
                .shuffle(buffer).decode("pil").to_tuple("jpg", "cls")
@@ -213,13 +213,12 @@ def _reference_transform(img_size: int):
     """The reference pipeline's per-image work: PIL full decode, crop, float, normalise."""
     import torch
     from PIL import Image
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
     from torchvision import transforms as T
-
-    from pretrain.data.device_batch import IMAGENET_MEAN, IMAGENET_STD
 
     transform = T.Compose([T.RandomResizedCrop(img_size, scale=REFERENCE_CROP_SCALE),
                            T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                           T.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
 
     def run(data: bytes, rng: random.Random) -> torch.Tensor:
         return transform(Image.open(io.BytesIO(data)).convert("RGB"))
