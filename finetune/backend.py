@@ -149,7 +149,7 @@ class AccelerateBackend:
         from accelerate.utils import MODEL_NAME
         from accelerate.utils import load  # torch.load(weights_only=True), numpy arrays allowed
 
-        from pretrain.checkpoint import check_pickles_are_inert
+        from pretrain.pickle_screen import check_pickles_are_inert
         path = Path(root) / ckpt.tag
         if (path / MODEL_NAME).is_dir():  # DeepSpeed's files: load_state has it unpickle them
             check_pickles_are_inert(path / MODEL_NAME)

@@ -14,7 +14,7 @@ says whether the loader keeps up.
 
 Figures (:func:`measure`): global images/s, achieved TFLOP/s per device
 (images/s x :meth:`ViTSpec.train_flops_per_image` / world), MFU against
-:func:`pretrain.metrics.peak_tflops` (None on the CPU: CPU figures are relative only), the
+:func:`pretrain.throughput.peak_tflops` (None on the CPU: CPU figures are relative only), the
 data-wait share, the median step time, and the peak memory of rank 0 (GPU: max allocated;
 CPU: peak resident set of the process).
 
@@ -37,7 +37,7 @@ from pretrain.config_files import load_config
 from pretrain.distributed import free_port, init_distributed
 from pretrain.engine import input_dtype
 from pretrain.guard import NonFiniteGuard
-from pretrain.metrics import peak_memory_gib
+from pretrain.throughput import peak_memory_gib
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 DEFAULT_RECIPE = RECIPES / "vit_l16_i21k.yaml"
@@ -115,7 +115,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
     from pretrain.profile import profiled
     from pretrain.data.device_batch import prepare_batch
     from pretrain.data.loader import build_train_loader
-    from pretrain.metrics import StepTimer, peak_tflops
+    from pretrain.throughput import StepTimer, peak_tflops
 
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")

@@ -21,11 +21,8 @@ directory of the checkpoint is fsynced first (by one rank per node), then the ma
 temporary file that is fsynced, renamed into place, and its directory fsynced. A power loss right
 after a save cannot leave a checkpoint that counts as complete but whose files never reached disk.
 
-DeepSpeed unpickles checkpoints with ``weights_only=False``. Before it reads one, every file
-under the checkpoint directory that could be a pickle -- at any depth, so a universal checkpoint's
-``zero/<param>/*.pt`` too -- is scanned by ``torch.serialization.get_unsafe_globals_in_checkpoint``,
-which executes nothing, and a reference to any Python object outside a short list of known, inert
-types is refused with :class:`CheckpointError`.
+DeepSpeed unpickles checkpoints with ``weights_only=False``; every one is screened first
+(:mod:`pretrain.pickle_screen`).
 
 Changing the world size goes through DeepSpeed's universal checkpoint format: the first resume
 on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_universal/``.
@@ -45,32 +42,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from pretrain.config import ConfigError
+from pretrain.distributed import rank
 from pretrain.guard import TrainingStopped
 from pretrain.stopping import ignore_stop_signals
 
 log = logging.getLogger(__name__)
-
-# Python objects a DeepSpeed checkpoint of this project may reference in its pickles: numpy's
-# array reconstruction (the RNG state in the client state) and inert DeepSpeed records.
-_SAFE_GLOBAL_PATTERNS = (
-    r"numpy\.(_core|core)\.multiarray\._reconstruct", r"numpy\.ndarray", r"numpy\.dtype",
-    r"numpy\.dtypes\.\w+DType", r"numpy\.(_core|core)\.multiarray\.scalar",
-    r"deepspeed\.runtime\.fp16\.loss_scaler\.(LossScaler|DynamicLossScaler)",
-    r"deepspeed\.runtime\.zero\.config\.ZeroStageEnum",
-    r"deepspeed\.utils\.tensor_fragment\.fragment_address",
-    r"collections\.OrderedDict", r"torch\.Size",
-)
-_SAFE_GLOBAL_RE = re.compile("|".join(f"(?:{p})" for p in _SAFE_GLOBAL_PATTERNS) + r"\Z")
-
-# Files screened whatever they start with: the suffixes torch, DeepSpeed and Accelerate give
-# their pickles. Any other file is screened too when it starts like one (torch.save's zip, or a
-# bare pickle of protocol 2 or later): a file's name is no promise of what is in it.
-_PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt"})
-_PICKLE_MAGIC = (b"PK\x03\x04", b"\x80")
 
 MANIFEST = "COMPLETE.json"
 # a fine-tune checkpoint (Accelerate's files) keeps the loop's client state in this file
@@ -100,16 +79,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
 
 def _syncs_files() -> bool:
     """Whether this rank fsyncs the checkpoint's files: one rank per node (local rank 0), and
     rank 0, which lists them in the manifest. A node's page cache holds the writes of all its
     ranks, and only that node can flush them: on shared storage (NFS, Lustre) an fsync from
     another node does not. Without $LOCAL_RANK every rank counts as the first of its node."""
-    return _rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+    return rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 class CheckpointStore:
@@ -124,7 +100,7 @@ class CheckpointStore:
         ``backend.save_checkpoint`` writes the files and ends in one barrier of all ranks."""
         tag = tag_for(step)
         path = self.root / tag
-        if _rank() == 0:
+        if rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             try:
                 (path / MANIFEST).unlink()  # re-saving a step: invalid until done
@@ -137,7 +113,7 @@ class CheckpointStore:
         try:
             backend.save_checkpoint(self.root, tag, client_state)
         except Exception as e:  # noqa: BLE001 -- full disk, I/O error: torch.save raises either
-            error = f"rank {_rank()}: {type(e).__name__}: {e}"
+            error = f"rank {rank()}: {type(e).__name__}: {e}"
             # A write fails inside the backend's write phase, which ends in one barrier: the
             # ranks that wrote their part wait there, so meet them before agreeing on the outcome.
             _barrier()
@@ -147,10 +123,10 @@ class CheckpointStore:
                 files = _sync_tree(path)
                 _fsync_dir(self.root)  # holds the entry of the step directory
             except OSError as e:  # EIO or ENOSPC surface here when the data reach the disk late
-                error = f"rank {_rank()}: fsync: {type(e).__name__}: {e}"
+                error = f"rank {rank()}: fsync: {type(e).__name__}: {e}"
         ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage)
         errors = _errors_on_any_rank(error)  # a collective: past it, every node has synced
-        if not errors and _rank() == 0:
+        if not errors and rank() == 0:
             try:
                 self._write_manifest(ckpt, files)
                 self._prune()
@@ -158,7 +134,7 @@ class CheckpointStore:
                 error = f"rank 0: manifest: {type(e).__name__}: {e}"
         errors = errors or _errors_on_any_rank(error)
         if errors:
-            if _rank() == 0:  # never loaded anyway, and on a full disk it is in the way
+            if rank() == 0:  # never loaded anyway, and on a full disk it is in the way
                 shutil.rmtree(path, ignore_errors=True)
             _barrier()
             raise CheckpointWriteError(self._write_failure(tag, errors))
@@ -210,7 +186,7 @@ class CheckpointStore:
                 m = json.loads((d / MANIFEST).read_text())
                 out.append(Checkpoint(d, int(m["step"]), int(m["world_size"]),
                                       int(m["zero_stage"])))
-            elif warn and _rank() == 0:
+            elif warn and rank() == 0:
                 log.warning("skipping checkpoint %s: %s", d, problem)
         return out
 
@@ -231,7 +207,8 @@ class CheckpointStore:
     def prepare_universal(self, ckpt: Checkpoint) -> None:
         """Convert ``ckpt`` for a new world size (rank 0 converts, the others wait)."""
         out = ckpt.path.with_name(ckpt.tag + "_universal")
-        if _rank() == 0 and not (out / MANIFEST).exists():
+        if rank() == 0 and not (out / MANIFEST).exists():
+            from pretrain.pickle_screen import check_pickles_are_inert  # (imports this module)
             check_pickles_are_inert(ckpt.path)  # the conversion unpickles it
             log.warning("world size changed (%d -> %d ranks): converting %s to DeepSpeed's "
                         "universal checkpoint", ckpt.world_size,
@@ -256,63 +233,6 @@ class CheckpointStore:
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be read or exported: one line naming the path and the fix."""
-
-
-def check_pickles_are_inert(ckpt: Path) -> None:
-    """Refuse a checkpoint whose pickles reference anything but known, inert types: DeepSpeed's
-    loaders will unpickle them with ``weights_only=False``. Every file under ``ckpt`` that could
-    be a pickle is read, at any depth: a universal checkpoint keeps its tensors in
-    ``zero/<param>/*.pt``. (Fine-tune checkpoints are read with ``weights_only=True`` and need
-    no screening.)"""
-    if not hasattr(torch.serialization, "get_unsafe_globals_in_checkpoint"):
-        raise CheckpointError(f"cannot screen '{ckpt}' before DeepSpeed unpickles it: torch "
-                              f"{torch.__version__} lacks get_unsafe_globals_in_checkpoint; "
-                              f"install torch>=2.6")
-    fix = f"remove '{ckpt}' or restore it from a copy you trust, then run again"
-    try:
-        files = _pickle_files(ckpt)
-    except OSError as e:
-        raise CheckpointError(f"cannot screen '{ckpt}' before DeepSpeed unpickles it: "
-                              f"{type(e).__name__}: {e}") from None
-    for f in files:
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(f)
-        except Exception as e:  # noqa: BLE001 - whatever it is, it cannot be shown to be inert
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise CheckpointError(f"'{f}' is not a readable torch checkpoint ({first}); refusing "
-                                  f"to let DeepSpeed unpickle it: {fix}") from None
-        bad = sorted(n for n in names if not _SAFE_GLOBAL_RE.match(n))
-        if bad:
-            raise CheckpointError(
-                f"'{f}' references Python objects {bad[:3]} that a DeepSpeed checkpoint of this "
-                f"project never holds; refusing to unpickle it (DeepSpeed's loader would run "
-                f"them): {fix}")
-
-
-def _pickle_files(top: Path) -> list[Path]:
-    """Every file under ``top`` that is named or starts like a pickle. Symbolic links are
-    followed, as DeepSpeed's loader follows them (a directory met twice is read once)."""
-    out, seen = [], set()
-    for dirpath, dirnames, filenames in os.walk(top, onerror=_raise, followlinks=True):
-        st = os.stat(dirpath)
-        if (st.st_dev, st.st_ino) in seen:
-            dirnames[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirnames.sort()
-        for name in sorted(filenames):
-            f = Path(dirpath, name)
-            if f.suffix in _PICKLE_SUFFIXES or _starts_like_pickle(f):
-                out.append(f)
-    return out
-
-
-def _starts_like_pickle(f: Path) -> bool:
-    try:
-        with open(f, "rb") as fh:
-            return fh.read(4).startswith(_PICKLE_MAGIC)
-    except OSError:  # a dangling link, say: DeepSpeed cannot read it either
-        return False
 
 
 def _raise(e: OSError) -> None:

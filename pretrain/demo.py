@@ -10,6 +10,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pretrain.data.info import INFO_NAMES
+from pretrain.distributed import rank
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
     pretraining demo); "cifar10": CIFAR-10's pickles with ``train``/``test`` (the fine-tune demo).
     """
     root = Path(root)
-    if _rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
+    if rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
         from pretrain.data.shard_writer import prepare
         from pretrain.data.sources import load_synsets
         from pretrain.data.synthetic import write_cifar, write_synset_tars
@@ -52,6 +53,3 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -53,6 +53,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank() -> int:
+    return rank_world()[0]
+
+
 def is_distributed() -> bool:
     """A process group of more than one rank (Accelerate leaves a world of one uninitialised)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

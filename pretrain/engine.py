@@ -318,7 +318,7 @@ class DeepSpeedBackend:
                                     save_latest=False)
 
     def load_checkpoint(self, root: Path, ckpt) -> dict:
-        from pretrain.checkpoint import check_pickles_are_inert
+        from pretrain.pickle_screen import check_pickles_are_inert
         tag = ckpt.tag if ckpt.world_size == self.world_size else ckpt.tag + "_universal"
         # DeepSpeed unpickles with weights_only=False: every file it may read is screened first,
         # a universal copy's zero/<param>/*.pt included

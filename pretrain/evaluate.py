@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pretrain.distributed import rank_world
+
 DataFn = Callable[[], Iterable[Any]]
 Normalize = Callable[[torch.Tensor], torch.Tensor]
 
@@ -53,12 +55,6 @@ def run_due(evaluators: Sequence[Evaluator], model: nn.Module, step: int,
 # --------------------------------------------------------------------------------------------
 # Distributed plumbing
 # --------------------------------------------------------------------------------------------
-def rank_world() -> Tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _comm_device() -> torch.device:
     # NCCL only moves CUDA tensors; gloo (the CPU runs) only CPU ones.
     if dist.get_backend() == "nccl":

@@ -19,7 +19,7 @@ Two outputs:
 
 Safety: DeepSpeed's loaders unpickle with ``weights_only=False`` (its optimizer shards hold a few
 DeepSpeed objects: ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``). Before handing a
-directory to them, every ``.pt`` file's pickle is screened (``checkpoint.check_pickles_are_inert``,
+directory to them, every ``.pt`` file's pickle is screened (``pickle_screen.check_pickles_are_inert``,
 which executes nothing) and anything that references a Python object outside a short list of
 those known, inert types is refused. Our own reads of the client
 state use ``torch.load(weights_only=True)`` with numpy's array types allowed (the saved RNG state).
@@ -37,8 +37,8 @@ from typing import Optional, Union
 import torch
 
 from pretrain.atomic_write import write_atomic
-from pretrain.checkpoint import (MANIFEST, TAG_RE, CheckpointError, CheckpointStore,
-                                 check_pickles_are_inert)
+from pretrain.checkpoint import MANIFEST, TAG_RE, CheckpointError, CheckpointStore
+from pretrain.pickle_screen import check_pickles_are_inert
 from pretrain.config import PretrainConfig
 from pretrain.model import ViTSpec
 

@@ -17,8 +17,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pretrain.distributed import rank_world
 from pretrain.evaluate import (DataFn, EvalMode, Forward, Normalize, all_gather_rows, all_reduce,
-                               rank_world, unwrap, valid_rows)
+                               unwrap, valid_rows)
 
 log = logging.getLogger(__name__)
 

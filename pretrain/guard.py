@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pretrain.distributed import rank
+
 log = logging.getLogger(__name__)
 
 
@@ -87,7 +89,7 @@ class NonFiniteGuard:
     def verdict(self, step: int, dropped: str = "micro-batch skipped") -> str:
         """After a dropped micro-batch: "go on" or "rollback"; raises :class:`TrainingStopped`
         when the run has to stop. ``dropped``: what the log line says was dropped."""
-        if _rank() == 0:
+        if rank() == 0:
             log.warning("step %d: non-finite loss, %s (%d in a row, %d in all)",
                         step + 1, dropped, self.in_a_row, self.skipped)
         if self.in_a_row < self.limit:
@@ -143,6 +145,3 @@ class _Check:
             self.event.synchronize()
         return self.flag.item() == 1.0
 
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

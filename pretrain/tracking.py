@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from pretrain.atomic_write import write_atomic
+from pretrain.metrics import LineFile
 from pretrain.run_info import dataset_name, environment, flatten, git_info, sample_grid_png
 from pretrain.spool import (ARTIFACTS, SPOOL, STATE, TRACKING_DIR, Remote, RunState,
                             TrackingError, is_permanent, lock, one_line, read_cursor, read_spool,
@@ -118,9 +119,6 @@ class MlflowTracker:
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
                  system_metrics: bool = True, flush_every_s: float = 2.0,
                  close_timeout_s: float = 120.0):
-        # not at the top: pretrain.metrics imports torch, which upload_spool.py does not need
-        from pretrain.metrics import LineFile
-
         self.dir = Path(track_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock(self.dir)

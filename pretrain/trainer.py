@@ -111,8 +111,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
     from pretrain.data.shards import describe_skips
     from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due
-    from pretrain.metrics import MultiLogger, StepTimer, build_logger, peak_memory_gib, \
-        peak_tflops
+    from pretrain.metrics import MultiLogger, build_logger
+    from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops
     from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
 

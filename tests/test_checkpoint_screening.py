@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from pretrain.checkpoint import (Checkpoint, CheckpointError, CheckpointStore,
-                                 CheckpointWriteError, check_pickles_are_inert)
+from pretrain.checkpoint import Checkpoint, CheckpointError, CheckpointStore, CheckpointWriteError
+from pretrain.pickle_screen import check_pickles_are_inert
 
 PARAMS = {"backbone.cls_token": (1, 1, 8), "backbone.blocks.0.attn.qkv.weight": (24, 8),
           "backbone.blocks.0.attn.qkv.bias": (24,), "head.weight": (4, 8)}

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.metrics import (ConsoleLogger, JsonlLogger, MetricsLogger, NullLogger, StepTimer,
-                              build_logger, lookup_peak_tflops, peak_tflops, read_jsonl)
+from pretrain.metrics import (ConsoleLogger, JsonlLogger, MetricsLogger, NullLogger, build_logger,
+                              read_jsonl)
+from pretrain.throughput import StepTimer, lookup_peak_tflops, peak_tflops
 from pretrain.model import resolve_spec
 
 
@@ -37,7 +38,7 @@ def test_peak_bf16_dense_tflops_by_device_name(name, tflops):
 
 
 def test_unknown_gpu_has_no_peak_and_the_config_value_wins(caplog):
-    with caplog.at_level(logging.WARNING, logger="pretrain.metrics"):
+    with caplog.at_level(logging.WARNING, logger="pretrain.throughput"):
         assert peak_tflops(device_name="Tesla V100-SXM2-16GB") is None
     assert "log.peak_tflops" in caplog.text
     assert peak_tflops(500.0, device_name="NVIDIA H100 80GB HBM3") == 500.0
