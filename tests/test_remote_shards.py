@@ -221,8 +221,14 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
     assert {o["Key"] for o in listed} == {f"pets/{f.name}" for f in (tmp_path / "stage").iterdir()
                                           if not f.name.startswith(".")}
     assert_pets("s3://datasets/pets")
+    # a rerun finds the work done: nothing prepared again, nothing uploaded again
     again = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
-    assert again.returncode == 0, again.stderr[-2000:]  # a rerun finds the work done
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "already complete; nothing to do" in again.stderr
+    assert f"uploaded 0 of {len(listed)} files" in again.stderr
+    relisted = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
+    assert ({o["Key"]: o["LastModified"] for o in relisted}
+            == {o["Key"]: o["LastModified"] for o in listed})
 
 
 def pets(tmp_path) -> list:

@@ -387,4 +387,6 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
             sent += 1
         if i == len(names) or i % max(1, len(names) // 20) == 0:
             log.info("published %d/%d files to %s", i, len(names), location)
+    log.info("uploaded %d of %d files to %s (the others were there already)", sent, len(names),
+             location)
     return sent
