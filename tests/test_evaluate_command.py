@@ -38,6 +38,17 @@ def ft(tmp_path_factory, tiny_cifar):
                            step=final["step"], run_id=run_id, base=base)
 
 
+def test_best_is_the_evaluation_with_the_highest_dev_top1(ft):
+    evals = [r for r in read_jsonl(ft.out / "metrics.jsonl") if "eval/dev/top1" in r]
+    assert [r["step"] for r in evals] == [12, 24]
+    top = max(evals, key=lambda r: r["eval/dev/top1"])  # the first of equals: a tie keeps it
+    card = json.loads((ft.out / "best.json").read_text())
+    assert card["step"] == top["step"]
+    assert card["metrics"]["eval/dev/top1"] == top["eval/dev/top1"]
+    final = json.loads((ft.out / "final.json").read_text())
+    assert final["step"] == 24
+
+
 def test_the_folder_gives_the_runs_figure_files_and_an_mlflow_run_under_it(ft):
     from mlflow import MlflowClient
 

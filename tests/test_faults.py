@@ -107,6 +107,14 @@ def reference(tmp_path_factory, tiny_data):
     return out
 
 
+def test_only_the_newest_keep_last_checkpoints_are_kept(reference):
+    # checkpoint.keep_last=3 (the default) of the four saves at steps 5, 10, 15 and 20
+    ckpts = reference / "checkpoints"
+    assert [c.step for c in CheckpointStore(ckpts).complete()] == [20, 15, 10]
+    assert sorted(d.name for d in ckpts.iterdir() if d.name.startswith("step_")) == [
+        "step_00000010", "step_00000015", "step_00000020"]
+
+
 # --------------------------------------------------------------------------------------------
 # 1 + 2. SIGKILL of one rank at random steps, and in the middle of writing a checkpoint
 # --------------------------------------------------------------------------------------------
