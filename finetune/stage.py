@@ -46,6 +46,9 @@ class FinetuneStage(Stage):
             from pretrain.demo import ensure_demo_data
             ensure_demo_data(cfg.data.root, cfg.model.num_classes, layout="cifar10")
 
+    def inputs(self, cfg) -> list:
+        return [cfg.data.root, cfg.init]
+
     def holdout(self, cfg) -> float:
         return cfg.data.dev_fraction
 

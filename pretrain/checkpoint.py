@@ -45,7 +45,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from pretrain.config import ConfigError
-from pretrain.distributed import rank
+from pretrain.distributed import barrier, rank
 from pretrain.guard import TrainingStopped
 from pretrain.stopping import ignore_stop_signals
 
@@ -72,11 +72,6 @@ class Checkpoint:
     @property
     def tag(self) -> str:
         return self.path.name
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 
@@ -108,7 +103,7 @@ class CheckpointStore:
                 pass
             else:  # on disk too: after a crash the old one must not be back over new files
                 _fsync_dir(path)
-        _barrier()
+        barrier()
         error = None
         try:
             backend.save_checkpoint(self.root, tag, client_state)
@@ -116,7 +111,7 @@ class CheckpointStore:
             error = f"rank {rank()}: {type(e).__name__}: {e}"
             # A write fails inside the backend's write phase, which ends in one barrier: the
             # ranks that wrote their part wait there, so meet them before agreeing on the outcome.
-            _barrier()
+            barrier()
         files = None
         if error is None and _syncs_files():
             try:
@@ -136,7 +131,7 @@ class CheckpointStore:
         if errors:
             if rank() == 0:  # never loaded anyway, and on a full disk it is in the way
                 shutil.rmtree(path, ignore_errors=True)
-            _barrier()
+            barrier()
             raise CheckpointWriteError(self._write_failure(tag, errors))
         return ckpt
 
@@ -228,7 +223,7 @@ class CheckpointStore:
             _sync_tree(out)
             _fsync_dir(out.parent)
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
-        _barrier()
+        barrier()
 
 
 class CheckpointError(ConfigError):

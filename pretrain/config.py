@@ -198,8 +198,11 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(1000, gt=0)
     keep_last: int = Field(3, gt=0)
-    # Continue from the newest complete checkpoint in output_dir when there is one.
-    resume: bool = Field(True, description="continue from the newest complete checkpoint")
+    # Continue from the newest complete checkpoint in output_dir when there is one. false: a new
+    # run starts there; the earlier run's files are moved into output_dir/earlier-<time>/ first
+    # (pretrain/run_dir.py), never overwritten or resumed.
+    resume: bool = Field(True, description="continue from the newest complete checkpoint; "
+                         "false: start a new run, the earlier one moved to earlier-<time>/")
     # A save that fails (full disk, I/O error) leaves the earlier checkpoints as they were.
     on_write_error: Literal["stop", "continue"] = Field(
         "stop", description="stop: end the run with the error; continue: warn, train on, try "

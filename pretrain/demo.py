@@ -7,10 +7,8 @@ import logging
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-
 from pretrain.data.info import INFO_NAMES
-from pretrain.distributed import rank
+from pretrain.distributed import barrier, rank
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +48,5 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
             prepare("imagenet21k", str(raw), str(root), name="demo", shard_size=SHARD_SIZE,
                     val_count=VAL_COUNT, workers=1, progress=False)
         shutil.rmtree(raw)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
 

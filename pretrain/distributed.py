@@ -64,6 +64,12 @@ def rank() -> int:
     return rank_world()[0]
 
 
+def barrier() -> None:
+    """Wait for every rank; nothing to wait for outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def is_distributed() -> bool:
     """A process group of more than one rank (Accelerate leaves a world of one uninitialised)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

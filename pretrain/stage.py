@@ -31,6 +31,10 @@ class Stage:
             from pretrain.demo import ensure_demo_data
             ensure_demo_data(cfg.data.root, cfg.model.num_classes)
 
+    def inputs(self, cfg: RunConfig) -> list:
+        """Paths the run reads (never moved aside with an earlier run in its output_dir)."""
+        return [cfg.data.root]
+
     def holdout(self, cfg: RunConfig) -> float:
         """Share of the train split kept out of training (fine-tuning's dev split)."""
         return 0.0

@@ -35,6 +35,7 @@ from pretrain.config_files import load_config, save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
+from pretrain.run_dir import set_aside_earlier_run
 from pretrain.stopping import StopSignals, StoppedBySignal
 
 log = logging.getLogger("pretrain")
@@ -91,7 +92,8 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> N
         raise ConfigError(
             f"output_dir '{out}' holds a run of another model (model.{diff[0]}: "
             f"{getattr(old.model, diff[0])!r} there, {getattr(cfg.model, diff[0])!r} now); "
-            f"pick a new output_dir or set checkpoint.resume=false")
+            f"pick a new output_dir, or set checkpoint.resume=false to start a new run there "
+            f"(the earlier one is moved into '{out}/earlier-<time>/')")
 
 
 def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
@@ -125,6 +127,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
     out = Path(cfg.output_dir)
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest() if cfg.checkpoint.resume else None
+    if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
+        set_aside_earlier_run(out, stage.inputs(cfg))
     check_same_run(out, cfg, resume)
 
     # the data first: a missing shard or a bad info file fails here, before the model is built

@@ -7,7 +7,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, run_deepspeed, tiny_run_args
+from conftest import REPO, run_deepspeed, run_launcher, tiny_run_args
+from pretrain.checkpoint import CheckpointStore
 from pretrain.metrics import read_jsonl
 
 
@@ -143,3 +144,61 @@ def test_two_nodes_through_the_deepspeed_launcher(tmp_path, tiny_data):
     assert [r["step"] for r in evals] == [4, 8]
     manifest = json.loads((out / "checkpoints/step_00000008/COMPLETE.json").read_text())
     assert manifest["world_size"] == 2
+
+
+def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_run_aside(
+        tmp_path, tiny_data):
+    out = tmp_path / "run"
+
+    def launch(*extra):
+        return run_launcher("pretrain.py", *tiny_run_args(out, tiny_data, "eval.every_steps=100",
+                                                          "tracking.system_metrics=false", *extra))
+
+    first = launch("train.total_steps=8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_losses = losses(out)
+
+    # the same output_dir with another model: refused, nothing touched
+    other = launch("train.total_steps=6", "model.depth=3")
+    assert other.returncode == 2
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"error: output_dir '{out}' holds a run of another model (model.depth: 2 there, 3 now); "
+        f"pick a new output_dir, or set checkpoint.resume=false to start a new run there (the "
+        f"earlier one is moved into '{out}/earlier-<time>/')")
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [8, 4]
+
+    # checkpoint.resume=false: a new run; the earlier one moved aside whole, nothing overwritten
+    fresh = launch("train.total_steps=6", "model.depth=3", "checkpoint.resume=false")
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    [aside] = out.glob("earlier-*")
+    assert f"the earlier run there (checkpoints, config.yaml, metrics.jsonl, tracking) was moved " \
+           f"to {aside}" in fresh.stderr
+    assert [c.step for c in CheckpointStore(aside / "checkpoints").complete()] == [8, 4]
+    assert losses(aside) == first_losses and "depth: 2" in (aside / "config.yaml").read_text()
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [6, 4]
+    assert sorted(losses(out)) == list(range(1, 7))
+    assert "depth: 3" in (out / "config.yaml").read_text()
+
+    # a relaunch continues the new run, not the earlier one's newer step 8
+    again = launch("train.total_steps=10", "model.depth=3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {out}/checkpoints/step_00000006 at step 6" in again.stderr
+    assert sorted(losses(out)) == list(range(1, 11))
+
+
+def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
+    from pretrain.config import ConfigError
+    from pretrain.run_dir import set_aside_earlier_run
+
+    out = tmp_path / "ft"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "best.safetensors").write_bytes(b"weights of the earlier run")
+    with pytest.raises(ConfigError, match=rf"^'{out}/best.safetensors', which this run reads, is "
+                                          rf"inside the earlier run in '{out}'"):
+        set_aside_earlier_run(out, [str(tmp_path / "data"), str(out / "best.safetensors")])
+    assert sorted(p.name for p in out.iterdir()) == ["best.safetensors", "checkpoints"]
+    # nothing of a run there (a folder of the user's own): nothing moved
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert set_aside_earlier_run(tmp_path / "mine") is None
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]

@@ -1,0 +1,72 @@
+"""One run per output directory.
+
+A relaunch into an ``output_dir`` continues the run there (``checkpoint.resume``, the default).
+With ``checkpoint.resume=false`` a new run starts there instead, and the earlier one's files are
+first moved, whole, into ``output_dir/earlier-<time>/``. Left in place they would be overwritten
+(a checkpoint of the same step, ``config.yaml``, a fine-tune's ``best`` export), pruned by the
+new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
+the new run's at the next relaunch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+from pretrain.config import ConfigError
+from pretrain.distributed import gather, rank_world
+
+log = logging.getLogger(__name__)
+
+EARLIER = "earlier-"
+# what makes a folder hold a run: the trainer writes both before anything else
+RUN_MARKERS = ("config.yaml", "checkpoints")
+
+
+def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Optional[Path]:
+    """Move the run in ``out`` (if there is one) into ``out/earlier-<time>/``; returns that
+    folder on rank 0, None elsewhere or when there was nothing to move. ``inputs``: paths this
+    run reads (data, initial weights); one inside the earlier run is refused, since moving it
+    would pull it from under the run. Collective: every rank calls it, rank 0 moves."""
+    rank, world = rank_world()
+    moved, error = None, None
+    if rank == 0:
+        try:
+            moved = _set_aside(Path(out), [i for i in inputs if i])
+        except ConfigError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"cannot move the earlier run in '{out}' aside ({type(e).__name__}: {e}); "
+                     f"move it yourself or pick another output_dir")
+    error = next((e for e in gather(error, world) if e), None)  # all ranks wait for rank 0
+    if error:
+        raise ConfigError(error)
+    return moved
+
+
+def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
+    if not any((out / m).exists() for m in RUN_MARKERS):
+        return None
+    entries = [p for p in sorted(out.iterdir()) if not p.name.startswith(EARLIER)]
+    for given in inputs:
+        path = Path(given).resolve()
+        for p in entries:
+            if path == p.resolve() or p.resolve() in path.parents:
+                raise ConfigError(
+                    f"'{given}', which this run reads, is inside the earlier run in '{out}' that "
+                    f"checkpoint.resume=false moves aside: copy it out of '{out}' first, or pick "
+                    f"another output_dir")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out / f"{EARLIER}{stamp}", 1
+    while aside.exists():  # two fresh starts within a second
+        n += 1
+        aside = out / f"{EARLIER}{stamp}-{n}"
+    aside.mkdir()
+    for p in entries:
+        os.rename(p, aside / p.name)  # same file system: instant, whatever the checkpoints weigh
+    log.warning("checkpoint.resume=false: a new run starts in %s; the earlier run there (%s) "
+                "was moved to %s, nothing of it deleted", out,
+                ", ".join(p.name for p in entries), aside)
+    return aside
