@@ -76,12 +76,25 @@ def resolve_uri(configured: Optional[str] = None) -> str:
         return configured
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    mlruns = Path.cwd() / "mlruns"
+    mlruns, db = Path.cwd() / "mlruns", Path.cwd() / "mlflow.db"
     # MLflow 3 keeps using a ./mlruns file store that already holds experiments; else sqlite
     if mlruns.is_dir() and any(d.name.isdigit() and (d / "meta.yaml").exists()
                                for d in mlruns.iterdir()):
-        return mlruns.as_uri()
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+        if _file_store_allowed():
+            return mlruns.as_uri()
+        log.warning("%s holds a file store, which this MLflow neither reads nor writes unless "
+                    "MLFLOW_ALLOW_FILE_STORE=true; runs go to %s instead (`mlflow ui "
+                    "--backend-store-uri sqlite:///%s` shows them; `mlflow migrate-filestore` "
+                    "moves the earlier ones there)", mlruns, db, db)
+    return f"sqlite:///{db}"
+
+
+def _file_store_allowed() -> bool:
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # an MLflow from before file stores were refused
+        return True
+    return bool(MLFLOW_ALLOW_FILE_STORE.get())
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +324,7 @@ class MlflowTracker:
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
                 if is_permanent(e) and not self._remote.connected:
                     log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
-                                self.state.uri, one_line(e), self.dir / SPOOL)
+                                self.state.uri, _refusal(e), self.dir / SPOOL)
                     return
                 if not self._down:
                     self._down = True
@@ -423,6 +436,16 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     log.info("tracking to MLflow at %s (experiment '%s'%s)", uri, state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
+
+
+def _refusal(exc: BaseException) -> str:
+    """Why MLflow refused the run, in one line with its fix."""
+    if "MLFLOW_ALLOW_FILE_STORE" in str(exc):  # newer MLflow refuses ./mlruns-style stores
+        return ("this MLflow refuses file stores: set tracking.uri=sqlite:///<dir>/mlflow.db "
+                "(`mlflow migrate-filestore` moves earlier runs there; `python "
+                "launch/upload_spool.py OUTPUT_DIR --uri ...` sends this one), or set "
+                "MLFLOW_ALLOW_FILE_STORE=true")
+    return one_line(exc)
 
 
 def _set_aside(track_dir: Path) -> None:

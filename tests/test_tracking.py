@@ -256,7 +256,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
 
 
-def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch):
+def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
     """Config beats MLFLOW_TRACKING_URI beats the default, which is the store a plain `mlflow ui`
     started in the launch directory reads (MLflow's own default, resolved there)."""
     import mlflow
@@ -267,7 +267,14 @@ def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlflow.db" == mlflow.get_tracking_uri()
     (tmp_path / "mlruns/1").mkdir(parents=True)
-    (tmp_path / "mlruns/1/meta.yaml").write_text("name: x\n")  # an existing file store wins
+    (tmp_path / "mlruns/1/meta.yaml").write_text("name: x\n")
+    # an existing file store: this MLflow refuses to open one (so would `mlflow ui` there)
+    # unless allowed, so runs go to sqlite, with a warning that says how to see them
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in caplog.text
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # allowed: the file store wins
     assert resolve_uri(None) == (tmp_path / "mlruns").as_uri() == mlflow.get_tracking_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
     assert resolve_uri(None) == "http://env:5000"
@@ -425,3 +432,21 @@ def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
     assert kind == {"kind-new": "custom_model_development",
                     "kind-existing": "custom_model_development",
                     "kind-chosen": "genai_development"}
+
+
+def test_a_file_store_this_mlflow_refuses_is_reported_with_the_fix(tmp_path, monkeypatch, caplog):
+    from pretrain.spool import RunState
+    from pretrain.tracking import MlflowTracker
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = (tmp_path / "mlruns").as_uri()
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        tracker = MlflowTracker(tmp_path / "tracking", RunState(uri=uri, experiment="x"),
+                                system_metrics=False, flush_every_s=0.05)
+        tracker.log({"train/loss": 1.0}, 1)
+        tracker.close()
+    assert tracker.run_id is None
+    assert (f"MLflow at {uri} refused the run (this MLflow refuses file stores: set "
+            f"tracking.uri=sqlite:///<dir>/mlflow.db") in caplog.text
+    # the metric is kept for upload_spool.py
+    assert '"train/loss": 1.0' in (tmp_path / "tracking" / "spool.jsonl").read_text()
