@@ -8,9 +8,10 @@ misspelled key, the closest valid one) before any work starts.
 """
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Literal, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,11 @@ class ScheduleConfig(Section):
     min_lr: float = Field(1e-5, ge=0)
 
 
+# timm's RandAugment string: "rand", then sections its parser knows (t<names>: a transform set)
+RANDAUGMENT_RE = re.compile(r"rand(-(m\d+|n\d+|mstd\d+(\.\d+)?|mmax\d+|inc[01]|p(\d+(\.\d*)?|\.\d+)"
+                            r"|t\w+))*")
+
+
 class DataConfig(Section):
     """Where the WebDataset shards are and how they are read and augmented."""
 
@@ -94,7 +100,8 @@ class DataConfig(Section):
     # Inception crop area range (big_vision uses 5%..100%).
     crop_scale: Tuple[float, float] = (0.05, 1.0)
     hflip: float = Field(0.5, ge=0, le=1)
-    randaugment: Optional[str] = None  # timm string, e.g. "rand-m15-n2"
+    randaugment: Optional[str] = Field(None, description="timm RandAugment string, e.g. "
+                                       "rand-m15-n2 (magnitude 15, 2 ops per image)")
     mixup_alpha: float = Field(0.0, ge=0)
     cutmix_alpha: float = Field(0.0, ge=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
@@ -115,6 +122,17 @@ class DataConfig(Section):
                                    "each time, at most 60 s")
     read_timeout_s: float = Field(120.0, gt=0, description="a connection or read silent this "
                                   "long has failed")
+
+    @field_validator("randaugment")
+    @classmethod
+    def _check_randaugment(cls, spec: Optional[str]) -> Optional[str]:
+        # timm asserts on a wrong prefix or key and silently ignores a section without a number
+        # ("rand-mX" keeps its default magnitude): the whole string is checked here instead
+        if spec is not None and not RANDAUGMENT_RE.fullmatch(spec):
+            raise ValueError(f"data.randaugment={spec!r} is not a timm RandAugment string: "
+                             f"'rand' then any of -m<magnitude> -n<ops> -mstd<std> -mmax<max> "
+                             f"-inc<0|1> -p<prob>, e.g. 'rand-m15-n2'")
+        return spec
 
     @model_validator(mode="after")
     def _check_crop(self) -> "DataConfig":

@@ -52,12 +52,23 @@ def test_recipe_inheritance():
     ("train.precision=fp8", "config key 'train.precision'"),
     ("seed.value=1", "'seed' is a value, not a section"),
     ("optimizer.lr", "not of the form key=value"),
+    # timm would assert on the first and silently keep its default magnitude for the others
+    ("data.randaugment=rnd-m15-n2", "data.randaugment='rnd-m15-n2' is not a timm RandAugment"),
+    ("data.randaugment=rand-mX-n2", "data.randaugment='rand-mX-n2' is not a timm RandAugment"),
+    ("data.randaugment=rand-m15n2", "e.g. 'rand-m15-n2'"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", [override])
     assert fragment in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_timm_randaugment_strings_are_accepted_in_both_stages():
+    from finetune.config import FinetuneConfig
+    for spec in ("rand-m15-n2", "rand-m9-mstd0.5-inc1", "rand-m7-n4-p0.5-mmax10"):
+        for schema in (PretrainConfig, FinetuneConfig):
+            assert load_config(schema, None, [f"data.randaugment={spec}"]).data.randaugment == spec
 
 
 def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp_path):

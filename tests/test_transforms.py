@@ -96,3 +96,17 @@ def test_without_simplejpeg_pil_decodes_everything_and_says_so(caplog, monkeypat
     assert len(warned) == 1 and "not importable" in warned[0].getMessage()
     out = transform(next(sample_photos(1, size=(120, 90))), random.Random(0))
     assert out.dtype == torch.uint8 and out.shape == (3, 48, 48)
+
+
+def test_randaugment_is_applied_and_replays_with_the_samples_draws():
+    """data.randaugment changes the pixels, and the same per-sample draws give the same image:
+    a resumed run (or another worker count) augments a sample exactly as before."""
+    plain, augmented = TrainTransform(64), TrainTransform(64, randaugment="rand-m15-n2")
+    changed = 0
+    for i, data in enumerate(sample_photos(8, size=(160, 120), seed=3)):
+        once = augmented(data, random.Random(i))
+        assert torch.equal(once, augmented(data, random.Random(i)))
+        assert once.shape == plain(data, random.Random(i)).shape == (3, 64, 64)
+        changed += not torch.equal(once, plain(data, random.Random(i)))  # the same crop
+    # each of the 2 ops runs with timm's default probability 0.5: some images come out as cropped
+    assert changed >= 4

@@ -30,6 +30,8 @@ import numpy as np
 import PIL
 import torch
 from PIL import Image
+
+from pretrain.config import ConfigError
 from torchvision.transforms.v2 import functional as TF
 
 try:
@@ -324,5 +326,5 @@ def _build_randaugment(spec: str, size: int):
     try:
         return rand_augment_transform(spec, hparams)
     except Exception as e:  # noqa: BLE001 -- timm raises assorted errors for bad strings
-        raise ValueError(f"data.randaugment='{spec}' is not a timm RandAugment string "
+        raise ConfigError(f"data.randaugment='{spec}' is not a timm RandAugment string "
                          f"({e}); use e.g. 'rand-m15-n2'") from None
