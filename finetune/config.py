@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from pretrain.config import (DataConfig, ModelConfig, OptimizerConfig, RunConfig,
+from pretrain.config import (DataConfig, EvalConfig, ModelConfig, OptimizerConfig, RunConfig,
                              ScheduleConfig, TrainConfig)
 
 
@@ -39,6 +39,13 @@ class FinetuneDataConfig(DataConfig):
     crop_scale: tuple[float, float] = (0.08, 1.0)
 
 
+class FinetuneEvalConfig(EvalConfig):
+    # The reported figure is named after its split (eval/test/top1) unless a name is given; the
+    # dev split's is always eval/dev/top1, which picks the best weights.
+    val_name: Optional[str] = Field(None, description="metric prefix of the data.val_split "
+                                    "figure: eval/<val_name>/top1 (unset: the split's name)")
+
+
 class FinetuneTrainConfig(TrainConfig):
     # Polyak averaging of the weights (big_vision's "polyak"); when set, the dev/test figures
     # and the exported weights are those of the average.
@@ -55,3 +62,4 @@ class FinetuneConfig(RunConfig):
     optimizer: FinetuneOptimizerConfig = FinetuneOptimizerConfig()
     schedule: FinetuneScheduleConfig = FinetuneScheduleConfig()
     train: FinetuneTrainConfig = FinetuneTrainConfig(global_batch_size=512, total_steps=20_000)
+    eval: FinetuneEvalConfig = FinetuneEvalConfig()

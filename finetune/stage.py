@@ -70,24 +70,26 @@ class FinetuneStage(Stage):
 
     def evaluators(self, cfg, spec, backend) -> list:
         from pretrain.data.device_batch import normalize
-        from pretrain.data.eval_loader import build_eval_loader
         from pretrain.evaluate import ClassificationEvaluator
+        from pretrain.stage import eval_data, fewshot_evaluators
 
-        norm = functools.partial(normalize, mode=cfg.data.normalize)
+        common = dict(normalize=functools.partial(normalize, mode=cfg.data.normalize),
+                      device=backend.device)
+        rank, world = backend.rank, backend.world_size
 
-        def evaluator(name, split, holdout=0.0, every_steps=cfg.eval.every_steps):
-            loader = build_eval_loader(cfg.data, img_size=spec.img_size, split=split,
-                                       batch_size=cfg.eval.batch_size, rank=backend.rank,
-                                       world_size=backend.world_size, holdout=holdout)
-            return ClassificationEvaluator(lambda: loader, normalize=norm, name=name,
-                                           device=backend.device, every_steps=every_steps,
-                                           max_samples=cfg.eval.max_samples)
+        def evaluator(name, split, holdout=0.0):
+            return ClassificationEvaluator(
+                eval_data(cfg, spec, rank, world, split, holdout=holdout,
+                          num_classes=spec.num_classes),
+                name=name, every_steps=cfg.eval.every_steps, max_samples=cfg.eval.max_samples,
+                **common)
 
         if cfg.data.val_split:  # the reported figure: once, after the last step (finish)
-            self.test = evaluator(cfg.data.val_split, cfg.data.val_split)
+            self.test = evaluator(cfg.eval.val_name or cfg.data.val_split, cfg.data.val_split)
         # model selection on the dev split held out of train, every eval.every_steps
-        return [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
+        dev = [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
             if cfg.data.dev_fraction else []
+        return dev + fewshot_evaluators(cfg, spec, rank, world, **common)
 
     def evaluated(self, backend):
         """The EMA weights when there are any: figures and exports are of the average."""

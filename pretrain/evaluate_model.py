@@ -148,8 +148,7 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
     if mf.run_dir is None or split != data.get("val_split") or not data.get("root") \
             or os.path.realpath(data["root"]) != os.path.realpath(root):
         return None
-    name = (mf.run_config.get("eval") or {}).get("val_name", split) \
-        if mf.stage == "pretrain" else split
+    name = (mf.run_config.get("eval") or {}).get("val_name") or split  # a fine-tune's: unset
     key = f"eval/{name}/top1"
     try:
         rows = [r for r in read_jsonl(mf.run_dir / "metrics.jsonl")

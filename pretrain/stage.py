@@ -110,34 +110,54 @@ def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
 
 def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype) -> list:
     """Held-out classification on data.val_split; the few-shot probe when eval.fewshot_root."""
-    from pretrain.data.info import read_info
     from pretrain.data.device_batch import normalize
-    from pretrain.data.eval_loader import build_eval_loader
     from pretrain.evaluate import ClassificationEvaluator
-    from pretrain.fewshot import FewShotEvaluator
 
-    norm = functools.partial(normalize, mode=cfg.data.normalize)
-    common = dict(normalize=norm, device=device, dtype=dtype)
-
-    def data(root: str, split: str):
-        # built now, so a missing or unreadable split fails at start, not at the first evaluation
-        loader = build_eval_loader(cfg.data.model_copy(update={"root": root}),
-                                   img_size=spec.img_size, split=split,
-                                   batch_size=cfg.eval.batch_size, rank=rank, world_size=world)
-        return lambda: loader
-
+    common = dict(normalize=functools.partial(normalize, mode=cfg.data.normalize),
+                  device=device, dtype=dtype)
     out = []
     if cfg.data.val_split:
-        out.append(ClassificationEvaluator(data(cfg.data.root, cfg.data.val_split),
-                                           name=cfg.eval.val_name,
-                                           every_steps=cfg.eval.every_steps,
-                                           max_samples=cfg.eval.max_samples, **common))
+        out.append(ClassificationEvaluator(
+            eval_data(cfg, spec, rank, world, cfg.data.val_split, num_classes=spec.num_classes),
+            name=cfg.eval.val_name, every_steps=cfg.eval.every_steps,
+            max_samples=cfg.eval.max_samples, **common))
+    return out + fewshot_evaluators(cfg, spec, rank, world, **common)
+
+
+def eval_data(cfg: RunConfig, spec, rank: int, world: int, split: str, *,
+              root: Optional[str] = None, holdout: float = 0.0,
+              num_classes: Optional[int] = None) -> Callable:
+    """What an evaluator iterates: ``split`` of ``root`` (data.root by default), or the
+    ``holdout`` share of it. Built now, so a missing or unreadable split fails at start, not at
+    the first evaluation. ``num_classes``: the model's; a label beyond it is skipped and
+    counted, as in training, rather than indexing past the logits."""
+    from pretrain.data.eval_loader import build_eval_loader
+
+    data = cfg.data if root is None else cfg.data.model_copy(update={"root": root})
+    loader = build_eval_loader(data, img_size=spec.img_size, split=split,
+                               batch_size=cfg.eval.batch_size, rank=rank, world_size=world,
+                               holdout=holdout, num_classes=num_classes)
+    return lambda: loader
+
+
+def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) -> list:
+    """The few-shot linear probe on eval.fewshot_root, when it is set (either stage)."""
+    from pretrain.data.info import DatasetInfoError, read_info
+    from pretrain.fewshot import FewShotEvaluator
+
     e = cfg.eval
-    if e.fewshot_root:
+    if not e.fewshot_root:
+        return []
+    try:
         classes = read_info(e.fewshot_root).classes
-        out.append(FewShotEvaluator(
-            data(e.fewshot_root, e.fewshot_train_split), data(e.fewshot_root, e.fewshot_test_split),
-            name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name, every_steps=e.fewshot_every_steps,
-            shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
-            num_classes=len(classes) if classes else None, seed=cfg.seed, **common))
-    return out
+        train, test = (eval_data(cfg, spec, rank, world, split, root=e.fewshot_root)
+                       for split in (e.fewshot_train_split, e.fewshot_test_split))
+    except DatasetInfoError as err:  # its fix names the data.* keys; here the probe's are meant
+        raise DatasetInfoError(
+            str(err).replace("data.train_split / data.val_split",
+                             "eval.fewshot_train_split / eval.fewshot_test_split")
+            .replace("data.root", "eval.fewshot_root")) from None
+    return [FewShotEvaluator(
+        train, test, name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name,
+        every_steps=e.fewshot_every_steps, shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
+        num_classes=len(classes) if classes else None, seed=cfg.seed, **common)]

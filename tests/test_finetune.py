@@ -84,9 +84,10 @@ def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path,
 
 def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(tmp_path,
                                                                              tiny_cifar):
-    """Two keys the fine-tune once accepted and ignored or crashed on: the ViT-H recipes'
-    ``train.activation_checkpointing`` reaches the model, and ``tracking.enabled=false`` trains,
-    evaluates and exports to the end."""
+    """Keys the fine-tune once accepted and ignored or crashed on: the ViT-H recipes'
+    ``train.activation_checkpointing`` reaches the model, ``tracking.enabled=false`` trains,
+    evaluates and exports to the end, ``eval.val_name`` names the reported figure and the
+    ``eval.fewshot_*`` keys run the few-shot probe, as in pretraining."""
     from finetune.backend import AccelerateBackend
     from finetune.config import FinetuneConfig
     from finetune.stage import finetune
@@ -95,7 +96,9 @@ def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(t
     out = tmp_path / "ft"
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
         *finetune_args(out, tiny_cifar, "null"), "data.num_workers=0", "train.total_steps=4",
-        "eval.every_steps=2", "train.activation_checkpointing=true", "tracking.enabled=false"])
+        "eval.every_steps=2", "train.activation_checkpointing=true", "tracking.enabled=false",
+        "eval.val_name=cifar_test", f"eval.fewshot_root={tiny_cifar}", "eval.fewshot_shots=[1,2]",
+        "eval.fewshot_every_steps=4"])
     backend = AccelerateBackend(cfg)
     backend.build(cfg, micro=32, accum=1, resume=None, store=None)
     assert backend.module.backbone.grad_checkpointing
@@ -103,7 +106,10 @@ def test_a_finetune_applies_activation_checkpointing_and_runs_without_tracking(t
                            ).train.activation_checkpointing  # the default leaves it off
 
     metrics = finetune(cfg)
-    assert "eval/test/top1" in metrics
+    assert "eval/cifar_test/top1" in metrics and "eval/test/top1" not in metrics
+    key = f"eval/fewshot_{tiny_cifar.name}/2shot"
+    probe = [r for r in read_jsonl(out / "metrics.jsonl") if key in r]
+    assert [r["step"] for r in probe] == [4]
     assert (out / "final.safetensors").is_file() and (out / "best.safetensors").is_file()
     assert (out / "checkpoints/step_00000004/COMPLETE.json").is_file()
     assert not (out / "tracking").exists()
