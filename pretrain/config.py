@@ -344,6 +344,16 @@ class RunConfig(Section):
     debug: DebugConfig = DebugConfig()
     tracking: TrackingConfig = TrackingConfig()
 
+    @model_validator(mode="after")
+    def _check_training(self) -> "RunConfig":
+        if self.model.num_classes < 1:
+            raise ValueError("model.num_classes must be at least 1 to train (0 means a backbone "
+                             "without a head, for exports only)")
+        if self.data.generate_demo and not self.data.root:
+            raise ValueError("data.generate_demo needs data.root: the folder the demo data is "
+                             "written to")
+        return self
+
     def to_yaml(self) -> str:
         # Imported here: pretrain.config_files builds on this module's Section and ConfigError.
         from pretrain.config_files import to_yaml

@@ -4,6 +4,7 @@ weight decay, warmup + decay schedule (timm's schedulers), losses, ZeRO-3 model 
 from __future__ import annotations
 
 import json
+import logging
 import types
 from pathlib import Path
 from typing import Optional
@@ -13,8 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ConfigError, PretrainConfig, RunConfig
+from pretrain.distributed import rank
 from pretrain.model import ViTClassifier, create_model
 from pretrain.profile import ENGINE_STEP
+
+log = logging.getLogger(__name__)
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
@@ -31,6 +35,16 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
             raise ConfigError(f"config key 'deepspeed.config': file '{ds.config}' not found "
                               f"(looked in . and {DEEPSPEED_CONFIGS})")
         out = json.loads(path.read_text())
+        # these come from our config in every run; left in the file they would silently win
+        # over it (a scheduler section replaces schedule.*) or outlive it (a clipping value
+        # with optimizer.grad_clip=null)
+        owned = sorted(set(out) & {"optimizer", "scheduler", "gradient_clipping", "bf16", "fp16",
+                                   "train_batch_size", "train_micro_batch_size_per_gpu",
+                                   "gradient_accumulation_steps"})
+        if owned:
+            raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
+                              f"from this config (optimizer.*, schedule.*, train.*); remove them "
+                              f"from the file")
     else:
         # Overlapping the gradient reduction with backward, and copying every gradient into
         # one contiguous buffer for it, pay off only when there is someone to reduce with: in
@@ -180,6 +194,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
 
     s = cfg.schedule
     warmup = min(s.warmup_steps, max(total_steps - 1, 0))
+    if warmup < s.warmup_steps and rank() == 0:
+        log.warning("schedule.warmup_steps=%d is not shorter than the run's %d steps: the "
+                    "learning rate warms up over %d steps and never decays; lower "
+                    "schedule.warmup_steps", s.warmup_steps, total_steps, warmup)
     common = dict(t_initial=max(total_steps - warmup, 1), lr_min=s.min_lr, warmup_t=warmup,
                   warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
     if s.decay == "cosine":

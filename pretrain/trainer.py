@@ -124,7 +124,16 @@ def train(cfg: RunConfig, stage=None) -> dict:
     setup_logging(rank)
     stage.prepare_data(cfg)
     micro, accum = cfg.train.batch_layout(world)
+    if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
+        raise ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
+                          f"is {micro} here (train.global_batch_size / ranks / accumulation): "
+                          f"make it even")
     out = Path(cfg.output_dir)
+    try:  # before anything is built: a folder that cannot be written is a config error
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir '{out}' cannot be created ({e.strerror or e}); pick a "
+                          f"folder you can write to") from None
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest() if cfg.checkpoint.resume else None
     if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in

@@ -146,3 +146,53 @@ def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_wo
     assert lines == [f"error: {message}"]
     assert proc.stderr.count("error: ") == 2 and "Traceback" not in proc.stderr
     assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.num_classes=0"], r"model.num_classes('.* greater than 0| must be at least 1 to "
+                              r"train)"),
+    (["data.root=null", "data.generate_demo=true"], "data.generate_demo needs data.root"),
+])
+def test_training_configs_refuse_what_cannot_train(overrides, message):
+    for schema in (PretrainConfig, FinetuneConfig):
+        with pytest.raises(ConfigError, match=message):
+            load_config(schema, None, overrides)
+
+
+def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
+    from pretrain.engine import deepspeed_config
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 1}, "gradient_clipping": 0.01, '
+                  '"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.5}}}')
+    cfg = load_config(PretrainConfig, None, [f"deepspeed.config={ds}", "optimizer.grad_clip=null"])
+    with pytest.raises(ConfigError, match=r"sets \['gradient_clipping', 'scheduler'\], which come "
+                                          r"from this config .* remove them from the file"):
+        deepspeed_config(cfg, micro=4, accum=1, world=1)
+    ds.write_text('{"zero_optimization": {"stage": 1}}')  # ZeRO settings are the file's to give
+    assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}
+
+
+def test_a_warmup_as_long_as_the_run_is_announced(caplog):
+    import logging
+
+    import torch
+
+    from pretrain.engine import build_scheduler
+    cfg = load_config(PretrainConfig, None, ["schedule.warmup_steps=100", "train.total_steps=4"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level(logging.WARNING, logger="pretrain.engine"):
+        build_scheduler(opt, cfg, 4)
+    assert "schedule.warmup_steps=100 is not shorter than the run's 4 steps" in caplog.text
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data.mixup_alpha=0.2", "train.global_batch_size=15"],
+     "mixup/cutmix pair each image with another of its micro-batch, which is 15 here"),
+    (["output_dir=/proc/no-such-run"], "output_dir '/proc/no-such-run' cannot be created"),
+])
+def test_run_setup_errors_are_one_line_before_the_model_is_built(overrides, message, tiny_data,
+                                                                 tmp_path):
+    from conftest import run_launcher, tiny_run_args
+    proc = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", tiny_data, *overrides))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}")

@@ -21,7 +21,9 @@ def decode_label(sample: dict, num_classes: Optional[int]) -> int:
     except (ValueError, UnicodeDecodeError):
         raise CorruptImage(f"'cls' is not an integer: {raw[:20]!r}") from None
     if label < 0 or (num_classes and label >= num_classes):
-        raise CorruptImage(f"'cls' {label} outside [0, {num_classes})")
+        raise CorruptImage(f"'cls' {label} outside [0, {num_classes}): more classes in the data "
+                           f"than model.num_classes={num_classes}?" if label >= 0 else
+                           f"'cls' {label} is negative")
     return label
 
 
