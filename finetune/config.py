@@ -3,7 +3,7 @@
 batch 512, cosine decay after a short warmup, 20k steps."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field
 
@@ -54,6 +54,8 @@ class FinetuneTrainConfig(TrainConfig):
 
 
 class FinetuneConfig(RunConfig):
+    # a fine-tune resumed with another init would keep the weights it started from
+    identity_keys: ClassVar = ("model", "init")
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint, "
                                 "export file, timm state dict or Google .npz")
     output_dir: str = "runs/finetune"

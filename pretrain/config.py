@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 from typing import ClassVar, Literal, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, field_validator,
+                      model_validator)
 
 
 class ConfigError(ValueError):
@@ -270,7 +271,8 @@ class EvalConfig(Section):
                                         "the few-shot probe; unset: no probe")
     fewshot_train_split: str = "train"
     fewshot_test_split: str = "test"
-    fewshot_shots: Tuple[int, ...] = (1, 5, 10, 25)
+    fewshot_shots: Tuple[PositiveInt, ...] = Field((1, 5, 10, 25), min_length=1,
+                                                   description="training images per class")
     fewshot_every_steps: int = Field(5000, gt=0)
     fewshot_l2_reg: float = Field(1024.0, gt=0, description="ridge penalty of the probe")
 
@@ -330,6 +332,9 @@ class RunConfig(Section):
 
     # Alternatives: a command-line override of one clears the other from the recipe.
     exclusive_keys: ClassVar = (("train.total_steps", "train.epochs"),)
+    # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
+    # is refused (pretrain/trainer.py, check_same_run).
+    identity_keys: ClassVar = ("model",)
 
     output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")
     seed: int = 0

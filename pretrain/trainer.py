@@ -80,20 +80,24 @@ def set_rng_state(state: dict) -> None:
 
 
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:
-    """Refuse to continue someone else's run: a resumed checkpoint must be of this model."""
+    """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
+    the same ``identity_keys`` (the model; a fine-tune's init too)."""
     if resume is None:
         return
     saved = out / "config.yaml"
     if not saved.is_file():
         return
     old = load_config(type(cfg), saved)
-    if old.model != cfg.model:
-        diff = [k for k in cfg.model.model_fields if getattr(old.model, k) != getattr(cfg.model, k)]
-        raise ConfigError(
-            f"output_dir '{out}' holds a run of another model (model.{diff[0]}: "
-            f"{getattr(old.model, diff[0])!r} there, {getattr(cfg.model, diff[0])!r} now); "
-            f"pick a new output_dir, or set checkpoint.resume=false to start a new run there "
-            f"(the earlier one is moved into '{out}/earlier-<time>/')")
+    for key in cfg.identity_keys:
+        was, now = getattr(old, key), getattr(cfg, key)
+        if was != now and hasattr(now, "model_fields"):  # a section: name the first difference
+            field = next(f for f in now.model_fields if getattr(was, f) != getattr(now, f))
+            key, was, now = f"{key}.{field}", getattr(was, field), getattr(now, field)
+        if was != now:
+            raise ConfigError(
+                f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
+                f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
+                f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
 
 
 def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:

@@ -130,3 +130,22 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
     monkeypatch.setattr(AccelerateBackend, "_sharded", lambda self: True)
     with pytest.raises(ConfigError, match="train.ema_decay needs every rank to hold the whole"):
         backend.build(cfg, micro=8, accum=1, resume=None, store=None)
+
+
+def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
+    """The checkpoint holds the weights the first init gave: resuming it under another init
+    would train on while the log and the model card name the new one."""
+    from finetune.config import FinetuneConfig
+    from pretrain.checkpoint import Checkpoint
+    from pretrain.config import ConfigError
+    from pretrain.config_files import load_config, save_config
+    from pretrain.trainer import check_same_run
+
+    out = tmp_path / "ft"
+    out.mkdir()
+    save_config(load_config(FinetuneConfig, None, ["init=runs/pretrain-a"]), out / "config.yaml")
+    ckpt = Checkpoint(out / "checkpoints/step_00000010", 10, 1, 0)
+    check_same_run(out, load_config(FinetuneConfig, None, ["init=runs/pretrain-a"]), ckpt)
+    with pytest.raises(ConfigError, match=rf"^output_dir '{out}' holds a run with another init "
+                                          r"\('runs/pretrain-a' there, 'runs/pretrain-b' now\)"):
+        check_same_run(out, load_config(FinetuneConfig, None, ["init=runs/pretrain-b"]), ckpt)

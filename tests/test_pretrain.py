@@ -162,7 +162,7 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     other = launch("train.total_steps=6", "model.depth=3")
     assert other.returncode == 2
     assert other.stderr.strip().splitlines()[-1] == (
-        f"error: output_dir '{out}' holds a run of another model (model.depth: 2 there, 3 now); "
+        f"error: output_dir '{out}' holds a run with another model.depth (2 there, 3 now); "
         f"pick a new output_dir, or set checkpoint.resume=false to start a new run there (the "
         f"earlier one is moved into '{out}/earlier-<time>/')")
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [8, 4]
