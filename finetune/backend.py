@@ -33,7 +33,12 @@ class AccelerateBackend:
         from accelerate import Accelerator
 
         self.on_gpu = torch.cuda.is_available()
-        precision = cfg.train.precision if self.on_gpu else "fp32"  # CPUs lack fast bf16 matmuls
+        precision = cfg.train.precision
+        if precision == "fp16" and not self.on_gpu:
+            from pretrain.config import ConfigError
+            # Accelerate would take it and train in fp32 without a word
+            raise ConfigError("train.precision=fp16 needs a GPU (its loss scaling is CUDA's); "
+                              "use bf16 or fp32 on the CPU")
         # Accelerate runs several CPU processes (gloo) only when told to use the CPU; without
         # it each torchrun process would train alone.
         self.accelerator = Accelerator(

@@ -6,9 +6,8 @@ Same figure as the run: the model is read by :mod:`pretrain.model_files` (the EM
 fine-tune that kept them), the split by the project's own eval loader
 (:func:`pretrain.data.eval_loader.build_eval_loader`: centre crop 87.5 %, bilinear, the run's
 ``data.normalize``) and scored by :class:`pretrain.evaluate.ClassificationEvaluator`, in one
-process. Precision follows the backend the run trained with: a fine-tune (Accelerate) evaluates
-in fp32 on the CPU and under ``train.precision`` autocast on a GPU; pretraining (DeepSpeed)
-under ``train.precision`` autocast on either. The run's eval batch size is kept too (a batched
+process, under the run's ``train.precision`` autocast, as both stages' backends evaluate on
+a GPU and on the CPU alike. The run's eval batch size is kept too (a batched
 matmul's last bits may depend on the batch). A pretraining run in bf16 evaluated its bf16 copy
 of the weights, we the fp32 masters: equal up to rounding, exact in fp32.
 """
@@ -89,7 +88,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if precision == "auto":
-        precision = mf.precision if dev.type == "cuda" or mf.stage == "pretrain" else "fp32"
+        precision = mf.precision
     batch_size = batch_size or run_eval.get("batch_size") or 100
     workers = workers if workers is not None else min(int(run_data.get("num_workers", 2)),
                                                       os.cpu_count() or 1)
