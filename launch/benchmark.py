@@ -206,22 +206,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     photos = sub.add_parser("photos", help="write benchmark shards of real 500x375 photos")
-    photos.add_argument("--count", type=int, default=2048)
-    photos.add_argument("--out", type=Path, required=True)
-    photos.add_argument("--shard-size", type=int, default=128)
-    photos.add_argument("--seed", type=int, default=0)
+    photos.add_argument("--count", type=int, default=2048, help="photos to write (default 2048)")
+    photos.add_argument("--out", type=Path, required=True, metavar="DIR",
+                        help="folder for the shards and their _info.json (made if missing)")
+    photos.add_argument("--shard-size", type=int, default=128,
+                        help="photos per shard (default 128)")
+    photos.add_argument("--seed", type=int, default=0,
+                        help="seed of the crops and flips; the same seed writes the same photos "
+                             "(default 0)")
 
     loader = sub.add_parser("loader", help="loader images/s against a reference pipeline")
     loader.add_argument("--shards", required=True,
                         help="directory with _info.json, or a shard pattern {000..009}")
-    loader.add_argument("--split", default="train")
-    loader.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    loader.add_argument("--batches", type=int, default=20, help="timed batches per pipeline")
-    loader.add_argument("--batch-size", type=int, default=256)
-    loader.add_argument("--img-size", type=int, default=224)
-    loader.add_argument("--shuffle-buffer", type=int, default=1000)
+    loader.add_argument("--split", default="train",
+                        help="split of _info.json to read (default train)")
+    loader.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="loader worker processes of each pipeline (default: all %(default)s "
+                             "cores)")
+    loader.add_argument("--batches", type=int, default=20,
+                        help="timed batches per pipeline (default 20)")
+    loader.add_argument("--batch-size", type=int, default=256,
+                        help="images per batch (default 256)")
+    loader.add_argument("--img-size", type=int, default=224,
+                        help="side of the random resized crop in px (default 224)")
+    loader.add_argument("--shuffle-buffer", type=int, default=1000,
+                        help="samples in each pipeline's shuffle buffer (default 1000)")
     loader.add_argument("--repeats", type=int, default=1,
-                        help="alternate the two pipelines this many times, keep each one's best")
+                        help="alternate the two pipelines this many times, keep each one's best "
+                             "(default 1)")
     loader.add_argument("--decoders", action="store_true",
                         help="also time decode + train transform per core for each JPEG "
                              "decoder candidate (PIL, simplejpeg, torchvision, torchcodec, "
@@ -231,11 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--decoder-quality", type=int, default=90,
                         help="their JPEG quality (default: the shards' 90; 98 gives ~100 KB "
                              "at 500x375, ImageNet's average file size)")
-    loader.add_argument("--decoder-count", type=int, default=200, help="how many photos")
+    loader.add_argument("--decoder-count", type=int, default=200,
+                        help="how many photos (default 200)")
     loader.add_argument("--json", action="store_true", help="print one JSON object")
 
     train = sub.add_parser("train", help="training images/s, TFLOP/s, MFU, peak memory")
-    train.add_argument("--model", default="vit_large_patch16_224", help="timm ViT name")
+    train.add_argument("--model", default="vit_large_patch16_224",
+                       help="timm ViT name (default vit_large_patch16_224)")
     train.add_argument("--batch", type=int, required=True, help="micro-batch per rank")
     train.add_argument("--image-size", type=int, default=None,
                        help="resolution (default: the model's own, 224 for the i21k models)")
@@ -248,13 +262,17 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None, help="default: the recipe's")
     train.add_argument("--num-classes", type=int, default=None, help="default 21843 (i21k)")
     train.add_argument("--ranks", type=int, default=1,
-                       help="data-parallel ranks spawned on this machine (one per GPU)")
-    train.add_argument("--steps", type=int, default=10, help="timed steps after the warmup")
-    train.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+                       help="data-parallel ranks spawned on this machine (one per GPU; "
+                            "default 1)")
+    train.add_argument("--steps", type=int, default=10,
+                       help="timed steps after the warmup (default 10)")
+    train.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     train.add_argument("--shards", default=None,
                        help="feed the real loader from these shards (default: synthetic "
                             "batches on the device, data wait 0 by construction)")
-    train.add_argument("--workers", type=int, default=None, help="loader workers per rank")
+    train.add_argument("--workers", type=int, default=None,
+                       help="with --shards: loader workers per rank (default: the recipe's "
+                            "data.num_workers)")
     train.add_argument("--config", default=None,
                        help="recipe YAML to start from (default configs/pretrain/vit_l16_i21k.yaml "
                             "with the pre-logits width set to the model's)")
@@ -278,17 +296,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step, "
                           "each in a process of its own")
-    over.add_argument("--model", default="vit_tiny_patch16_224")
-    over.add_argument("--batch", type=int, default=32)
-    over.add_argument("--image-size", type=int, default=64)
-    over.add_argument("--num-classes", type=int, default=1000)
-    over.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    over.add_argument("--model", default="vit_tiny_patch16_224",
+                      help="timm ViT name (default vit_tiny_patch16_224)")
+    over.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
+    over.add_argument("--image-size", type=int, default=64, help="resolution in px (default 64)")
+    over.add_argument("--num-classes", type=int, default=1000,
+                      help="classes of the head (default 1000)")
+    over.add_argument("--steps", type=int, default=3, help="steps per timed block (default 3)")
     over.add_argument("--repeats", type=int, default=6,
-                      help="alternating blocks per side; medians are compared")
+                      help="alternating blocks per side; medians are compared (default 6)")
     # One thread by default: on a CPU shared with other processes, a second OpenMP thread
     # waiting at barriers for a busy core makes step times swing many-fold, which would drown
     # the difference being measured. Both sides always run with the same thread count.
-    over.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: default)")
+    over.add_argument("--threads", type=int, default=1,
+                      help="torch CPU threads (default 1; 0: torch's own default)")
     over.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 

@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Type
 
-from pretrain.config import ConfigError, Section
+from pretrain.config import ConfigError, PretrainConfig, Section
 from pretrain.config_files import config_keys, load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,13 +51,42 @@ def _describe_keys(schema: Type[Section]) -> str:
     return "\n".join(lines)
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a count that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=`` for a fraction in (0, 1], such as an MFU."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.45 for 45 %, "
+                                         f"got '{text}'")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # one line instead of argparse's usage block: every rank of a job prints it
+        fail(f"{message}; see {self.prog} --help")
+
+
 def build_parser(prog: str, description: str, schema: Type[Section],
                  default_config: Optional[Path] = None) -> argparse.ArgumentParser:
     epilog = ("overrides: any config key as key=value, YAML-typed, e.g. optimizer.lr=3e-4 "
               "model.drop_path_rate=0.2 data.crop_scale=[0.08,1]\n\nconfig keys and defaults:\n"
               + _describe_keys(schema))
-    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=prog, description=description, epilog=epilog,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=default_config,
                    help="YAML recipe from configs/ (may 'inherit:' another); "
                         + (f"default: {default_config.relative_to(REPO_ROOT)}"
@@ -66,18 +95,26 @@ def build_parser(prog: str, description: str, schema: Type[Section],
                    help="config overrides applied on top of the recipe")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
+    # Only the pretraining plan (pretrain/plan.py) has memory, steps and a time to finish; the
+    # options tuning those are not offered where they would be ignored.
+    plans = issubclass(schema, PretrainConfig)
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, print it with the model size, training FLOPs per "
-                        "image and batch layout, and exit without allocating the model")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="with --dry-run: plan for this many ranks (default: $WORLD_SIZE or 1)")
-    p.add_argument("--gpus-per-node", type=int, default=8,
-                   help="with --dry-run: GPUs per node, for the memory estimate (default 8)")
-    p.add_argument("--mfu", type=float, default=0.45,
-                   help="with --dry-run: the MFU the time-to-finish estimate assumes")
-    p.add_argument("--samples", type=int, default=None,
-                   help="with --dry-run: samples per epoch when data.root is not readable "
-                        "here (ImageNet-21k fall11: about 14.15 M after the 50k held out)")
+                        "image and batch layout"
+                        + (", model-state memory per GPU, steps and time to finish" if plans
+                           else "")
+                        + ", and exit without allocating the model")
+    p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                   help="with --dry-run: plan for N >= 1 ranks (default: $WORLD_SIZE or 1)")
+    if plans:
+        p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
+                       help="with --dry-run: GPUs per node, for the memory estimate (default 8)")
+        p.add_argument("--mfu", type=fraction, default=0.45, metavar="F",
+                       help="with --dry-run: the model FLOPs utilisation the time-to-finish "
+                            "estimate assumes, a fraction in (0, 1] (default 0.45)")
+        p.add_argument("--samples", type=positive_int, default=None, metavar="N",
+                       help="with --dry-run: samples per epoch when data.root is not readable "
+                            "here (ImageNet-21k fall11: about 14.15 M after the 50k held out)")
     # The DeepSpeed launcher appends --local_rank=N; torchrun sets $LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help=argparse.SUPPRESS)
@@ -107,7 +144,13 @@ def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Seq
 
 
 def world_size(args) -> int:
-    return args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if args.world_size is not None:
+        return args.world_size
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        fail(f"$WORLD_SIZE={text!r} is not a number of ranks; unset it or give --world-size N")
 
 
 def dry_run(args, cfg) -> None:

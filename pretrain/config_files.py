@@ -121,8 +121,13 @@ def config_keys(schema: Type[Section], prefix: str = "") -> list[str]:
     return keys
 
 
-def suggest_key(key: str, schema: Type[Section]) -> Optional[str]:
-    """The valid key a user most likely meant by ``key``."""
+def suggest_key(key: str, schema: Type[Section], given: Any = None) -> Optional[str]:
+    """The valid key a user most likely meant by ``key``; ``given`` is what was set under it,
+    whose keys tell, for a misspelled section, which key in which section was meant."""
+    if isinstance(given, dict) and given:
+        hint = _suggest_in_section(key, schema, given)
+        if hint:
+            return hint
     valid = config_keys(schema)
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in valid if k.rsplit(".", 1)[-1] == leaf]
@@ -138,12 +143,63 @@ def suggest_key(key: str, schema: Type[Section]) -> Optional[str]:
     return siblings[close[0]] if close else None
 
 
+def _suggest_in_section(key: str, schema: Type[Section], given: dict) -> Optional[str]:
+    """For an unknown section ``key`` holding ``given``: '<closest section>.<leaf>'.
+
+    Matching the section's name alone against whole keys picks the wrong one: as a string,
+    'traning' is nearer 'tracking.uri' than any 'train.' key. The keys given under it
+    ('precision') say which of the sections named alike was meant.
+    """
+    parent, _, name = key.rpartition(".")
+    holder: Any = schema
+    for part in parent.split(".") if parent else ():
+        ann = getattr(holder.model_fields.get(part), "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, Section)):
+            return None
+        holder = ann
+    prefix = parent + "." if parent else ""
+    sections = [n for n, f in holder.model_fields.items()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, Section)]
+    valid = set(config_keys(schema))
+    leaves = _dotted(given)
+    close = difflib.get_close_matches(name, sections, n=len(sections), cutoff=0.6)
+    for section in close:  # closest first
+        for leaf in leaves:
+            if f"{prefix}{section}.{leaf}" in valid:
+                return f"{prefix}{section}.{leaf}"
+    if close:  # the leaf misspelled too: its nearest key in the nearest section
+        inside = [k[len(prefix + close[0]) + 1:] for k in valid
+                  if k.startswith(f"{prefix}{close[0]}.")]
+        for leaf in leaves:
+            near = difflib.get_close_matches(leaf, inside, n=1, cutoff=0.6)
+            if near:
+                return f"{prefix}{close[0]}.{near[0]}"
+        return prefix + close[0]
+    # no section named alike: a leaf that lives in exactly one section names it
+    for leaf in leaves:
+        owners = [k for k in valid if k.endswith("." + leaf) or k == leaf]
+        if len(owners) == 1:
+            return owners[0]
+    return None
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[str]:
+    """The dotted leaf keys of a nested mapping, e.g. {'a': {'b': 1}} -> ['a.b']."""
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out += _dotted(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 def _describe(err: ValidationError, schema: Type[Section]) -> str:
     errors = err.errors()
     first = errors[0]
     key = ".".join(str(p) for p in first["loc"])
     if first["type"] == "extra_forbidden":
-        hint = suggest_key(key, schema)
+        hint = suggest_key(key, schema, first.get("input"))
         msg = f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
     elif first["type"] == "value_error":
         # Our own cross-field checks already name their keys.

@@ -78,8 +78,16 @@ def describe(cfg: RunConfig, world: int):
 
 def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
          samples_per_epoch: Optional[int] = None) -> str:
-    """The pretraining report; raises ConfigError for an impossible architecture or batch."""
+    """The pretraining report; raises ConfigError for an impossible architecture or batch, and
+    ValueError for a world, node size, MFU or epoch size no run can have (the launchers' own
+    checks of --world-size, --gpus-per-node, --mfu and --samples reject them first)."""
     from pretrain.engine import deepspeed_config, zero_stage
+
+    if world < 1 or gpus_per_node < 1 or not 0 < mfu <= 1 or (
+            samples_per_epoch is not None and samples_per_epoch < 1):
+        raise ValueError(f"plan needs world >= 1, gpus_per_node >= 1, 0 < mfu <= 1 and "
+                         f"samples_per_epoch >= 1; got {world}, {gpus_per_node}, {mfu}, "
+                         f"{samples_per_epoch}")
 
     lines, model, params, (micro, accum) = describe(cfg, world)
     flops = model.spec.train_flops_per_image()
@@ -107,6 +115,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     if steps:
         peak = cfg.log.peak_tflops or DEFAULT_PEAK_TFLOPS
         seconds = steps * cfg.train.global_batch_size * flops / (world * peak * 1e12 * mfu)
-        lines.append(f"time to finish at {mfu:.0%} MFU of {peak:g} TFLOP/s per GPU: "
+        # 3 significant digits: a small MFU given on purpose must not read as 0 %
+        lines.append(f"time to finish at {100 * mfu:.3g}% MFU of {peak:g} TFLOP/s per GPU: "
                      f"{format_duration(seconds)} on {world} GPU(s)")
     return "\n".join(lines)

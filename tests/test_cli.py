@@ -50,3 +50,98 @@ def test_help_lists_every_config_key_with_its_default():
     assert proc.returncode == 0
     assert "optimizer.lr = 0.001" in proc.stdout and "--dry-run" in proc.stdout
     assert "model.representation_size = None" in proc.stdout
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--mfu", "0"), ("--mfu", "-1"), ("--mfu", "1.5"), ("--mfu", "nan"),
+    ("--world-size", "0"), ("--world-size", "-2"), ("--samples", "-5"), ("--samples", "0"),
+    ("--gpus-per-node", "0"),
+])
+def test_dry_run_refuses_an_impossible_plan_flag_in_one_line(flag, value):
+    proc = run_launcher("pretrain.py", "--dry-run", flag, value)
+    assert proc.returncode == 2
+    assert proc.stdout == ""  # no plan with negative ranks, steps or MFU
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: argument {flag}: expected ")
+    assert f"got '{value}'; see pretrain.py --help" in line
+    assert ("(0, 1]" if flag == "--mfu" else "at least 1") in line
+
+
+def test_finetune_dry_run_refuses_a_world_of_no_ranks():
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                        "--world-size", "0")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: argument --world-size: expected a whole number of at least 1, got '0'; "
+        "see finetune.py --help"]
+
+
+def test_dry_run_refuses_a_world_size_variable_that_is_no_rank_count():
+    proc = run_launcher("pretrain.py", "--dry-run", env={"WORLD_SIZE": "0"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: $WORLD_SIZE='0' is not a number of ranks; unset it or give --world-size N"]
+
+
+def test_dry_run_plans_with_the_flags_given():
+    proc = run_launcher("pretrain.py", "--dry-run", "--world-size", "2", "--mfu", "1",
+                        "--samples", "6400", "train.global_batch_size=64")
+    assert proc.returncode == 0, proc.stderr
+    assert "batch: global 64 = 2 rank(s) x micro 32" in proc.stdout
+    assert "steps per epoch: 100" in proc.stdout
+    assert "time to finish at 100% MFU of 989 TFLOP/s per GPU" in proc.stdout
+    assert "on 2 GPU(s)" in proc.stdout
+
+
+def test_help_documents_the_plan_flags_where_they_count():
+    pretrain_help = " ".join(run_launcher("pretrain.py", "--help").stdout.split())  # unwrapped
+    assert "--mfu F" in pretrain_help and "a fraction in (0, 1] (default 0.45)" in pretrain_help
+    assert "steps and time to finish" in pretrain_help
+    # the fine-tuning dry run has no memory or time estimate to tune
+    finetune_help = " ".join(run_launcher("finetune.py", "--help").stdout.split())
+    assert "--world-size N" in finetune_help
+    assert "--mfu" not in finetune_help and "--samples" not in finetune_help
+    assert "time to finish" not in finetune_help
+
+
+@pytest.mark.parametrize("override,meant", [
+    ("traning.precision=bf16", "train.precision"),
+    ("optimiser.weight_decay=0.05", "optimizer.weight_decay"),
+    ("optimiser.betas=[0.9,0.99]", "optimizer.betas"),
+    ("traning.precison=bf16", "train.precision"),  # the key misspelled as well
+])
+def test_a_misspelled_section_suggests_the_key_under_the_closest_section(override, meant):
+    proc = run_launcher("pretrain.py", "--dry-run", override)
+    assert proc.returncode == 2 and proc.stdout == ""
+    section = override.split(".")[0]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: unknown config key '{section}'; did you mean '{meant}'?"]
+
+
+def _undocumented_options(help_text: str) -> list[str]:
+    """The arguments listed in an argparse --help without a help text of their own."""
+    missing, lines, listing = [], help_text.splitlines(), False
+    for i, line in enumerate(lines):
+        if not line.startswith(" "):  # a section header, or the blank line ending one
+            listing = line in ("options:", "positional arguments:")
+            continue
+        if not listing or not line.startswith("  ") or line[2] == " ":
+            continue  # not an argument, or the continuation of a help text
+        if "  " in line.strip():  # the help text on the same line
+            continue
+        following = lines[i + 1] if i + 1 < len(lines) else ""
+        if not (following.startswith("   ") and following.strip()):  # nor on the next line
+            missing.append(line.strip())
+    return missing
+
+
+def test_every_benchmark_option_has_a_help_text():
+    top = run_launcher("benchmark.py", "--help")
+    assert top.returncode == 0, top.stderr
+    commands = top.stdout.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert {"photos", "loader", "train", "table", "overhead"} <= set(commands)
+    for command in commands:
+        proc = run_launcher("benchmark.py", command, "--help")
+        assert proc.returncode == 0, proc.stderr
+        assert "--json" in proc.stdout or command in ("photos", "table")  # the parse saw options
+        assert _undocumented_options(proc.stdout) == [], f"benchmark.py {command} --help"
