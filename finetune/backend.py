@@ -66,6 +66,11 @@ class AccelerateBackend:
         if init_weights is not None:
             init_weights(model)
         apply_train_options(model, cfg)
+        if cfg.train.compile:
+            # in place, as DeepSpeed's engine.compile() does for pretraining: the state dict
+            # keeps its keys (Accelerate's dynamo_backend would prefix them with _orig_mod.,
+            # into checkpoints and exports)
+            model.compile()
         optimizer = build_optimizer(model, cfg)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.cfg, self.accum = cfg, accum

@@ -149,3 +149,26 @@ def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=rf"^output_dir '{out}' holds a run with another init "
                                           r"\('runs/pretrain-a' there, 'runs/pretrain-b' now\)"):
         check_same_run(out, load_config(FinetuneConfig, None, ["init=runs/pretrain-b"]), ckpt)
+
+
+def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tiny_cifar,
+                                                                            tmp_path):
+    """As in pretraining, train.compile compiles the model (in place: the state dict, hence the
+    checkpoints and exports, keeps its keys). Compiling happens at the first forward, which
+    this test does not run: minutes on a CPU."""
+    from finetune.backend import AccelerateBackend
+    from finetune.config import FinetuneConfig
+    from pretrain.config_files import load_config
+
+    def built(compile: bool):
+        cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
+            *finetune_args(tmp_path / "ft", tiny_cifar, "null"), f"train.compile={compile}"])
+        backend = AccelerateBackend(cfg)
+        backend.build(cfg, micro=8, accum=1, resume=None, store=None)
+        return backend
+
+    compiled, plain = built(True), built(False)
+    assert compiled.module._compiled_call_impl is not None
+    assert plain.module._compiled_call_impl is None
+    assert list(compiled.accelerator.get_state_dict(compiled.model)) == \
+        list(plain.accelerator.get_state_dict(plain.model))
