@@ -16,27 +16,30 @@ class FinetuneModelConfig(ModelConfig):
                                     "embeddings are resampled in 2-D from the checkpoint's")
     representation_size: Optional[int] = Field(None, gt=0, description="unset: pre-logits "
                                                "dropped, as in the paper's transfer")
-    num_classes: int = Field(1000, gt=0)
-    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0)
+    num_classes: int = Field(1000, gt=0, description="classes of the new head (ImageNet-1k: 1000)")
+    drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0, description="stochastic depth, linear "
+                                  "over depth up to this")
 
 
 class FinetuneOptimizerConfig(OptimizerConfig):
-    name: Literal["adamw", "sgd"] = "sgd"
+    name: Literal["adamw", "sgd"] = Field("sgd", description="sgd with momentum (paper), or adamw")
     lr: float = Field(0.01, gt=0, description="paper grid: 0.003-0.06 ImageNet, 0.001-0.03 CIFAR")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (paper: none)")
 
 
 class FinetuneScheduleConfig(ScheduleConfig):
-    warmup_steps: int = Field(500, ge=0)
-    decay: Literal["linear", "cosine"] = "cosine"
-    min_lr: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(500, ge=0, description="linear warmup from 0 to optimizer.lr")
+    decay: Literal["linear", "cosine"] = Field("cosine", description="decay after the warmup, "
+                                               "to schedule.min_lr at the last step")
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the last step")
 
 
 class FinetuneDataConfig(DataConfig):
     # Model selection happens on a dev split held out from train; the reported figure on val/test.
     dev_fraction: float = Field(0.01, ge=0, lt=1, description="share of train held out as dev "
                                 "(paper: 1% ImageNet, 2% CIFAR)")
-    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_scale: tuple[float, float] = Field((0.08, 1.0), description="Inception crop: min and "
+                                            "max share of the image area")
 
 
 class FinetuneEvalConfig(EvalConfig):
@@ -58,7 +61,8 @@ class FinetuneConfig(RunConfig):
     identity_keys: ClassVar = ("model", "init")
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint, "
                                 "export file, timm state dict or Google .npz")
-    output_dir: str = "runs/finetune"
+    output_dir: str = Field("runs/finetune", description="checkpoints, logs, exports, resolved "
+                            "config")
     model: FinetuneModelConfig = FinetuneModelConfig()
     data: FinetuneDataConfig = FinetuneDataConfig()
     optimizer: FinetuneOptimizerConfig = FinetuneOptimizerConfig()

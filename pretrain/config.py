@@ -36,36 +36,41 @@ class ModelConfig(Section):
     overrides it (e.g. a smaller ``img_size`` for the CPU demo).
     """
 
-    name: str = "vit_large_patch16_224"
-    img_size: Optional[int] = Field(None, gt=0)
-    patch_size: Optional[int] = Field(None, gt=0)
-    embed_dim: Optional[int] = Field(None, gt=0)
-    depth: Optional[int] = Field(None, gt=0)
-    num_heads: Optional[int] = Field(None, gt=0)
-    mlp_ratio: Optional[float] = Field(None, gt=0)
+    name: str = Field("vit_large_patch16_224", description="timm ViT architecture; the fields "
+                      "below left unset come from it")
+    img_size: Optional[int] = Field(None, gt=0, description="input resolution in px")
+    patch_size: Optional[int] = Field(None, gt=0, description="patch side in px")
+    embed_dim: Optional[int] = Field(None, gt=0, description="token width")
+    depth: Optional[int] = Field(None, gt=0, description="number of transformer blocks")
+    num_heads: Optional[int] = Field(None, gt=0, description="attention heads per block")
+    mlp_ratio: Optional[float] = Field(None, gt=0, description="MLP width / token width")
     drop_path_rate: float = Field(0.1, ge=0.0, lt=1.0,
                                   description="stochastic depth, linear over depth up to this")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout after the MLP and "
+                           "attention projections")
+    attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention weights")
     # ViT paper: the i21k models carry a Linear(D, D) + tanh "pre-logits" layer before the head.
     representation_size: Optional[int] = Field(
         None, gt=0, description="width of the Linear+tanh pre-logits layer (unset: none)")
-    num_classes: int = Field(21843, ge=0)
+    num_classes: int = Field(21843, ge=0, description="classifier outputs (ImageNet-21k: 21843)")
     # -10 makes the initial sigmoid outputs ~0 for 21k classes (paper, sigmoid loss).
     head_bias_init: float = Field(0.0, description="initial head bias (-10 with the sigmoid loss)")
     # big_vision zero-initialises the classifier kernel; timm uses trunc-normal(0.02).
-    head_zero_init: bool = True
+    head_zero_init: bool = Field(True, description="zero classifier kernel (big_vision); false: "
+                                 "timm's trunc-normal(0.02)")
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
+    name: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with momentum")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate, reached after warmup")
     # Decoupled (AdamW-style, multiplied by lr); never applied to biases, norms, pos-embed, cls.
-    weight_decay: float = Field(0.1, ge=0)
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    grad_clip: Optional[float] = Field(1.0, gt=0)
+    weight_decay: float = Field(0.1, ge=0, description="weight decay (not on biases, norms, "
+                                "position embedding, class token)")
+    betas: Tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decays")
+    eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD's momentum")
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="clip the global gradient norm to "
+                                       "this (null: no clipping)")
 
     @model_validator(mode="after")
     def _check_betas(self) -> "OptimizerConfig":
@@ -75,9 +80,10 @@ class OptimizerConfig(Section):
 
 
 class ScheduleConfig(Section):
-    warmup_steps: int = Field(10_000, ge=0)
-    decay: Literal["linear", "cosine"] = "linear"
-    min_lr: float = Field(1e-5, ge=0)
+    warmup_steps: int = Field(10_000, ge=0, description="linear warmup from 0 to optimizer.lr")
+    decay: Literal["linear", "cosine"] = Field("linear", description="decay after the warmup, "
+                                               "to schedule.min_lr at the last step")
+    min_lr: float = Field(1e-5, ge=0, description="learning rate at the last step")
 
 
 # timm's RandAugment string: "rand", then sections its parser knows (t<names>: a transform set)
@@ -90,22 +96,25 @@ class DataConfig(Section):
 
     # A directory or URL prefix holding ``_info.json``/``info.json`` and the shards.
     root: Optional[str] = Field(None, description="shard directory or URL prefix with _info.json")
-    train_split: str = "train"
-    val_split: Optional[str] = "validation"
-    num_workers: int = Field(8, ge=0)
-    shuffle_buffer: int = Field(5000, ge=1)
+    train_split: str = Field("train", description="split trained on")
+    val_split: Optional[str] = Field("validation", description="held-out split evaluated "
+                                     "(null: none)")
+    num_workers: int = Field(8, ge=0, description="decoding processes per rank")
+    shuffle_buffer: int = Field(5000, ge=1, description="samples mixed across shards per worker")
     # Sample shards with replacement, forever: for fewer shards than world x workers.
     resample: bool = Field(False, description="sample shards with replacement (no epochs)")
     # "minus_one_one": pixels scaled to [-1, 1] as in the ViT paper; "imagenet": mean/std.
-    normalize: Literal["minus_one_one", "imagenet"] = "minus_one_one"
+    normalize: Literal["minus_one_one", "imagenet"] = Field(
+        "minus_one_one", description="pixel scaling: [-1, 1] (ViT paper) or ImageNet mean/std")
     # Inception crop area range (big_vision uses 5%..100%).
-    crop_scale: Tuple[float, float] = (0.05, 1.0)
-    hflip: float = Field(0.5, ge=0, le=1)
+    crop_scale: Tuple[float, float] = Field((0.05, 1.0), description="Inception crop: min and "
+                                            "max share of the image area")
+    hflip: float = Field(0.5, ge=0, le=1, description="probability of a horizontal flip")
     randaugment: Optional[str] = Field(None, description="timm RandAugment string, e.g. "
                                        "rand-m15-n2 (magnitude 15, 2 ops per image)")
-    mixup_alpha: float = Field(0.0, ge=0)
-    cutmix_alpha: float = Field(0.0, ge=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    mixup_alpha: float = Field(0.0, ge=0, description="mixup Beta(alpha, alpha) (0: off)")
+    cutmix_alpha: float = Field(0.0, ge=0, description="cutmix Beta(alpha, alpha) (0: off)")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="label smoothing of the targets")
     # The built-in demo: procedural images of model.num_classes classes, written in the raw
     # ImageNet-21k layout and prepared like real data, at data.root when it has no _info.json.
     generate_demo: bool = Field(False, description="create the procedural demo dataset at "
@@ -144,15 +153,19 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    global_batch_size: int = Field(4096, gt=0)
+    global_batch_size: int = Field(4096, gt=0, description="images per optimizer step, all "
+                                   "ranks together")
     # Per-rank batch of one forward/backward; derived from the global batch when unset.
     micro_batch_size: Optional[int] = Field(None, gt=0, description="per-rank batch per pass")
-    grad_accum_steps: Optional[int] = Field(None, gt=0)
+    grad_accum_steps: Optional[int] = Field(None, gt=0, description="micro-batches per step "
+                                            "(derived when unset)")
     # The run's length: exactly one of the two (epochs are turned into steps from _info.json).
     total_steps: Optional[int] = Field(None, gt=0, description="run length in optimizer steps")
     epochs: Optional[float] = Field(None, gt=0, description="run length in epochs (or total_steps)")
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    loss: Literal["softmax", "sigmoid"] = "softmax"
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="training precision "
+                                                      "(fp16: GPUs only)")
+    loss: Literal["softmax", "sigmoid"] = Field("softmax", description="softmax cross-entropy, "
+                                                "or per-class sigmoid (the paper's i21k loss)")
     activation_checkpointing: bool = Field(False, description="recompute the transformer "
                                            "blocks' activations in the backward pass")
     # Selective checkpointing: only this many of the blocks (spread evenly over the depth)
@@ -162,7 +175,8 @@ class TrainConfig(Section):
         "their activations (default all)")
     # torch.compile through DeepSpeed (engine.compile()): +13 % img/s for ViT-L/16 on an H100
     # (launch/benchmark.py train --compile); the first steps pay the compilation.
-    compile: bool = Field(False, description="torch.compile the model (GPU runs)")
+    compile: bool = Field(False, description="torch.compile the model (pays off on GPUs; the "
+                          "first steps compile)")
     # A micro-batch with a non-finite loss is dropped on every rank and counted (pretrain/guard.py);
     # this many in a row mean the weights have gone bad: roll back to the newest checkpoint
     # (going on with the data after the bad stretch) or stop.
@@ -215,8 +229,10 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(1000, gt=0)
-    keep_last: int = Field(3, gt=0)
+    every_steps: int = Field(1000, gt=0, description="save a checkpoint every N steps (and at "
+                             "the end)")
+    keep_last: int = Field(3, gt=0, description="complete checkpoints kept; older ones are "
+                           "deleted")
     # Continue from the newest complete checkpoint in output_dir when there is one. false: a new
     # run starts there; the earlier run's files are moved into output_dir/earlier-<time>/ first
     # (pretrain/run_dir.py), never overwritten or resumed.
@@ -243,7 +259,8 @@ class DeepSpeedConfig(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="ZeRO stage (3 partitions the "
                                             "parameters too: ViT-H at scale)")
     # A JSON file (path, or a name in configs/deepspeed/) for everything else DeepSpeed offers;
-    # batch sizes, precision and clipping still come from this config.
+    # batch sizes, precision, clipping, optimizer and schedule come from this config (setting
+    # them there is refused).
     config: Optional[str] = Field(None, description="DeepSpeed JSON (replaces zero_stage)")
     one_pass_grad_checks: bool = Field(
         True, description="ZeRO-1/2: check the gradients for NaN/inf and take their norm in one "
@@ -253,7 +270,7 @@ class DeepSpeedConfig(Section):
 
 
 class LogConfig(Section):
-    every_steps: int = Field(10, gt=0)
+    every_steps: int = Field(10, gt=0, description="log metrics every N steps")
     # MFU denominator; unset: looked up from the device name (bf16 dense peak per GPU).
     peak_tflops: Optional[float] = Field(None, gt=0, description="peak TFLOP/s per device for MFU")
 
@@ -269,11 +286,11 @@ class EvalConfig(Section):
     # Few-shot linear probe (closed-form ridge on pre-logits), as in the ViT paper/big_vision.
     fewshot_root: Optional[str] = Field(None, description="prepared shards (e.g. CIFAR-100) for "
                                         "the few-shot probe; unset: no probe")
-    fewshot_train_split: str = "train"
-    fewshot_test_split: str = "test"
+    fewshot_train_split: str = Field("train", description="split the probe's shots come from")
+    fewshot_test_split: str = Field("test", description="split the probe is scored on")
     fewshot_shots: Tuple[PositiveInt, ...] = Field((1, 5, 10, 25), min_length=1,
                                                    description="training images per class")
-    fewshot_every_steps: int = Field(5000, gt=0)
+    fewshot_every_steps: int = Field(5000, gt=0, description="few-shot probe every N steps")
     fewshot_l2_reg: float = Field(1024.0, gt=0, description="ridge penalty of the probe")
 
 
@@ -285,7 +302,7 @@ class TrackingConfig(Section):
     store) -- what a plain ``mlflow ui`` started there shows.
     """
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="log to MLflow (false: metrics.jsonl only)")
     uri: Optional[str] = Field(None, description="tracking server/store URI (beats "
                                "MLFLOW_TRACKING_URI; unset: that, else ./mlflow.db)")
     # One experiment for both stages: fine-tunes can then nest under their pretraining run.
@@ -337,7 +354,7 @@ class RunConfig(Section):
     identity_keys: ClassVar = ("model",)
 
     output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")
-    seed: int = 0
+    seed: int = Field(0, description="initial weights, data order and augmentation")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -127,6 +127,9 @@ def train(cfg: RunConfig, stage=None) -> dict:
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)
     stage.prepare_data(cfg)
+    if cfg.train.precision == "fp16" and not backend.on_gpu:
+        # DeepSpeed would fail with a traceback, Accelerate train in fp32 without a word
+        raise ConfigError("train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
     micro, accum = cfg.train.batch_layout(world)
     if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
         raise ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "

@@ -3,6 +3,9 @@ import pytest
 import yaml
 
 from conftest import run_launcher
+from finetune.config import FinetuneConfig
+from pretrain.config import PretrainConfig
+from pretrain.config_files import config_keys
 
 
 def test_misspelled_key_is_one_line_naming_it_and_the_fix():
@@ -50,6 +53,18 @@ def test_help_lists_every_config_key_with_its_default():
     assert proc.returncode == 0
     assert "optimizer.lr = 0.001" in proc.stdout and "--dry-run" in proc.stdout
     assert "model.representation_size = None" in proc.stdout
+
+
+@pytest.mark.parametrize("script,schema", [("pretrain.py", PretrainConfig),
+                                           ("finetune.py", FinetuneConfig)])
+def test_help_explains_every_config_key_of_both_stages(script, schema):
+    text = run_launcher(script, "--help").stdout.split("config keys and defaults:\n")[1]
+    lines = {line.split(" = ")[0].strip(): line for line in text.splitlines() if " = " in line}
+    assert set(lines) == set(config_keys(schema))
+    # "key = default   [choices]   what it is": a key shown with its default alone is unexplained
+    unexplained = [k for k, line in lines.items() if len(line.split("   ")) < 2
+                   or line.split("   ")[-1].startswith("[")]
+    assert unexplained == []
 
 
 @pytest.mark.parametrize("flag,value", [

@@ -1,5 +1,6 @@
 """The typed config: recipes, dotted overrides, one-line errors with suggestions."""
 import pytest
+import torch
 import yaml
 
 from finetune.config import FinetuneConfig
@@ -189,6 +190,9 @@ def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     (["data.mixup_alpha=0.2", "train.global_batch_size=15"],
      "mixup/cutmix pair each image with another of its micro-batch, which is 15 here"),
     (["output_dir=/proc/no-such-run"], "output_dir '/proc/no-such-run' cannot be created"),
+    pytest.param(["train.precision=fp16"], "train.precision=fp16 needs a GPU; use bf16 or fp32 "
+                 "on the CPU", marks=pytest.mark.skipif(torch.cuda.is_available(),
+                                                        reason="fp16 trains on a GPU")),
 ])
 def test_run_setup_errors_are_one_line_before_the_model_is_built(overrides, message, tiny_data,
                                                                  tmp_path):
