@@ -298,8 +298,8 @@ class TrackingConfig(Section):
     """MLflow tracking (rank 0 logs; see pretrain/tracking.py).
 
     Where: ``tracking.uri`` when set, else ``MLFLOW_TRACKING_URI``, else MLflow's default store
-    in the launch directory (``./mlflow.db``, or ``./mlruns`` if that already holds a file
-    store) -- what a plain ``mlflow ui`` started there shows.
+    in the launch directory (``./mlflow.db``, or ``./mlruns`` if that already holds a file store
+    and ``MLFLOW_ALLOW_FILE_STORE=true``) -- what a plain ``mlflow ui`` started there shows.
     """
 
     enabled: bool = Field(True, description="log to MLflow (false: metrics.jsonl only)")
