@@ -47,26 +47,45 @@ def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Op
 
 
 def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
+    from pretrain.spool import TRACKING_DIR, lock, undelivered
+
     if not any((out / m).exists() for m in RUN_MARKERS):
         return None
     entries = [p for p in sorted(out.iterdir()) if not p.name.startswith(EARLIER)]
     for given in inputs:
         path = Path(given).resolve()
-        for p in entries:
-            if path == p.resolve() or p.resolve() in path.parents:
-                raise ConfigError(
-                    f"'{given}', which this run reads, is inside the earlier run in '{out}' that "
-                    f"checkpoint.resume=false moves aside: copy it out of '{out}' first, or pick "
-                    f"another output_dir")
+        if path == out.resolve() or any(path == p.resolve() or p.resolve() in path.parents
+                                        for p in entries):
+            raise ConfigError(
+                f"'{given}', which this run reads, is (inside) the earlier run in '{out}' that "
+                f"checkpoint.resume=false moves aside: copy it out of '{out}' first, or pick "
+                f"another output_dir")
+    track = out / TRACKING_DIR
+    held = lock(track) if track.is_dir() else None
+    if track.is_dir() and held is None:  # a job (or upload_spool.py) still at work there
+        raise ConfigError(f"a job is still running in '{out}' (it holds {track}); let it "
+                          f"finish or stop it before starting a new run there")
+    try:
+        left = undelivered(track) if held else 0
+    finally:
+        if held:
+            held.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = out / f"{EARLIER}{stamp}", 1
     while aside.exists():  # two fresh starts within a second
         n += 1
         aside = out / f"{EARLIER}{stamp}-{n}"
     aside.mkdir()
+    moved = []
     for p in entries:
-        os.rename(p, aside / p.name)  # same file system: instant, whatever the checkpoints weigh
+        try:
+            os.rename(p, aside / p.name)  # one file system: instant, whatever the checkpoints weigh
+        except OSError as e:
+            raise OSError(f"{e.strerror or e} moving {p.name}; already in {aside}: "
+                          f"{', '.join(moved) or 'nothing'}") from None
+        moved.append(p.name)
     log.warning("checkpoint.resume=false: a new run starts in %s; the earlier run there (%s) "
-                "was moved to %s, nothing of it deleted", out,
-                ", ".join(p.name for p in entries), aside)
+                "was moved to %s, nothing of it deleted%s", out, ", ".join(moved), aside,
+                f"; `python launch/upload_spool.py {aside}` sends its {left} MLflow records "
+                f"that never reached the server" if left else "")
     return aside

@@ -33,7 +33,7 @@ class Stage:
 
     def inputs(self, cfg: RunConfig) -> list:
         """Paths the run reads (never moved aside with an earlier run in its output_dir)."""
-        return [cfg.data.root]
+        return [cfg.data.root, cfg.eval.fewshot_root]
 
     def holdout(self, cfg: RunConfig) -> float:
         """Share of the train split kept out of training (fine-tuning's dev split)."""
@@ -77,6 +77,9 @@ class PretrainStage(Stage):
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+
+    def inputs(self, cfg: RunConfig) -> list:
+        return super().inputs(cfg) + [cfg.deepspeed.config]
 
     def evaluators(self, cfg: RunConfig, spec, backend) -> list:
         return build_evaluators(cfg, spec, backend.rank, backend.world_size, backend.device,

@@ -194,9 +194,21 @@ def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
     (out / "checkpoints").mkdir(parents=True)
     (out / "best.safetensors").write_bytes(b"weights of the earlier run")
     with pytest.raises(ConfigError, match=rf"^'{out}/best.safetensors', which this run reads, is "
-                                          rf"inside the earlier run in '{out}'"):
+                                          rf"\(inside\) the earlier run in '{out}'"):
         set_aside_earlier_run(out, [str(tmp_path / "data"), str(out / "best.safetensors")])
+    with pytest.raises(ConfigError, match=rf"^'{out}', which this run reads, is"):
+        set_aside_earlier_run(out, [str(out)])  # a fine-tune from the run it would replace
     assert sorted(p.name for p in out.iterdir()) == ["best.safetensors", "checkpoints"]
+    # a job still running there (its tracker holds the lock): refused, nothing moved
+    from pretrain.spool import lock
+    (out / "tracking").mkdir()
+    held = lock(out / "tracking")
+    with pytest.raises(ConfigError, match=rf"^a job is still running in '{out}'"):
+        set_aside_earlier_run(out)
+    held.close()
+    aside = set_aside_earlier_run(out)
+    assert [p.name for p in out.iterdir()] == [aside.name] and aside.name.startswith("earlier-")
+    assert (aside / "best.safetensors").read_bytes() == b"weights of the earlier run"
     # nothing of a run there (a folder of the user's own): nothing moved
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
