@@ -50,13 +50,16 @@ class AccelerateBackend:
               init_weights: Optional[Callable[[nn.Module], None]] = None) -> None:
         from pretrain.model import create_model
 
-        if cfg.train.ema_decay and self._sharded():
+        # the average is a whole copy of the model on every rank, updated from this rank's
+        # parameters, and the few-shot probe calls the model's pre-logits directly: under
+        # sharding both would see shards
+        whole = [k for k, v in (("train.ema_decay", cfg.train.ema_decay),
+                                ("eval.fewshot_root", cfg.eval.fewshot_root)) if v]
+        if whole and self._sharded():
             from pretrain.config import ConfigError
-            # the average is a whole copy of the model on every rank, updated from this
-            # rank's parameters: under sharding those are shards, and so would the exports be
-            raise ConfigError("train.ema_decay needs every rank to hold the whole model, which "
-                              "FSDP and DeepSpeed ZeRO-3 do not; use an Accelerate config "
-                              "without sharding (DDP, ZeRO-1/2) or set train.ema_decay=null")
+            raise ConfigError(f"{whole[0]} needs every rank to hold the whole model, which FSDP "
+                              f"and DeepSpeed ZeRO-3 do not; use an Accelerate config without "
+                              f"sharding (DDP, ZeRO-1/2) or set {whole[0]}=null")
         model = create_model(cfg.model)  # the new head: zero-initialised, no pre-logits
         if init_weights is not None:
             init_weights(model)

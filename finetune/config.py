@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pretrain.config import (DataConfig, EvalConfig, ModelConfig, OptimizerConfig, RunConfig,
                              ScheduleConfig, TrainConfig)
@@ -47,6 +47,14 @@ class FinetuneEvalConfig(EvalConfig):
     # dev split's is always eval/dev/top1, which picks the best weights.
     val_name: Optional[str] = Field(None, description="metric prefix of the data.val_split "
                                     "figure: eval/<val_name>/top1 (unset: the split's name)")
+
+    @field_validator("val_name")
+    @classmethod
+    def _not_dev(cls, name: Optional[str]) -> Optional[str]:
+        if name == "dev":
+            raise ValueError("eval.val_name=dev would mix the reported figure into eval/dev/*, "
+                             "the dev split's, which picks the best weights; pick another name")
+        return name
 
 
 class FinetuneTrainConfig(TrainConfig):

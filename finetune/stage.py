@@ -47,7 +47,7 @@ class FinetuneStage(Stage):
             ensure_demo_data(cfg.data.root, cfg.model.num_classes, layout="cifar10")
 
     def inputs(self, cfg) -> list:
-        return [cfg.data.root, cfg.init]
+        return super().inputs(cfg) + [cfg.init]
 
     def holdout(self, cfg) -> float:
         return cfg.data.dev_fraction
@@ -70,11 +70,14 @@ class FinetuneStage(Stage):
 
     def evaluators(self, cfg, spec, backend) -> list:
         from pretrain.data.device_batch import normalize
+        from pretrain.engine import input_dtype
         from pretrain.evaluate import ClassificationEvaluator
         from pretrain.stage import eval_data, fewshot_evaluators
 
+        # under train.precision's autocast, as the training forward (and launch/evaluate.py):
+        # the EMA copy and the probe's pre-logits call are outside Accelerate's autocast
         common = dict(normalize=functools.partial(normalize, mode=cfg.data.normalize),
-                      device=backend.device)
+                      device=backend.device, dtype=input_dtype(cfg.train.precision))
         rank, world = backend.rank, backend.world_size
 
         def evaluator(name, split, holdout=0.0):

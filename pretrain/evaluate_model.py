@@ -147,11 +147,15 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
     if mf.run_dir is None or split != data.get("val_split") or not data.get("root") \
             or os.path.realpath(data["root"]) != os.path.realpath(root):
         return None
-    name = (mf.run_config.get("eval") or {}).get("val_name") or split  # a fine-tune's: unset
-    key = f"eval/{name}/top1"
+    # a fine-tune's figure is named after its split unless eval.val_name is set (fine-tunes from
+    # before it took effect there saved an unused "i21k_val": the split's name is tried next)
+    val_name = (mf.run_config.get("eval") or {}).get("val_name")
     try:
-        rows = [r for r in read_jsonl(mf.run_dir / "metrics.jsonl")
-                if key in r and (mf.step is None or r.get("step") == mf.step)]
+        records = read_jsonl(mf.run_dir / "metrics.jsonl")
     except OSError:
         return None
+    for key in dict.fromkeys(f"eval/{n}/top1" for n in (val_name, split) if n):
+        rows = [r for r in records if key in r and (mf.step is None or r.get("step") == mf.step)]
+        if rows:
+            break
     return {"metric": key, "step": rows[-1]["step"], "value": rows[-1][key]} if rows else None

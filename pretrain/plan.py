@@ -58,8 +58,9 @@ def describe(cfg: RunConfig, world: int):
     Raises ConfigError for an impossible architecture or batch layout.
     """
     from pretrain.model import count_parameters, create_model
+    from pretrain.trainer import batch_layout
 
-    micro, accum = cfg.train.batch_layout(world)
+    micro, accum = batch_layout(cfg, world, on_gpu=True)  # a plan is for GPUs
     model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
     spec, params = model.spec, count_parameters(model)
     flops = spec.train_flops_per_image()

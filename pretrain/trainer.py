@@ -100,6 +100,20 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> N
                 f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
 
 
+def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) of this world, or the one-line reason there is none;
+    what only the world and the device can tell, checked before any work."""
+    if cfg.train.precision == "fp16" and not on_gpu:
+        # DeepSpeed would fail with a traceback, Accelerate train in fp32 without a word
+        raise ConfigError("train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
+    micro, accum = cfg.train.batch_layout(world)
+    if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
+        raise ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
+                          f"is {micro} here (train.global_batch_size / ranks / accumulation): "
+                          f"make it even")
+    return micro, accum
+
+
 def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
     if cfg.train.total_steps:
         return cfg.train.total_steps
@@ -126,21 +140,14 @@ def train(cfg: RunConfig, stage=None) -> dict:
     backend = stage.backend(cfg)  # joins the process group
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)
-    stage.prepare_data(cfg)
-    if cfg.train.precision == "fp16" and not backend.on_gpu:
-        # DeepSpeed would fail with a traceback, Accelerate train in fp32 without a word
-        raise ConfigError("train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
-    micro, accum = cfg.train.batch_layout(world)
-    if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
-        raise ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
-                          f"is {micro} here (train.global_batch_size / ranks / accumulation): "
-                          f"make it even")
+    micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
     try:  # before anything is built: a folder that cannot be written is a config error
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"output_dir '{out}' cannot be created ({e.strerror or e}); pick a "
                           f"folder you can write to") from None
+    stage.prepare_data(cfg)
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest() if cfg.checkpoint.resume else None
     if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in

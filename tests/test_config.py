@@ -130,6 +130,10 @@ def test_finetune_config_has_the_paper_transfer_defaults():
     assert cfg.schedule.decay == "cosine"
     with pytest.raises(ConfigError, match="did you mean 'data.dev_fraction'"):
         load_config(FinetuneConfig, None, ["data.dev_frac=0.02"])
+    # the reported figure is named after its split, and never after the dev split's series
+    assert load_config(FinetuneConfig, None, []).eval.val_name is None
+    with pytest.raises(ConfigError, match="eval.val_name=dev would mix the reported figure"):
+        load_config(FinetuneConfig, None, ["eval.val_name=dev"])
 
 
 @pytest.mark.parametrize("override,message", [
