@@ -18,6 +18,7 @@ Metric names: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/images_p
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import math
@@ -88,7 +89,11 @@ class LineFile:
         done = 0
         try:
             while done < len(data):
-                done += os.write(self._fd, data[done:])
+                n = os.write(self._fd, data[done:])
+                if n == 0:  # no byte taken and no error (a file system at its limit): retrying
+                    # at once would spin forever, in the training thread
+                    raise OSError(errno.ENOSPC, "no byte written")
+                done += n
         except OSError as e:
             self._on_error(e)
         self.offset += done

@@ -127,3 +127,28 @@ def test_progress_line_shows_mfu_and_eta_from_the_recent_step_rate():
     first, second = stream.getvalue().splitlines()
     assert "ETA" not in first  # no rate yet
     assert second == "step 20/1000 (2.0%) | loss 2.0000 | MFU 41.2% | ETA 02:43:20"
+
+
+def test_a_write_that_takes_no_byte_is_a_failed_line_not_an_endless_retry(tmp_path, monkeypatch,
+                                                                           caplog):
+    """A file system at its limit may take no byte of a write without an error: the sink must
+    count the line as lost and go on, not retry at once, forever, in the training thread."""
+    import os
+
+    sink = JsonlLogger(tmp_path / "metrics.jsonl")
+    sink.log({"train/loss": 1.0}, 1)
+    real_write, calls = os.write, []
+
+    def takes_nothing(fd, data):
+        calls.append(fd)
+        assert len(calls) < 100, "the sink kept retrying a write that took no byte"
+        return 0
+    monkeypatch.setattr(os, "write", takes_nothing)
+    with caplog.at_level(logging.WARNING, logger="pretrain.metrics"):
+        sink.log({"train/loss": 2.0}, 2)
+    assert sink.unwritten == 1 and len(calls) == 1
+    assert "cannot write metrics to" in caplog.text and "no byte written" in caplog.text
+    monkeypatch.setattr(os, "write", real_write)
+    sink.log({"train/loss": 3.0}, 3)
+    sink.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 3]
