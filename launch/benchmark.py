@@ -323,24 +323,24 @@ def main(argv=None) -> int:
         return 0
     if args.command == "table":
         return run_table(args)
-    if args.command == "train":
-        with _stdout_to_stderr():
-            result = run_train(args)
-        show = print_train_table
-        if args.record:
-            from pretrain import bench_records
-            bench_records.append(args.record, result, sys.argv[1:] if argv is None else argv)
-    elif args.command == "overhead":
-        with _stdout_to_stderr():
-            result = run_overhead(args)
-        show = print_overhead_table
-    else:
-        from pretrain.cli import fail, user_errors
-        try:
+    from pretrain.cli import fail, user_errors
+    try:  # a bad model, precision or data: one line, as the launchers say it
+        if args.command == "train":
+            with _stdout_to_stderr():
+                result = run_train(args)
+            show = print_train_table
+        elif args.command == "overhead":
+            with _stdout_to_stderr():
+                result = run_overhead(args)
+            show = print_overhead_table
+        else:
             result = run_loader(args)
-        except user_errors() as e:
-            fail(str(e))
-        show = print_table
+            show = print_table
+    except user_errors() as e:
+        fail(str(e))
+    if args.command == "train" and args.record:
+        from pretrain import bench_records
+        bench_records.append(args.record, result, sys.argv[1:] if argv is None else argv)
     if args.json:
         print(json.dumps(result))
     else:

@@ -79,8 +79,11 @@ def build_engine(cfg: PretrainConfig, world: int = 1):
     """``deepspeed.initialize`` on our model, optimizer and DeepSpeed config, as the trainer
     does; returns (engine, optimizer, ds_config)."""
     from pretrain import engine as eng
+    from pretrain.trainer import batch_layout
 
-    micro, accum = cfg.train.batch_layout(world)
+    # the trainer's checks too (fp16 needs a GPU, mixup an even micro-batch): one line, not a
+    # DeepSpeed traceback
+    micro, accum = batch_layout(cfg, world, on_gpu=torch.cuda.is_available())
     ds_config = eng.deepspeed_config(cfg, micro, accum, world)
     model = eng.build_model(cfg, ds_config)
     optimizer = eng.build_optimizer(model, cfg)

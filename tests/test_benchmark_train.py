@@ -108,3 +108,15 @@ def test_overhead_compares_both_loops_from_the_same_start():
     first = r["first_loss"]
     assert abs(first["deepspeed"] - first["plain"]) < 0.05 * abs(first["plain"])
 
+
+
+def test_a_setting_the_trainer_refuses_is_one_line_from_the_benchmark_too():
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("fp16 trains on a GPU")
+    done = run_launcher("benchmark.py", "train", *TINY, "--batch", "4", "--precision", "fp16",
+                        "--steps", "1", "--warmup", "1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
