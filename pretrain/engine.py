@@ -23,29 +23,46 @@ log = logging.getLogger(__name__)
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
 
 
+def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
+    """The file ``deepspeed.config`` names (from configs/deepspeed/ when not found as given),
+    or None; refused when it sets what our config owns. Read when the backend is made, so a
+    bad file fails before any data or model work."""
+    name = cfg.deepspeed.config
+    if not name:
+        return None
+    path = Path(name)
+    if not path.is_file():
+        path = DEEPSPEED_CONFIGS / name
+    if not path.is_file():
+        raise ConfigError(f"config key 'deepspeed.config': file '{name}' not found "
+                          f"(looked in . and {DEEPSPEED_CONFIGS})")
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' cannot be read as JSON "
+                          f"({e}); fix the file") from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' holds no JSON object; "
+                          f"write the DeepSpeed config as {{\"zero_optimization\": ...}}")
+    # these come from our config in every run; left in the file they would silently win
+    # over it (a scheduler section replaces schedule.*) or outlive it (a clipping value
+    # with optimizer.grad_clip=null)
+    owned = sorted(set(out) & {"optimizer", "scheduler", "gradient_clipping", "bf16", "fp16",
+                               "train_batch_size", "train_micro_batch_size_per_gpu",
+                               "gradient_accumulation_steps"})
+    if owned:
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
+                          f"from this config (optimizer.*, schedule.*, train.*); remove them "
+                          f"from the file")
+    return out
+
+
 def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) -> dict:
     """The DeepSpeed JSON: a file from configs/deepspeed/ (``deepspeed.config``) or the inline
     ZeRO stage, with batch, precision and clipping always taken from our config."""
     ds = cfg.deepspeed
-    if ds.config:
-        path = Path(ds.config)
-        if not path.is_file():
-            path = DEEPSPEED_CONFIGS / ds.config
-        if not path.is_file():
-            raise ConfigError(f"config key 'deepspeed.config': file '{ds.config}' not found "
-                              f"(looked in . and {DEEPSPEED_CONFIGS})")
-        out = json.loads(path.read_text())
-        # these come from our config in every run; left in the file they would silently win
-        # over it (a scheduler section replaces schedule.*) or outlive it (a clipping value
-        # with optimizer.grad_clip=null)
-        owned = sorted(set(out) & {"optimizer", "scheduler", "gradient_clipping", "bf16", "fp16",
-                                   "train_batch_size", "train_micro_batch_size_per_gpu",
-                                   "gradient_accumulation_steps"})
-        if owned:
-            raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
-                              f"from this config (optimizer.*, schedule.*, train.*); remove them "
-                              f"from the file")
-    else:
+    out = user_deepspeed_json(cfg)
+    if out is None:
         # Overlapping the gradient reduction with backward, and copying every gradient into
         # one contiguous buffer for it, pay off only when there is someone to reduce with: in
         # a world of one they are pure per-step cost (measured on the CPU with `benchmark.py
@@ -284,11 +301,12 @@ class DeepSpeedBackend:
     bf16/fp16, gradient clipping) and DeepSpeed's checkpoint files. The fine-tuning twin is
     :class:`finetune.backend.AccelerateBackend`; both offer the same attributes and methods."""
 
-    def __init__(self):
+    def __init__(self, cfg: RunConfig):
         from deepspeed.accelerator import get_accelerator
 
         from pretrain.distributed import init_distributed
         self.rank, self.world_size = init_distributed()
+        user_deepspeed_json(cfg)  # a bad deepspeed.config file fails now, before any work
         self.on_gpu = get_accelerator().device_name() == "cuda"
         self.engine = self.optimizer = self.ds_config = None
 

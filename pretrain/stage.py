@@ -23,7 +23,7 @@ class Stage:
     def backend(self, cfg: RunConfig):
         """Join the process group; the backend builds the engine later (:meth:`build`)."""
         from pretrain.engine import DeepSpeedBackend
-        return DeepSpeedBackend()
+        return DeepSpeedBackend(cfg)
 
     def prepare_data(self, cfg: RunConfig) -> None:
         """The built-in demo's data, generated on first use."""

@@ -114,6 +114,16 @@ def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
     return micro, accum
 
 
+def make_dir(path: Path, key: str) -> None:
+    """Before anything is built: a folder the run writes to that cannot be made is a config
+    error, not a traceback at the first write."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a folder "
+                          f"you can write to") from None
+
+
 def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
     if cfg.train.total_steps:
         return cfg.train.total_steps
@@ -142,11 +152,9 @@ def train(cfg: RunConfig, stage=None) -> dict:
     setup_logging(rank)
     micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
-    try:  # before anything is built: a folder that cannot be written is a config error
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output_dir '{out}' cannot be created ({e.strerror or e}); pick a "
-                          f"folder you can write to") from None
+    make_dir(out, "output_dir")
+    if cfg.debug.log_sample_keys:
+        make_dir(Path(cfg.debug.log_sample_keys), "debug.log_sample_keys")
     stage.prepare_data(cfg)
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest() if cfg.checkpoint.resume else None

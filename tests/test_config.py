@@ -1,4 +1,6 @@
 """The typed config: recipes, dotted overrides, one-line errors with suggestions."""
+import re
+
 import pytest
 import torch
 import yaml
@@ -177,6 +179,23 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
     assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}
 
 
+@pytest.mark.parametrize("text,message", [
+    ('{"scheduler": {"type": "WarmupLR"}}', r"sets \['scheduler'\], which come from this config"),
+    ('{"zero_optimization": {"stage": 1},}', r"cannot be read as JSON \(Expecting property name"),
+])
+def test_a_bad_deepspeed_file_fails_a_run_before_its_demo_data_is_made(text, message, tmp_path):
+    from conftest import run_launcher
+    ds = tmp_path / "ds.json"
+    ds.write_text(text)
+    proc = run_launcher("pretrain.py", "--config", "configs/pretrain/demo.yaml",
+                        f"output_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'demo'}",
+                        f"deepspeed.config={ds}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.match(rf"error: config key 'deepspeed.config': '{ds}' {message}",
+                    proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
+    assert not (tmp_path / "demo").exists()  # refused before the demo data is generated
+
+
 def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     import logging
 
@@ -194,6 +213,8 @@ def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     (["data.mixup_alpha=0.2", "train.global_batch_size=15"],
      "mixup/cutmix pair each image with another of its micro-batch, which is 15 here"),
     (["output_dir=/proc/no-such-run"], "output_dir '/proc/no-such-run' cannot be created"),
+    (["debug.log_sample_keys=/proc/no-such-keys"],
+     "debug.log_sample_keys '/proc/no-such-keys' cannot be created"),
     pytest.param(["train.precision=fp16"], "train.precision=fp16 needs a GPU; use bf16 or fp32 "
                  "on the CPU", marks=pytest.mark.skipif(torch.cuda.is_available(),
                                                         reason="fp16 trains on a GPU")),
