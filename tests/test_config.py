@@ -215,6 +215,8 @@ def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     (["output_dir=/proc/no-such-run"], "output_dir '/proc/no-such-run' cannot be created"),
     (["debug.log_sample_keys=/proc/no-such-keys"],
      "debug.log_sample_keys '/proc/no-such-keys' cannot be created"),
+    (["model.num_classes=4"], "'{data}' has labels up to 7 but model.num_classes is 4: set "
+                              "model.num_classes=8"),  # not the 21843 synsets its classes list
     pytest.param(["train.precision=fp16"], "train.precision=fp16 needs a GPU; use bf16 or fp32 "
                  "on the CPU", marks=pytest.mark.skipif(torch.cuda.is_available(),
                                                         reason="fp16 trains on a GPU")),
@@ -224,4 +226,5 @@ def test_run_setup_errors_are_one_line_before_the_model_is_built(overrides, mess
     from conftest import run_launcher, tiny_run_args
     proc = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", tiny_data, *overrides))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}")
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: " + message.format(data=tiny_data)), proc.stderr[-2000:]

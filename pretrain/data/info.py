@@ -39,6 +39,16 @@ class DatasetInfo:
     # Anything else the writer recorded (source, configuration, counts); kept on round trips.
     extra: Dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def num_labels(self) -> Optional[int]:
+        """How many labels the samples use (largest + 1): recorded by prepare_data.py, which
+        lists every synset of ImageNet-21k in ``classes`` even when only some were prepared;
+        else the length of ``classes``; None when neither is known."""
+        recorded = self.extra.get("num_labels")
+        if isinstance(recorded, int) and recorded > 0:
+            return recorded
+        return len(self.classes) if self.classes else None
+
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
             have = ", ".join(sorted(self.splits)) or "none"

@@ -292,7 +292,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
 
     done = _read_ledger(ledger)
-    info = _finish(out_dir, settings, raw, shards, done)
+    info = _finish(out_dir, settings, raw, shards, done, int(index["label"].max()) + 1)
     shutil.rmtree(work / "spill", ignore_errors=True)
     for leftover in ("index.npz", "scan.json"):
         (work / leftover).unlink(missing_ok=True)
@@ -300,8 +300,9 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
 
 
 def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
-            done: Dict[str, dict]) -> DatasetInfo:
-    """Write the report of skipped files, then ``_info.json`` (last: its presence means complete)."""
+            done: Dict[str, dict], num_labels: int) -> DatasetInfo:
+    """Write the report of skipped files, then ``_info.json`` (last: its presence means complete).
+    ``num_labels``: the largest label + 1, which a model's ``num_classes`` must reach."""
     splits: Dict[str, SplitInfo] = {}
     skipped = []
     for shard in shards:
@@ -314,7 +315,8 @@ def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
     report = dict(num_skipped=len(skipped), unknown_classes=sorted(set(source.unknown)), skipped=skipped)
     write_atomic(out / REPORT_NAME, json.dumps(report, indent=1))
     info = DatasetInfo(name=settings["name"], splits=splits, classes=list(source.classes),
-                       extra=dict(prepare=settings, num_skipped=len(skipped)))
+                       extra=dict(prepare=settings, num_skipped=len(skipped),
+                                  num_labels=num_labels))
     write_info(out, info)
     counts = ", ".join(f"{s.num_samples} {s.name} in {len(s.filenames)} shards" for s in splits.values())
     log.info("wrote %s to %s; skipped %d unreadable files (listed in %s)",

@@ -145,8 +145,16 @@ class ShardSet:
 
     @classmethod
     def from_info(cls, root: str, split: str, retry: RetryPolicy = RetryPolicy(),
-                  on_missing: str = "skip") -> "ShardSet":
-        info = read_info(root, retry).split(split)
+                  on_missing: str = "skip", num_classes: Optional[int] = None) -> "ShardSet":
+        """``split`` as the info file of ``root`` lists it. ``num_classes``: the model's; a
+        dataset with more classes is refused (all but a few of its samples would be skipped)."""
+        dataset = read_info(root, retry)
+        labels = dataset.num_labels
+        if num_classes and labels and labels > num_classes:
+            raise LoaderError(f"'{root}' has labels up to {labels - 1} but model.num_classes is "
+                              f"{num_classes}: set model.num_classes={labels}, or point data.root "
+                              f"at the dataset the model is for")
+        info = dataset.split(split)
         lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
         if len(lengths) != len(info.filenames):
             raise LoaderError(f"'{root}' split '{split}': {len(info.filenames)} filenames but "
