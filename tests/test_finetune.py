@@ -61,6 +61,31 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
     assert tuned.data.tags["pretrain.step"] == "60"
     assert "eval/test/top1" in tuned.data.metrics
 
+    # the model folder a user takes away: timm rebuilds it with no other argument, with the
+    # run's logits, class names, eval transform and where it came from
+    import timm
+    import torch
+    from pretrain.data.info import read_info
+    from pretrain.model_files import load_model
+    from pretrain.timm_folder import load_timm_folder, read_card
+
+    out = tmp_path / "pretrained"
+    vit, ours = load_timm_folder(out / "best"), load_model(out / "best.safetensors").model
+    x = torch.randn(4, 3, 24, 24, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(vit(x), ours(x))
+    assert vit.pretrained_cfg["label_names"] == read_info(tiny_cifar).classes
+    data = timm.data.resolve_model_data_config(vit)
+    assert data["input_size"] == (3, 24, 24) and data["crop_pct"] == 0.875
+    assert tuple(data["mean"]) == tuple(data["std"]) == (0.5, 0.5, 0.5)  # data.normalize's
+    best = json.loads((out / "best.json").read_text())
+    meta = read_card(out / "best")
+    assert meta["pipeline_tag"] == "image-classification"
+    assert meta["vitscale"]["results"] == best["metrics"] and "eval/dev/top1" in best["metrics"]
+    source = meta["vitscale"]["source"]
+    assert source["step"] == best["step"] and source["tracking_run_id"] == tuned.info.run_id
+    assert source["init"]["pretrain_run_id"] == pretrain_run.info.run_id
+
 
 def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path, tiny_cifar):
     """A decay so close to 1 that the average stays where it started (timm's EMA starts from

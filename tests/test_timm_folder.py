@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -75,43 +74,6 @@ def test_a_head_behind_pre_logits_is_refused_in_one_line(tmp_path):
         write_timm_folder(from_model(random_model(representation_size=64)), tmp_path / "x",
                           head=True)
     assert "\n" not in str(e.value)
-
-
-def test_the_finetune_stage_writes_classifier_folders_next_to_its_files(tmp_path):
-    import timm
-    from finetune.stage import FinetuneStage
-
-    model = random_model(representation_size=64)
-    model.swap_head(8)  # what a fine-tune does: pre-logits dropped, a new head
-    with torch.no_grad():
-        model.head.weight.normal_(0, 0.05)
-    cfg = SimpleNamespace(output_dir=str(tmp_path / "ft"), train=SimpleNamespace(ema_decay=None),
-                          data=SimpleNamespace(normalize="imagenet",
-                                               root=str(dataset_root(tmp_path))))
-    backend = SimpleNamespace(ema=None, module=model, full_state_dict=lambda _: {
-        k: v.detach().float().clone() for k, v in model.state_dict().items()})
-    stage = FinetuneStage(cfg)
-    stage.lineage = {"format": "export", "pretrain_run_id": "abc123", "step": 4}
-    (tmp_path / "ft").mkdir()
-    stage._export(backend, "best", 7, {"eval/dev/top1": 0.25, "train/loss": 1.0}, "ft456")
-
-    out = tmp_path / "ft"
-    assert (out / "best.safetensors").is_file() and (out / "best.json").is_file()
-    vit = load_timm_folder(out / "best")
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        assert torch.equal(vit(x), model(x))
-    assert vit.pretrained_cfg["label_names"] == CLASSES
-    data = timm.data.resolve_model_data_config(vit)
-    assert data["input_size"] == (3, 32, 32) and data["crop_pct"] == 0.875
-    assert tuple(data["mean"]) == (0.485, 0.456, 0.406)
-    assert tuple(data["std"]) == (0.229, 0.224, 0.225)
-    meta = card_metadata(out / "best")
-    assert meta["pipeline_tag"] == "image-classification" and meta["metrics"] == ["accuracy"]
-    assert meta["vitscale"]["results"] == {"eval/dev/top1": 0.25}
-    assert meta["vitscale"]["source"]["init"]["pretrain_run_id"] == "abc123"
-    assert meta["vitscale"]["source"]["step"] == 7
-    assert meta["vitscale"]["source"]["tracking_run_id"] == "ft456"  # the fine-tune's own run
 
 
 @pytest.mark.parametrize("mode", ["minus_one_one", "imagenet"])
