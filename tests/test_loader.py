@@ -292,3 +292,27 @@ def test_a_hashed_holdout_splits_train_into_disjoint_rest_and_dev(tmp_path):
     again = [k for b in build_eval_loader(data, img_size=16, batch_size=8, split="train",
                                           holdout=0.25) for k in b.keys if k]
     assert again == dev  # the same dev split every time
+
+
+def test_a_dataset_with_labels_beyond_the_models_classes_is_refused_at_start(tiny_data, tmp_path):
+    """tiny_data holds 8 synsets of ImageNet-21k: its ``classes`` list names all 21843 (their
+    labels are those of the full list), so the labels it uses are what counts."""
+    import shutil
+    root = tmp_path / "shards"
+    shutil.copytree(tiny_data, root)
+    info = json.loads((root / "_info.json").read_text())
+    assert info["num_labels"] == 8 and len(info["classes"]) == 21843
+    assert ShardSet.from_info(str(root), "train", num_classes=8).num_samples == 256
+    with pytest.raises(LoaderError, match=r"has labels up to 7 but model.num_classes is 7: set "
+                                          r"model.num_classes=8, or point data.root at"):
+        ShardSet.from_info(str(root), "train", num_classes=7)
+
+    # prepared before the count was recorded: the synset list says nothing, nothing is refused
+    del info["num_labels"]
+    (root / "_info.json").write_text(json.dumps(info))
+    assert ShardSet.from_info(str(root), "train", num_classes=7).num_samples == 256
+    # shards from elsewhere (no prepare record): their classes list is what they use
+    del info["prepare"]
+    (root / "_info.json").write_text(json.dumps(info))
+    with pytest.raises(LoaderError, match="has labels up to 21842 but model.num_classes is 8"):
+        ShardSet.from_info(str(root), "train", num_classes=8)

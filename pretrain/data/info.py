@@ -41,12 +41,16 @@ class DatasetInfo:
 
     @property
     def num_labels(self) -> Optional[int]:
-        """How many labels the samples use (largest + 1): recorded by prepare_data.py, which
-        lists every synset of ImageNet-21k in ``classes`` even when only some were prepared;
-        else the length of ``classes``; None when neither is known."""
+        """How many labels the samples use (largest + 1), as prepare_data.py records it; else
+        the length of ``classes``; None when neither tells. prepare_data.py lists every synset
+        of ImageNet-21k in ``classes`` even when only some were prepared, so for its output
+        from before it recorded the count (no ``num_labels``) the list says nothing."""
         recorded = self.extra.get("num_labels")
         if isinstance(recorded, int) and recorded > 0:
             return recorded
+        prepared = self.extra.get("prepare")
+        if isinstance(prepared, dict) and prepared.get("source") == "imagenet21k":
+            return None
         return len(self.classes) if self.classes else None
 
     def split(self, name: str) -> SplitInfo:
