@@ -189,8 +189,8 @@ def report_lines(ev: Evaluation, out: Path, written: list) -> list[str]:
 # --------------------------------------------------------------------------------------------
 def tracking_uri(mf: ModelFile, given: Optional[str]) -> str:
     """--tracking-uri, else MLFLOW_TRACKING_URI, else where the source run is (its run.json),
-    else training's default for this directory (:func:`pretrain.tracking.resolve_uri`)."""
-    from pretrain.tracking import resolve_uri
+    else training's default for this directory (:func:`pretrain.tracking_store.resolve_uri`)."""
+    from pretrain.tracking_store import resolve_uri
     return given or os.environ.get("MLFLOW_TRACKING_URI") or mf.source_uri or resolve_uri()
 
 

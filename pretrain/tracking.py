@@ -2,10 +2,7 @@
 reason a run dies. The run's records on disk and their delivery to MLflow (shared with
 ``launch/upload_spool.py``) are :mod:`pretrain.spool`.
 
-Where runs go: ``tracking.uri`` from the config, else ``MLFLOW_TRACKING_URI``, else MLflow's own
-default in the directory the job is launched from -- ``sqlite:///mlflow.db`` (``./mlruns`` when
-that already holds a file store, as MLflow 3 decides), i.e. what a plain ``mlflow ui`` started
-there shows.
+Where runs go: :func:`pretrain.tracking_store.resolve_uri`.
 
 What a run records (made by :mod:`pretrain.run_info`): the resolved config flattened into
 params (``optimizer.lr``, ...); tags ``stage``, ``model``, ``dataset``, ``git.commit``,
@@ -60,41 +57,12 @@ from pretrain.run_info import dataset_name, environment, flatten, git_info, samp
 from pretrain.spool import (ARTIFACTS, SPOOL, STATE, TRACKING_DIR, Remote, RunState,
                             TrackingError, is_permanent, lock, one_line, read_cursor, read_spool,
                             undelivered)
+from pretrain.tracking_store import resolve_uri, store_refusal
 
 log = logging.getLogger(__name__)
 
 SAMPLES_PNG = "train_samples.png"
 MAX_RETRY_WAIT_S = 30.0  # the longest pause between two delivery attempts
-
-# --------------------------------------------------------------------------------------------
-# Where runs go (what a run records about itself: pretrain.run_info)
-# --------------------------------------------------------------------------------------------
-def resolve_uri(configured: Optional[str] = None) -> str:
-    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default for the current
-    directory (what ``mlflow ui`` started there reads), as an absolute URI."""
-    if configured:
-        return configured
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    mlruns, db = Path.cwd() / "mlruns", Path.cwd() / "mlflow.db"
-    # MLflow 3 keeps using a ./mlruns file store that already holds experiments; else sqlite
-    if mlruns.is_dir() and any(d.name.isdigit() and (d / "meta.yaml").exists()
-                               for d in mlruns.iterdir()):
-        if _file_store_allowed():
-            return mlruns.as_uri()
-        log.warning("%s holds a file store, which this MLflow neither reads nor writes unless "
-                    "MLFLOW_ALLOW_FILE_STORE=true; runs go to %s instead (`mlflow ui "
-                    "--backend-store-uri sqlite:///%s` shows them; `mlflow migrate-filestore` "
-                    "moves the earlier ones there)", mlruns, db, db)
-    return f"sqlite:///{db}"
-
-
-def _file_store_allowed() -> bool:
-    try:
-        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
-    except ImportError:  # an MLflow from before file stores were refused
-        return True
-    return bool(MLFLOW_ALLOW_FILE_STORE.get())
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,7 +292,7 @@ class MlflowTracker:
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
                 if is_permanent(e) and not self._remote.connected:
                     log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
-                                self.state.uri, _refusal(e), self.dir / SPOOL)
+                                self.state.uri, store_refusal(e), self.dir / SPOOL)
                     return
                 if not self._down:
                     self._down = True
@@ -436,16 +404,6 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     log.info("tracking to MLflow at %s (experiment '%s'%s)", uri, state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
-
-
-def _refusal(exc: BaseException) -> str:
-    """Why MLflow refused the run, in one line with its fix."""
-    if "MLFLOW_ALLOW_FILE_STORE" in str(exc):  # newer MLflow refuses ./mlruns-style stores
-        return ("this MLflow refuses file stores: set tracking.uri=sqlite:///<dir>/mlflow.db "
-                "(`mlflow migrate-filestore` moves earlier runs there; `python "
-                "launch/upload_spool.py OUTPUT_DIR --uri ...` sends this one), or set "
-                "MLFLOW_ALLOW_FILE_STORE=true")
-    return one_line(exc)
 
 
 def _set_aside(track_dir: Path) -> None:

@@ -261,7 +261,7 @@ def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
     started in the launch directory reads (MLflow's own default, resolved there)."""
     import mlflow
 
-    from pretrain.tracking import resolve_uri
+    from pretrain.tracking_store import resolve_uri
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -1,0 +1,55 @@
+"""Where a run's MLflow records go, and why a store refused them, in one line with the fix.
+
+``tracking.uri`` from the config, else ``MLFLOW_TRACKING_URI``, else MLflow's own default in
+the directory the job is launched from -- ``sqlite:///mlflow.db`` (``./mlruns`` when that
+already holds a file store and this MLflow still accepts file stores), i.e. what a plain
+``mlflow ui`` started there shows.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from pretrain.spool import one_line
+
+log = logging.getLogger("pretrain.tracking")
+
+
+def resolve_uri(configured: Optional[str] = None) -> str:
+    """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default for the current
+    directory (what ``mlflow ui`` started there reads), as an absolute URI."""
+    if configured:
+        return configured
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    mlruns, db = Path.cwd() / "mlruns", Path.cwd() / "mlflow.db"
+    # MLflow 3 keeps using a ./mlruns file store that already holds experiments; else sqlite
+    if mlruns.is_dir() and any(d.name.isdigit() and (d / "meta.yaml").exists()
+                               for d in mlruns.iterdir()):
+        if _file_store_allowed():
+            return mlruns.as_uri()
+        log.warning("%s holds a file store, which this MLflow neither reads nor writes unless "
+                    "MLFLOW_ALLOW_FILE_STORE=true; runs go to %s instead (`mlflow ui "
+                    "--backend-store-uri sqlite:///%s` shows them; `mlflow migrate-filestore` "
+                    "moves the earlier ones there)", mlruns, db, db)
+    return f"sqlite:///{db}"
+
+
+def _file_store_allowed() -> bool:
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+    except ImportError:  # an MLflow from before file stores were refused
+        return True
+    return bool(MLFLOW_ALLOW_FILE_STORE.get())
+
+
+def store_refusal(exc: BaseException) -> str:
+    """Why MLflow refused the run, in one line with its fix."""
+    if "MLFLOW_ALLOW_FILE_STORE" in str(exc):  # newer MLflow refuses ./mlruns-style stores
+        return ("this MLflow refuses file stores: set tracking.uri=sqlite:///<dir>/mlflow.db "
+                "(`mlflow migrate-filestore` moves earlier runs there; `python "
+                "launch/upload_spool.py OUTPUT_DIR --uri ...` sends this one), or set "
+                "MLFLOW_ALLOW_FILE_STORE=true")
+    return one_line(exc)
