@@ -154,10 +154,17 @@ def mlflow_server(tmp_path_factory):
 def _tracking_store_outside_the_repo(tmp_path_factory):
     """Every launched run tracks to MLflow; without a URI that is ./mlflow.db in the repository
     root (the product's default). Tests point runs at a throwaway store instead; the tracking
-    tests point theirs at a real server."""
+    tests point theirs at a real server. A sqlite store keeps artifacts in ./mlruns of the
+    process that creates an experiment, the repository root for launched runs: the default
+    experiment is made here, with its artifacts beside the store."""
+    from mlflow.tracking import MlflowClient
+
+    from pretrain.config import TrackingConfig
     old = os.environ.get("MLFLOW_TRACKING_URI")
-    os.environ["MLFLOW_TRACKING_URI"] = \
-        f"sqlite:///{tmp_path_factory.mktemp('mlflow-default') / 'mlflow.db'}"
+    base = tmp_path_factory.mktemp("mlflow-default")
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{base / 'mlflow.db'}"
+    MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).create_experiment(
+        TrackingConfig().experiment, artifact_location=(base / "artifacts").as_uri())
     yield
     if old is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
