@@ -1,6 +1,7 @@
 """Shards on a network: two ranks read them from real servers on 127.0.0.1 -- an HTTP server that
-fails on purpose (503s, connections cut at random byte offsets) and an S3-compatible server
-(moto's server mode, through boto3 as a user's job would) -- and consume exactly the keys,
+fails on purpose (503s, connections cut at random byte offsets), an S3-compatible server
+(moto's server mode, through boto3 as a user's job would) and a Google Cloud Storage emulator
+(through fsspec and gcsfs) -- and consume exactly the keys,
 epochs and augmented pixels of a run over the same shards on local disk, resume included."""
 from __future__ import annotations
 
@@ -264,3 +265,48 @@ def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http
     done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_pets(str(piped))
+
+
+@pytest.fixture
+def gcs_server(monkeypatch):
+    """A Google Cloud Storage emulator (gcp-storage-emulator's JSON API) on the loopback
+    address with a bucket ``datasets``, and the variables that point gcsfs at it. gcsfs first
+    asks GCS's gRPC control API whether a bucket is hierarchical, which no emulator serves (a
+    60 s timeout per bucket); GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false leaves that question out."""
+    from gcp_storage_emulator.server import create_server
+
+    port = free_port()
+    server = create_server("127.0.0.1", port, in_memory=True, default_bucket="datasets")
+    server.start()
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    yield env
+    server.stop()
+
+
+def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_ones(tmp_path,
+                                                                                   gcs_server):
+    """gs:// goes through fsspec and gcsfs, for writing and reading alike; two ranks with two
+    loader workers each (forked after the info file was read) consume exactly the local keys."""
+    import gcsfs
+
+    args = pets(tmp_path)
+    done = run_launcher("prepare_data.py", *args, "--out", "gs://datasets/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+    fs = gcsfs.GCSFileSystem(token="anon")
+    listed = {p.rsplit("/", 1)[1]: fs.size(p) for p in fs.ls("datasets/pets")}
+    assert listed == {f.name: f.stat().st_size for f in (tmp_path / "stage").iterdir()
+                      if not f.name.startswith(".")}
+    assert_pets("gs://datasets/pets")
+    again = run_launcher("prepare_data.py", *args, "--out", "gs://datasets/pets")
+    assert again.returncode == 0 and f"uploaded 0 of {len(listed)} files" in again.stderr, \
+        again.stderr[-2000:]
+
+    local = tmp_path / "shards"
+    write_split(local, SHARD_LENGTHS)
+    for f in sorted(local.iterdir()):
+        fs.put_file(str(f), f"datasets/toy/{f.name}")
+    ranks = run_two_ranks("gs://datasets/toy", tmp_path, STEPS, SAVE_AT, env=gcs_server)
+    assert_same_as_local(ranks, local_reference(local))
