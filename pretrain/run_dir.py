@@ -6,6 +6,9 @@ first moved, whole, into ``output_dir/earlier-<time>/``. Left in place they woul
 (a checkpoint of the same step, ``config.yaml``, a fine-tune's ``best`` export), pruned by the
 new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
 the new run's at the next relaunch.
+
+Also here: a relaunch that would continue another model's run is refused, and a folder the run
+writes to that cannot be made is a config error.
 """
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from pretrain.config import ConfigError
+from pretrain.checkpoint import Checkpoint
+from pretrain.config import ConfigError, RunConfig
+from pretrain.config_files import load_config
 from pretrain.distributed import gather, rank_world
 
 log = logging.getLogger(__name__)
@@ -89,3 +94,34 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
                 f"; `python launch/upload_spool.py {aside}` sends its {left} MLflow records "
                 f"that never reached the server" if left else "")
     return aside
+
+
+def make_dir(path: Path, key: str) -> None:
+    """Before anything is built: a folder the run writes to that cannot be made is a config
+    error, not a traceback at the first write."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a folder "
+                          f"you can write to") from None
+
+
+def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:
+    """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
+    the same ``identity_keys`` (the model; a fine-tune's init too)."""
+    if resume is None:
+        return
+    saved = out / "config.yaml"
+    if not saved.is_file():
+        return
+    old = load_config(type(cfg), saved)
+    for key in cfg.identity_keys:
+        was, now = getattr(old, key), getattr(cfg, key)
+        if was != now and hasattr(now, "model_fields"):  # a section: name the first difference
+            field = next(f for f in now.model_fields if getattr(was, f) != getattr(now, f))
+            key, was, now = f"{key}.{field}", getattr(was, field), getattr(now, field)
+        if was != now:
+            raise ConfigError(
+                f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
+                f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
+                f"run there (the earlier one is moved into '{out}/earlier-<time>/')")

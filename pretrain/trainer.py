@@ -29,13 +29,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pretrain.checkpoint import Checkpoint, CheckpointStore, CheckpointWriteError
+from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
-from pretrain.config_files import load_config, save_config, to_yaml
+from pretrain.config_files import save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
-from pretrain.run_dir import set_aside_earlier_run
+from pretrain.run_dir import check_same_run, make_dir, set_aside_earlier_run
 from pretrain.stopping import StopSignals, StoppedBySignal
 
 log = logging.getLogger("pretrain")
@@ -79,27 +79,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:
-    """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
-    the same ``identity_keys`` (the model; a fine-tune's init too)."""
-    if resume is None:
-        return
-    saved = out / "config.yaml"
-    if not saved.is_file():
-        return
-    old = load_config(type(cfg), saved)
-    for key in cfg.identity_keys:
-        was, now = getattr(old, key), getattr(cfg, key)
-        if was != now and hasattr(now, "model_fields"):  # a section: name the first difference
-            field = next(f for f in now.model_fields if getattr(was, f) != getattr(now, f))
-            key, was, now = f"{key}.{field}", getattr(was, field), getattr(now, field)
-        if was != now:
-            raise ConfigError(
-                f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
-                f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
-                f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
-
-
 def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
     """(micro-batch, accumulation steps) of this world, or the one-line reason there is none;
     what only the world and the device can tell, checked before any work."""
@@ -112,16 +91,6 @@ def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
                           f"is {micro} here (train.global_batch_size / ranks / accumulation): "
                           f"make it even")
     return micro, accum
-
-
-def make_dir(path: Path, key: str) -> None:
-    """Before anything is built: a folder the run writes to that cannot be made is a config
-    error, not a traceback at the first write."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a folder "
-                          f"you can write to") from None
 
 
 def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:

@@ -164,7 +164,7 @@ def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
     from pretrain.checkpoint import Checkpoint
     from pretrain.config import ConfigError
     from pretrain.config_files import load_config, save_config
-    from pretrain.trainer import check_same_run
+    from pretrain.run_dir import check_same_run
 
     out = tmp_path / "ft"
     out.mkdir()
