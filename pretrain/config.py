@@ -350,7 +350,7 @@ class RunConfig(Section):
     # Alternatives: a command-line override of one clears the other from the recipe.
     exclusive_keys: ClassVar = (("train.total_steps", "train.epochs"),)
     # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
-    # is refused (pretrain/trainer.py, check_same_run).
+    # is refused (pretrain/run_dir.py, check_same_run).
     identity_keys: ClassVar = ("model",)
 
     output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")

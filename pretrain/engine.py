@@ -301,7 +301,7 @@ class DeepSpeedBackend:
     bf16/fp16, gradient clipping) and DeepSpeed's checkpoint files. The fine-tuning twin is
     :class:`finetune.backend.AccelerateBackend`; both offer the same attributes and methods."""
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: PretrainConfig):
         from deepspeed.accelerator import get_accelerator
 
         from pretrain.distributed import init_distributed

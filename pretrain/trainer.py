@@ -125,19 +125,20 @@ def train(cfg: RunConfig, stage=None) -> dict:
     if cfg.debug.log_sample_keys:
         make_dir(Path(cfg.debug.log_sample_keys), "debug.log_sample_keys")
     stage.prepare_data(cfg)
-    store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
-    resume = store.latest() if cfg.checkpoint.resume else None
-    if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
-        set_aside_earlier_run(out, stage.inputs(cfg))
-    check_same_run(out, cfg, resume)
-
-    # the data first: a missing shard or a bad info file fails here, before the model is built
+    # the data first: a missing shard, a bad info file or labels beyond the model's classes
+    # fail here, before anything in output_dir is touched or the model is built
     spec = resolve_spec(cfg.model)
     loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
                                 world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
                                 holdout=stage.holdout(cfg),
                                 log_sample_keys=cfg.debug.log_sample_keys,
                                 pin_memory=backend.on_gpu)
+
+    store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
+    resume = store.latest() if cfg.checkpoint.resume else None
+    if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
+        set_aside_earlier_run(out, stage.inputs(cfg))
+    check_same_run(out, cfg, resume)
 
     seed_everything(cfg.seed)  # identical initial weights on every rank
     backend.build(cfg, micro, accum, resume, store,

@@ -182,6 +182,7 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
 @pytest.mark.parametrize("text,message", [
     ('{"scheduler": {"type": "WarmupLR"}}', r"sets \['scheduler'\], which come from this config"),
     ('{"zero_optimization": {"stage": 1},}', r"cannot be read as JSON \(Expecting property name"),
+    ('[1]', r"holds no JSON object; write the DeepSpeed config as"),
 ])
 def test_a_bad_deepspeed_file_fails_a_run_before_its_demo_data_is_made(text, message, tmp_path):
     from conftest import run_launcher
@@ -191,7 +192,7 @@ def test_a_bad_deepspeed_file_fails_a_run_before_its_demo_data_is_made(text, mes
                         f"output_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'demo'}",
                         f"deepspeed.config={ds}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert re.match(rf"error: config key 'deepspeed.config': '{ds}' {message}",
+    assert re.match(rf"error: config key 'deepspeed.config': '{re.escape(str(ds))}' {message}",
                     proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
     assert not (tmp_path / "demo").exists()  # refused before the demo data is generated
 

@@ -314,5 +314,6 @@ def test_a_dataset_with_labels_beyond_the_models_classes_is_refused_at_start(tin
     # shards from elsewhere (no prepare record): their classes list is what they use
     del info["prepare"]
     (root / "_info.json").write_text(json.dumps(info))
-    with pytest.raises(LoaderError, match="has labels up to 21842 but model.num_classes is 8"):
+    with pytest.raises(LoaderError, match=r"lists 21843 classes \(no num_labels in its info file\) "
+                       r"but model.num_classes is 8: .* add \"num_labels\": K to its info file"):
         ShardSet.from_info(str(root), "train", num_classes=8)

@@ -46,7 +46,7 @@ class DatasetInfo:
         of ImageNet-21k in ``classes`` even when only some were prepared, so for its output
         from before it recorded the count (no ``num_labels``) the list says nothing."""
         recorded = self.extra.get("num_labels")
-        if isinstance(recorded, int) and recorded > 0:
+        if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded > 0:
             return recorded
         prepared = self.extra.get("prepare")
         if isinstance(prepared, dict) and prepared.get("source") == "imagenet21k":

@@ -151,9 +151,14 @@ class ShardSet:
         dataset = read_info(root, retry)
         labels = dataset.num_labels
         if num_classes and labels and labels > num_classes:
-            raise LoaderError(f"'{root}' has labels up to {labels - 1} but model.num_classes is "
-                              f"{num_classes}: set model.num_classes={labels}, or point data.root "
-                              f"at the dataset the model is for")
+            recorded = "num_labels" in dataset.extra
+            what = (f"has labels up to {labels - 1}" if recorded else
+                    f"lists {labels} classes (no num_labels in its info file)")
+            raise LoaderError(
+                f"'{root}' {what} but model.num_classes is {num_classes}: set "
+                f"model.num_classes={labels}, or point data.root at the dataset the model is for"
+                + ("" if recorded else "; if its samples use only labels below K, add "
+                                       "\"num_labels\": K to its info file"))
         info = dataset.split(split)
         lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
         if len(lengths) != len(info.filenames):
