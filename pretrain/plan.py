@@ -41,13 +41,24 @@ def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
     return 4 * params + 16 * params // (world if stage == 1 else 1)
 
 
-def epoch_size(cfg: RunConfig) -> Optional[int]:
-    """Train samples per epoch from data.root's _info.json, when it is readable here."""
+def readable_info(cfg: RunConfig):
+    """data.root's info file (a :class:`pretrain.data.info.DatasetInfo`), when it is readable
+    here (the demo's is only made by the run)."""
     from pretrain.data.info import DatasetInfoError, read_info
     if not cfg.data.root:
         return None
     try:
-        return read_info(cfg.data.root).split(cfg.data.train_split).num_samples
+        return read_info(cfg.data.root)
+    except DatasetInfoError:
+        return None
+
+
+def epoch_size(cfg: RunConfig) -> Optional[int]:
+    """Train samples per epoch from data.root's _info.json, when it is readable here."""
+    from pretrain.data.info import DatasetInfoError
+    info = readable_info(cfg)
+    try:
+        return info.split(cfg.data.train_split).num_samples if info else None
     except DatasetInfoError:
         return None
 
@@ -61,6 +72,9 @@ def describe(cfg: RunConfig, world: int):
     from pretrain.trainer import batch_layout
 
     micro, accum = batch_layout(cfg, world, on_gpu=True)  # a plan is for GPUs
+    info = readable_info(cfg)
+    if info is not None:
+        info.check_labels(cfg.data.root, cfg.model.num_classes)
     model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
     spec, params = model.spec, count_parameters(model)
     flops = spec.train_flops_per_image()

@@ -15,10 +15,11 @@ from PIL import Image
 
 from _loader_fixtures import (LOADER_ARGS, jpeg_bytes, run_two_ranks, truncate_inside,
                               write_split)
-from conftest import REPO
+from conftest import REPO, run_launcher
 from pretrain.config import DataConfig
 from pretrain.data.device_batch import build_mixup, normalize, prepare_batch
 from pretrain.data.eval_loader import EvalLoader, build_eval_loader
+from pretrain.data.info import DatasetInfoError
 from pretrain.data.loader import TrainLoader, build_train_loader
 from pretrain.data.shards import LoaderError, ShardSet
 from pretrain.data.transforms import EvalTransform
@@ -303,9 +304,14 @@ def test_a_dataset_with_labels_beyond_the_models_classes_is_refused_at_start(tin
     info = json.loads((root / "_info.json").read_text())
     assert info["num_labels"] == 8 and len(info["classes"]) == 21843
     assert ShardSet.from_info(str(root), "train", num_classes=8).num_samples == 256
-    with pytest.raises(LoaderError, match=r"has labels up to 7 but model.num_classes is 7: set "
-                                          r"model.num_classes=8, or point data.root at"):
+    with pytest.raises(DatasetInfoError, match=r"has labels up to 7 but model.num_classes is 7: "
+                                               r"set model.num_classes=8, or point data.root at"):
         ShardSet.from_info(str(root), "train", num_classes=7)
+    for script in ("pretrain.py", "finetune.py"):  # --dry-run says so too
+        proc = run_launcher(script, "--config", f"configs/{script[:-3]}/demo.yaml", "--dry-run",
+                            f"data.root={root}", "model.num_classes=7")
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            f"error: '{root}' has labels up to 7 but model.num_classes is 7"), proc.stderr[-2000:]
 
     # prepared before the count was recorded: the synset list says nothing, nothing is refused
     del info["num_labels"]
@@ -314,6 +320,6 @@ def test_a_dataset_with_labels_beyond_the_models_classes_is_refused_at_start(tin
     # shards from elsewhere (no prepare record): their classes list is what they use
     del info["prepare"]
     (root / "_info.json").write_text(json.dumps(info))
-    with pytest.raises(LoaderError, match=r"lists 21843 classes \(no num_labels in its info file\) "
+    with pytest.raises(DatasetInfoError, match=r"lists 21843 classes \(no num_labels in its info file\) "
                        r"but model.num_classes is 8: .* add \"num_labels\": K to its info file"):
         ShardSet.from_info(str(root), "train", num_classes=8)

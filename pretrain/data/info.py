@@ -53,6 +53,21 @@ class DatasetInfo:
             return None
         return len(self.classes) if self.classes else None
 
+    def check_labels(self, root: str, num_classes: Optional[int]) -> None:
+        """Refuse to train a model of ``num_classes`` outputs on this dataset when its labels
+        reach beyond them: all but a few of its samples would be skipped."""
+        labels = self.num_labels
+        if not num_classes or not labels or labels <= num_classes:
+            return
+        recorded = "num_labels" in self.extra
+        what = (f"has labels up to {labels - 1}" if recorded else
+                f"lists {labels} classes (no num_labels in its info file)")
+        raise DatasetInfoError(
+            f"'{root}' {what} but model.num_classes is {num_classes}: set "
+            f"model.num_classes={labels}, or point data.root at the dataset the model is for"
+            + ("" if recorded else "; if its samples use only labels below K, add "
+                                   "\"num_labels\": K to its info file"))
+
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
             have = ", ".join(sorted(self.splits)) or "none"

@@ -149,16 +149,7 @@ class ShardSet:
         """``split`` as the info file of ``root`` lists it. ``num_classes``: the model's; a
         dataset with more classes is refused (all but a few of its samples would be skipped)."""
         dataset = read_info(root, retry)
-        labels = dataset.num_labels
-        if num_classes and labels and labels > num_classes:
-            recorded = "num_labels" in dataset.extra
-            what = (f"has labels up to {labels - 1}" if recorded else
-                    f"lists {labels} classes (no num_labels in its info file)")
-            raise LoaderError(
-                f"'{root}' {what} but model.num_classes is {num_classes}: set "
-                f"model.num_classes={labels}, or point data.root at the dataset the model is for"
-                + ("" if recorded else "; if its samples use only labels below K, add "
-                                       "\"num_labels\": K to its info file"))
+        dataset.check_labels(root, num_classes)
         info = dataset.split(split)
         lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
         if len(lengths) != len(info.filenames):
