@@ -150,21 +150,26 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
+def sqlite_store(base: Path) -> str:
+    """The URI of a new sqlite MLflow store in ``base`` whose default experiment keeps its
+    artifacts in ``base`` too. Left to MLflow, a sqlite store's artifacts go to ./mlruns of the
+    process that creates the experiment: the repository root for launched runs."""
+    from mlflow.tracking import MlflowClient
+
+    from pretrain.config import TrackingConfig
+    uri = f"sqlite:///{base / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment(TrackingConfig().experiment,
+                                        artifact_location=(base / "artifacts").as_uri())
+    return uri
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _tracking_store_outside_the_repo(tmp_path_factory):
     """Every launched run tracks to MLflow; without a URI that is ./mlflow.db in the repository
     root (the product's default). Tests point runs at a throwaway store instead; the tracking
-    tests point theirs at a real server. A sqlite store keeps artifacts in ./mlruns of the
-    process that creates an experiment, the repository root for launched runs: the default
-    experiment is made here, with its artifacts beside the store."""
-    from mlflow.tracking import MlflowClient
-
-    from pretrain.config import TrackingConfig
+    tests point theirs at a real server."""
     old = os.environ.get("MLFLOW_TRACKING_URI")
-    base = tmp_path_factory.mktemp("mlflow-default")
-    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{base / 'mlflow.db'}"
-    MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).create_experiment(
-        TrackingConfig().experiment, artifact_location=(base / "artifacts").as_uri())
+    os.environ["MLFLOW_TRACKING_URI"] = sqlite_store(tmp_path_factory.mktemp("mlflow-default"))
     yield
     if old is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)

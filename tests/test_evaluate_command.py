@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, free_port, run_launcher
+from conftest import REPO, free_port, run_launcher, sqlite_store
 from pretrain.metrics import read_jsonl
 
 
@@ -20,7 +20,7 @@ from pretrain.metrics import read_jsonl
 def ft(tmp_path_factory, tiny_cifar):
     """One short fine-tune from scratch with an EMA of the weights, tracked to its own store."""
     base = tmp_path_factory.mktemp("evalcmd")
-    uri = f"sqlite:///{base / 'mlflow.db'}"
+    uri = sqlite_store(base)
     out = base / "ft"
     proc = run_launcher(
         "finetune.py", "--config", str(REPO / "configs/finetune/demo.yaml"), f"output_dir={out}",

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO
+from conftest import REPO, sqlite_store
 
 
 def raw_test_images(cifar_shards, n=64):
@@ -55,7 +55,7 @@ def test_the_finetunes_best_model_is_registered_and_predicts_the_projects_classe
     from pretrain.model import create_model
     from test_finetune import finetune_args
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = sqlite_store(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     out = tmp_path / "ft"
     cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
