@@ -80,7 +80,7 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
     assert tuple(data["mean"]) == tuple(data["std"]) == (0.5, 0.5, 0.5)  # data.normalize's
     best = json.loads((out / "best.json").read_text())
     meta = read_card(out / "best")
-    assert meta["pipeline_tag"] == "image-classification"
+    assert meta["pipeline_tag"] == "image-classification" and meta["metrics"] == ["accuracy"]
     assert meta["vitscale"]["results"] == best["metrics"] and "eval/dev/top1" in best["metrics"]
     source = meta["vitscale"]["source"]
     assert source["step"] == best["step"] and source["tracking_run_id"] == tuned.info.run_id
