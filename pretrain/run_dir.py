@@ -16,12 +16,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-from pretrain.checkpoint import Checkpoint
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
 from pretrain.distributed import gather, rank_world
+
+if TYPE_CHECKING:
+    from pretrain.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -111,12 +111,18 @@ def test_overhead_compares_both_loops_from_the_same_start():
 
 
 def test_a_setting_the_trainer_refuses_is_one_line_from_the_benchmark_too():
-    import pytest
     import torch
-    if torch.cuda.is_available():
-        pytest.skip("fp16 trains on a GPU")
-    done = run_launcher("benchmark.py", "train", *TINY, "--batch", "4", "--precision", "fp16",
+    odd = run_launcher("benchmark.py", "train", *TINY, "--batch", "3", "--set",
+                       "data.mixup_alpha=0.2", "--steps", "1", "--warmup", "1")
+    assert odd.returncode == 2 and "Traceback" not in odd.stderr, odd.stderr[-2000:]
+    assert odd.stderr.strip().splitlines()[-1].startswith(
+        "error: mixup/cutmix pair each image with another of its micro-batch, which is 3 here")
+
+    fp16 = run_launcher("benchmark.py", "train", *TINY, "--batch", "4", "--precision", "fp16",
                         "--steps", "1", "--warmup", "1")
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert done.stderr.strip().splitlines()[-1] == (
+    if torch.cuda.is_available():  # fp16 trains on a GPU
+        assert fp16.returncode == 0, fp16.stderr[-2000:]
+        return
+    assert fp16.returncode == 2 and "Traceback" not in fp16.stderr, fp16.stderr[-2000:]
+    assert fp16.stderr.strip().splitlines()[-1] == (
         "error: train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
