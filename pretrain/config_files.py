@@ -35,6 +35,7 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
                 for other in set(group) - given:
                     _set_dotted(raw, other, None)
         _set_dotted(raw, key, value)
+    _keep_section_defaults(schema, raw, getattr(schema, "exclusive_keys", ()))
     try:
         return schema.model_validate(raw)
     except ValidationError as e:
@@ -95,6 +96,26 @@ def _deep_merge(base: dict, top: dict) -> dict:
     for k, v in top.items():
         out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def _keep_section_defaults(schema: Type[Section], raw: dict, exclusive: Sequence[Sequence[str]],
+                           prefix: str = "") -> None:
+    """Fill in the values a section's default sets of its own (fine-tuning's ``train``: batch
+    512, 20,000 steps; pretraining's: 90 epochs) for the keys a recipe or override leaves out.
+    pydantic builds a section that is given at all from its field defaults alone, so one
+    ``train.precision=fp32`` would otherwise bring back a 4096 batch. A value is not filled in
+    when another key of its exclusive group (``train.total_steps`` or ``train.epochs``) is given."""
+    for name, field in schema.model_fields.items():
+        default, section = field.default, raw.get(name)
+        if not isinstance(default, Section) or not isinstance(section, dict):
+            continue
+        given = {f"{prefix}{name}.{key}" for key in section}
+        values = default.model_dump()
+        for key in default.model_fields_set - set(section):
+            dotted = f"{prefix}{name}.{key}"
+            if not any(dotted in group and given & set(group) for group in exclusive):
+                section[key] = values[key]
+        _keep_section_defaults(type(default), section, exclusive, f"{prefix}{name}.")
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:

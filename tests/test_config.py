@@ -138,6 +138,30 @@ def test_finetune_config_has_the_paper_transfer_defaults():
         load_config(FinetuneConfig, None, ["eval.val_name=dev"])
 
 
+def test_setting_one_train_key_keeps_the_stages_other_train_defaults(tmp_path):
+    """The stages' own train defaults (fine-tuning: batch 512, 20k steps; pretraining: 90
+    epochs) stay when a recipe or an override sets another key of the section."""
+    recipe = tmp_path / "fp32.yaml"
+    recipe.write_text("train: {precision: fp32}\n")
+    for cfg in (load_config(FinetuneConfig, None, ["train.precision=fp32"]),
+                load_config(FinetuneConfig, recipe)):
+        assert cfg.train.precision == "fp32"
+        assert (cfg.train.global_batch_size, cfg.train.total_steps, cfg.train.epochs) == (
+            512, 20_000, None)
+    cfg = load_config(PretrainConfig, recipe)
+    assert (cfg.train.global_batch_size, cfg.train.total_steps, cfg.train.epochs) == (
+        4096, None, 90)
+    # the run's length given the other way replaces the default one, in a file or an override
+    recipe.write_text("train: {epochs: 3}\n")
+    for cfg in (load_config(FinetuneConfig, recipe), load_config(FinetuneConfig, None,
+                                                                 ["train.epochs=3"])):
+        assert (cfg.train.global_batch_size, cfg.train.total_steps, cfg.train.epochs) == (
+            512, None, 3)
+    recipe.write_text("train: {total_steps: 7}\n")
+    cfg = load_config(PretrainConfig, recipe)
+    assert (cfg.train.total_steps, cfg.train.epochs) == (7, None)
+
+
 @pytest.mark.parametrize("override,message", [
     ("optimzer.lr=0.1", "unknown config key 'optimzer'; did you mean 'optimizer.lr'?"),
     ("train.global_batch_size=15", "train.global_batch_size=15 is not divisible by world "
@@ -159,6 +183,10 @@ def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_wo
     (["model.num_classes=0"], r"model.num_classes('.* greater than 0| must be at least 1 to "
                               r"train)"),
     (["data.root=null", "data.generate_demo=true"], "data.generate_demo needs data.root"),
+    # not a local folder named ./s3:/bucket/in21k beside the remote data trained on
+    (["data.root=s3://bucket/in21k", "data.generate_demo=true"],
+     "data.generate_demo writes the demo data to a local folder, but "
+     "data.root='s3://bucket/in21k' is a URL; set data.generate_demo=false"),
 ])
 def test_training_configs_refuse_what_cannot_train(overrides, message):
     for schema in (PretrainConfig, FinetuneConfig):
