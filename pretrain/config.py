@@ -374,6 +374,13 @@ class RunConfig(Section):
         if self.data.generate_demo and not self.data.root:
             raise ValueError("data.generate_demo needs data.root: the folder the demo data is "
                              "written to")
+        root = self.data.root or ""
+        if self.data.generate_demo and ("://" in root or root.startswith("pipe:")):
+            # the demo writes a local folder: it would land in ./s3:/bucket/... and train on
+            # the remote data anyway
+            raise ValueError(f"data.generate_demo writes the demo data to a local folder, but "
+                             f"data.root={root!r} is a URL; set data.generate_demo=false to "
+                             f"train on the data there")
         return self
 
     def to_yaml(self) -> str:

@@ -6,6 +6,7 @@ and the time to finish at an assumed MFU.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from pretrain.config import PretrainConfig, RunConfig
@@ -41,40 +42,55 @@ def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
     return 4 * params + 16 * params // (world if stage == 1 else 1)
 
 
-def readable_info(cfg: RunConfig):
-    """data.root's info file (a :class:`pretrain.data.info.DatasetInfo`), when it is readable
-    here (the demo's is only made by the run)."""
-    from pretrain.data.info import DatasetInfoError, read_info
+# A plan tries a remote data.root this often: a run's own data.read_attempts can take minutes.
+PLAN_READ_ATTEMPTS = 3
+
+
+def read_dataset(cfg: RunConfig):
+    """(data.root's :class:`pretrain.data.info.DatasetInfo`, None) when its info file is
+    readable here, else (None, why): the demo's is only made by the run, and a cluster's data
+    may not be reachable from where the plan is made."""
+    from pretrain.data.info import INFO_NAMES, DatasetInfoError, join, read_info
+    from pretrain.data.remote import RetryPolicy
     if not cfg.data.root:
-        return None
+        return None, "the demo's data is made by the run"
+    retry = RetryPolicy(attempts=min(cfg.data.read_attempts, PLAN_READ_ATTEMPTS),
+                        backoff_s=cfg.data.retry_backoff_s,
+                        timeout_s=min(cfg.data.read_timeout_s, 30.0))
     try:
-        return read_info(cfg.data.root)
-    except DatasetInfoError:
-        return None
+        return read_info(cfg.data.root, retry), None
+    except DatasetInfoError as e:
+        if cfg.data.generate_demo and not any(os.path.exists(join(cfg.data.root, n))
+                                              for n in INFO_NAMES):
+            return None, f"the run makes the demo data in {cfg.data.root}"
+        return None, str(e)
 
 
-def epoch_size(cfg: RunConfig) -> Optional[int]:
-    """Train samples per epoch from data.root's _info.json, when it is readable here."""
-    from pretrain.data.info import DatasetInfoError
-    info = readable_info(cfg)
-    try:
-        return info.split(cfg.data.train_split).num_samples if info else None
-    except DatasetInfoError:
-        return None
+def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
+    """What the run will read; raises DatasetInfoError for a split the info file lacks or
+    labels beyond model.num_classes, which would stop the run."""
+    if info is None:
+        return f"data: not read here ({why})"
+    info.check_labels(cfg.data.root, cfg.model.num_classes)
+    splits = [s for s in (cfg.data.train_split, cfg.data.val_split) if s]
+    sizes = ", ".join(f"{info.split(s).num_samples:,} '{s}'" for s in splits)
+    labels = f", {info.num_labels:,} labels" if info.num_labels else ""
+    return f"data: {cfg.data.root}: {sizes} samples{labels}"
 
 
 def describe(cfg: RunConfig, world: int):
-    """Architecture, parameters, FLOPs and batch layout lines (both stages); with the meta model.
+    """Architecture, parameters, FLOPs, batch layout and data lines (both stages); with the
+    meta model and data.root's info (None when not readable here).
 
-    Raises ConfigError for an impossible architecture or batch layout.
+    Raises ConfigError for an impossible architecture or batch layout, DatasetInfoError for
+    data the run would refuse.
     """
     from pretrain.model import count_parameters, create_model
     from pretrain.trainer import batch_layout
 
     micro, accum = batch_layout(cfg, world, on_gpu=True)  # a plan is for GPUs
-    info = readable_info(cfg)
-    if info is not None:
-        info.check_labels(cfg.data.root, cfg.model.num_classes)
+    info, why = read_dataset(cfg)
+    data = data_line(cfg, info, why)
     model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
     spec, params = model.spec, count_parameters(model)
     flops = spec.train_flops_per_image()
@@ -87,8 +103,9 @@ def describe(cfg: RunConfig, world: int):
         f"train FLOPs per image: {flops / 1e12:.3f} TFLOP (3 x forward {flops / 3e9:.1f} GFLOP)",
         f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
         f"x accumulation {accum}",
+        data,
     ]
-    return lines, model, params, (micro, accum)
+    return lines, model, params, (micro, accum), info
 
 
 def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
@@ -104,7 +121,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
                          f"samples_per_epoch >= 1; got {world}, {gpus_per_node}, {mfu}, "
                          f"{samples_per_epoch}")
 
-    lines, model, params, (micro, accum) = describe(cfg, world)
+    lines, model, params, (micro, accum), info = describe(cfg, world)
     flops = model.spec.train_flops_per_image()
     stage = zero_stage(deepspeed_config(cfg, micro, accum, world))
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
@@ -113,7 +130,8 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
                  f"(params, grads, optimizer; activations come on top{ckpt})")
 
-    samples = samples_per_epoch or epoch_size(cfg)
+    samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
+                                    if info else None)
     if cfg.train.total_steps:
         steps = cfg.train.total_steps
         per_epoch = f"{samples // cfg.train.global_batch_size:,}" if samples else "unknown"
@@ -125,7 +143,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
                      f"per epoch ({samples:,} samples)")
     else:
         steps = None
-        lines.append("steps: unknown (data.root has no readable _info.json here; give the "
+        lines.append("steps: unknown (data.root's info file is not read here; give the "
                      "epoch size with --samples N)")
     if steps:
         peak = cfg.log.peak_tflops or DEFAULT_PEAK_TFLOPS

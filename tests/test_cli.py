@@ -2,7 +2,7 @@
 import pytest
 import yaml
 
-from conftest import run_launcher
+from conftest import run_launcher, tiny_run_args
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from pretrain.config_files import config_keys
@@ -106,6 +106,52 @@ def test_dry_run_plans_with_the_flags_given():
     assert "steps per epoch: 100" in proc.stdout
     assert "time to finish at 100% MFU of 989 TFLOP/s per GPU" in proc.stdout
     assert "on 2 GPU(s)" in proc.stdout
+
+
+def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tiny_data, tmp_path):
+    import shutil
+    import socket
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={tiny_data}",
+                        "model.num_classes=8", "train.global_batch_size=32")
+    assert proc.returncode == 0, proc.stderr
+    assert f"data: {tiny_data}: 256 'train', 64 'validation' samples, 8 labels" in proc.stdout
+    assert "steps per epoch: 8" in proc.stdout  # 256 / 32, from the info file
+
+    # a split the run would not find stops the plan as it would stop the run
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                        f"data.root={tiny_data}", "model.num_classes=8", "data.val_split=test")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: split 'test' not found in dataset 'tiny' (splits: train, validation); "
+        "set data.train_split / data.val_split"]
+
+    # an info file edited by hand into broken JSON: named, in the plan and in the run
+    root = tmp_path / "shards"
+    shutil.copytree(tiny_data, root)
+    text = (root / "_info.json").read_text()
+    (root / "_info.json").write_text(text.replace('"num_labels": 8', '"num_labels": 8,,'))
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={root}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"data: not read here ({root}/_info.json is not valid JSON (" in proc.stdout
+    assert "steps: 300 (steps per epoch: unknown)" in proc.stdout
+    for broken in ("[1, 2]", text.replace('"num_labels": 8', '"num_labels": 8,,')):
+        (root / "_info.json").write_text(broken)
+        proc = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", root))
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        [line] = proc.stderr.strip().splitlines()[-1:]
+        assert line.startswith(f"error: {root}/_info.json ") and line.endswith(
+            "; fix it, or write it again with launch/prepare_data.py"), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+
+    # a remote root that does not answer: a few quick tries, not the run's ten with back-off
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root=http://127.0.0.1:{port}/shards",
+                        "data.generate_demo=false")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"data: not read here (cannot read http://127.0.0.1:{port}/shards/_info.json: "
+            in proc.stdout) and "3 attempts in a row failed" in proc.stdout
 
 
 def test_help_documents_the_plan_flags_where_they_count():

@@ -99,23 +99,36 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
     from pretrain.data.remote import Missing, RetryPolicy, read_bytes
     root = str(root)
-    raw = None
+    raw = loc = None
     for name in INFO_NAMES:
         loc = join(root, name)
         if _is_url(root):
             try:
-                raw = json.loads(read_bytes(loc, retry or RetryPolicy()))
+                raw = read_bytes(loc, retry or RetryPolicy())
                 break
             except Missing:
                 continue
             except OSError as e:  # unreachable after the retries, or no permission
                 raise DatasetInfoError(f"cannot read {loc}: {e}") from None
         elif os.path.isfile(loc):
-            raw = json.loads(Path(loc).read_text())
+            try:
+                raw = Path(loc).read_bytes()
+            except OSError as e:
+                raise DatasetInfoError(f"cannot read {loc}: {e}") from None
             break
     if raw is None:
         raise DatasetInfoError(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
                                f"directory written by launch/prepare_data.py")
+    # The file is edited by hand at times (num_labels, a split renamed): a typo is named here
+    # rather than surfacing as a JSON traceback.
+    try:
+        raw = json.loads(raw)
+    except ValueError as e:
+        raise DatasetInfoError(f"{loc} is not valid JSON ({e}); fix it, or write it again "
+                               f"with launch/prepare_data.py") from None
+    if not isinstance(raw, dict):
+        raise DatasetInfoError(f"{loc} holds a JSON {type(raw).__name__}, not an object with "
+                               f"'splits'; fix it, or write it again with launch/prepare_data.py")
     splits = raw.get("splits")
     if not isinstance(splits, dict):
         raise DatasetInfoError(f"'{root}' info file has no 'splits' object keyed by split name")
@@ -125,7 +138,7 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
             parsed[key] = SplitInfo(name=s.get("name", key), num_samples=int(s["num_samples"]),
                                     filenames=list(s["filenames"]),
                                     shard_lengths=[int(n) for n in s.get("shard_lengths", [])])
-        except (KeyError, TypeError, ValueError) as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise DatasetInfoError(f"'{root}' info file: split '{key}' is malformed ({e})") from None
     extra = {k: v for k, v in raw.items() if k not in ("name", "splits", "classes")}
     return DatasetInfo(name=raw.get("name", Path(root).name), splits=parsed,
