@@ -86,9 +86,10 @@ class ScheduleConfig(Section):
     min_lr: float = Field(1e-5, ge=0, description="learning rate at the last step")
 
 
-# timm's RandAugment string: "rand", then sections its parser knows (t<names>: a transform set)
-RANDAUGMENT_RE = re.compile(r"rand(-(m\d+|n\d+|mstd\d+(\.\d+)?|mmax\d+|inc[01]|p(\d+(\.\d*)?|\.\d+)"
-                            r"|t\w+))*")
+# timm's RandAugment string: "rand", then sections its parser knows (t<name>: a transform set;
+# timm takes any other name for its default set, and p for a probability of up to 1)
+RANDAUGMENT_RE = re.compile(r"rand(-(m\d+|n\d+|mstd\d+(\.\d+)?|mmax\d+|inc[01]"
+                            r"|p(0(\.\d*)?|1(\.0*)?|\.\d+)|t(weights|3aw|3a)))*")
 
 
 class DataConfig(Section):
@@ -110,8 +111,12 @@ class DataConfig(Section):
     crop_scale: Tuple[float, float] = Field((0.05, 1.0), description="Inception crop: min and "
                                             "max share of the image area")
     hflip: float = Field(0.5, ge=0, le=1, description="probability of a horizontal flip")
+    # Magnitudes above 10 are applied as given, as in the TF RandAugment of the ViT and AugReg
+    # papers (their "medium" m15 and "strong" m20 differ); timm alone would cap them at 10
+    # unless the string sets -mmax.
     randaugment: Optional[str] = Field(None, description="timm RandAugment string, e.g. "
-                                       "rand-m15-n2 (magnitude 15, 2 ops per image)")
+                                       "rand-m15-n2 (magnitude 15, 2 ops per image; above 10 "
+                                       "not capped)")
     mixup_alpha: float = Field(0.0, ge=0, description="mixup Beta(alpha, alpha) (0: off)")
     cutmix_alpha: float = Field(0.0, ge=0, description="cutmix Beta(alpha, alpha) (0: off)")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="label smoothing of the targets")

@@ -59,6 +59,9 @@ def test_recipe_inheritance():
     ("data.randaugment=rnd-m15-n2", "data.randaugment='rnd-m15-n2' is not a timm RandAugment"),
     ("data.randaugment=rand-mX-n2", "data.randaugment='rand-mX-n2' is not a timm RandAugment"),
     ("data.randaugment=rand-m15n2", "e.g. 'rand-m15-n2'"),
+    # timm takes p5 as an op probability of 5 and an unknown transform set as its default one
+    ("data.randaugment=rand-m15-n2-p5", "data.randaugment='rand-m15-n2-p5' is not a timm"),
+    ("data.randaugment=rand-m15-tbogus", "data.randaugment='rand-m15-tbogus' is not a timm"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -69,7 +72,8 @@ def test_bad_values_name_the_key_in_one_line(override, fragment):
 
 def test_timm_randaugment_strings_are_accepted_in_both_stages():
     from finetune.config import FinetuneConfig
-    for spec in ("rand-m15-n2", "rand-m9-mstd0.5-inc1", "rand-m7-n4-p0.5-mmax10"):
+    for spec in ("rand-m15-n2", "rand-m9-mstd0.5-inc1", "rand-m7-n4-p0.5-mmax10",
+                 "rand-m9-n2-p1", "rand-m9-n2-p.7", "rand-m9-n3-t3aw", "rand-m9-tweights"):
         for schema in (PretrainConfig, FinetuneConfig):
             assert load_config(schema, None, [f"data.randaugment={spec}"]).data.randaugment == spec
 

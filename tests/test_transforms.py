@@ -7,6 +7,7 @@ import io
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -110,3 +111,38 @@ def test_randaugment_is_applied_and_replays_with_the_samples_draws():
         changed += not torch.equal(once, plain(data, random.Random(i)))  # the same crop
     # each of the 2 ops runs with timm's default probability 0.5: some images come out as cropped
     assert changed >= 4
+
+
+def _one_op(spec: str, name: str, magnitude_std: float = 0.0):
+    from pretrain.data.transforms import _build_randaugment
+    [op] = [op for op in _build_randaugment(spec, 64).ops if op.name == name]
+    op.prob, op.magnitude_std = 1.0, magnitude_std
+    return op
+
+
+def test_randaugment_magnitudes_above_10_are_applied_as_given():
+    """The AugReg recipes' m15 ("medium") and m20 ("strong") are stronger than m10, as in the
+    papers' TF RandAugment; timm alone caps them at 10 unless -mmax is given."""
+    photo = Image.open(io.BytesIO(next(sample_photos(1, size=(64, 64), seed=5)))).convert("RGB")
+    rotated = {}
+    for spec in ("rand-m10-n2", "rand-m15-n2", "rand-m20-n2", "rand-m20-n2-mmax10"):
+        random.seed(0)  # the same sign of the rotation for each
+        rotated[spec] = np.asarray(_one_op(spec, "Rotate")(photo))
+    assert not np.array_equal(rotated["rand-m10-n2"], rotated["rand-m15-n2"])
+    assert not np.array_equal(rotated["rand-m15-n2"], rotated["rand-m20-n2"])
+    assert np.array_equal(rotated["rand-m10-n2"], rotated["rand-m20-n2-mmax10"])  # -mmax wins
+
+
+def test_randaugment_increasing_posterize_never_asks_pil_for_zero_bits():
+    """DeiT's rand-m9-mstd0.5-inc1 draws magnitude 10 now and then, where timm's increasing
+    Posterize asks PIL for 0 bits: PIL refused, the loader worker raised and the run stopped."""
+    photo = Image.open(io.BytesIO(next(sample_photos(1, size=(64, 64), seed=5)))).convert("RGB")
+    for spec in ("rand-m9-mstd0.5-inc1", "rand-m10-inc1", "rand-m20-inc1", "rand-m9-mmax30-inc1"):
+        op = _one_op(spec, "PosterizeIncreasing", magnitude_std=100.0)
+        for seed in range(50):
+            random.seed(seed)
+            out = np.asarray(op(photo))
+            assert out.shape == (64, 64, 3)
+    # the strongest setting PIL allows, 1 bit, as timm gives it from magnitude 7.5 up
+    random.seed(0)
+    assert np.unique(np.asarray(_one_op("rand-m20-inc1", "PosterizeIncreasing")(photo))).size <= 2

@@ -24,6 +24,7 @@ import io
 import logging
 import math
 import random
+import re
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -319,12 +320,27 @@ class EvalTransform:
         return TF.center_crop(resized, [self.size, self.size])
 
 
+POSTERIZE_MAX_MAGNITUDE = 9.99
+
+
 def _build_randaugment(spec: str, size: int):
     from timm.data.auto_augment import rand_augment_transform
     # The hyper-parameters timm's own transform factory passes for ImageNet-sized inputs.
     hparams = dict(translate_const=int(size * 0.45), img_mean=(124, 116, 104))
+    # timm caps the magnitude at 10 unless told otherwise (-mmax); the TF RandAugment of the ViT
+    # and AugReg papers applies 15 or 20 as given, stronger than 10
+    magnitude = re.search(r"-m(\d+)(?=-|$)", spec)
+    if magnitude and int(magnitude.group(1)) > 10 and "-mmax" not in spec:
+        hparams["magnitude_max"] = int(magnitude.group(1))
     try:
-        return rand_augment_transform(spec, hparams)
+        augment = rand_augment_transform(spec, hparams)
     except Exception as e:  # noqa: BLE001 -- timm raises assorted errors for bad strings
         raise ConfigError(f"data.randaugment='{spec}' is not a timm RandAugment string "
                          f"({e}); use e.g. 'rand-m15-n2'") from None
+    for op in augment.ops:
+        if op.name == "PosterizeIncreasing":
+            # -inc1's Posterize keeps 4 - int(0.4 x magnitude) bits: none from magnitude 10 up,
+            # which PIL refuses (DeiT's rand-m9-mstd0.5-inc1 draws 10 now and then, and the
+            # run stopped). Below 10 it already keeps 1 bit, the strongest PIL allows.
+            op.magnitude_max = min(op.magnitude_max or 10, POSTERIZE_MAX_MAGNITUDE)
+    return augment
