@@ -205,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    photos = sub.add_parser("photos", help="write benchmark shards of real 500x375 photos")
+    photos = sub.add_parser(
+        "photos", help="write benchmark shards of real 500x375 photos",
+        description="Write WebDataset shards of real photos (500x375 JPEG crops of "
+                    "scikit-learn's sample photos) with their _info.json, the input of `loader` "
+                    "and of `train --shards`.")
     photos.add_argument("--count", type=int, default=2048, help="photos to write (default 2048)")
     photos.add_argument("--out", type=Path, required=True, metavar="DIR",
                         help="folder for the shards and their _info.json (made if missing)")
@@ -215,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed of the crops and flips; the same seed writes the same photos "
                              "(default 0)")
 
-    loader = sub.add_parser("loader", help="loader images/s against a reference pipeline")
+    loader = sub.add_parser(
+        "loader", help="loader images/s against a reference pipeline",
+        description="Images/s of our training loader against a plain webdataset + torchvision "
+                    "pipeline (same shards, crop, flip and size). --decoders also "
+                    "times decode + train transform per core for each JPEG decoder candidate.")
     loader.add_argument("--shards", required=True,
                         help="directory with _info.json, or a shard pattern {000..009}")
     loader.add_argument("--split", default="train",
@@ -247,19 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how many photos (default 200)")
     loader.add_argument("--json", action="store_true", help="print one JSON object")
 
-    train = sub.add_parser("train", help="training images/s, TFLOP/s, MFU, peak memory")
+    train = sub.add_parser(
+        "train", help="training images/s, TFLOP/s, MFU, peak memory",
+        description="Steady-state training images/s, TFLOP/s, MFU and peak memory through our "
+                    "DeepSpeed engine, warm-up steps excluded, on synthetic uint8 batches on "
+                    "the device unless --shards. The run config is a pretraining recipe "
+                    "(--config) with the options below put in.")
     train.add_argument("--model", default="vit_large_patch16_224",
                        help="timm ViT name (default vit_large_patch16_224)")
     train.add_argument("--batch", type=int, required=True, help="micro-batch per rank")
     train.add_argument("--image-size", type=int, default=None,
                        help="resolution (default: the model's own, 224 for the i21k models)")
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
-                       help="ZeRO stage (default: the recipe's)")
+                       help="ZeRO stage (default: the recipe's deepspeed.zero_stage; 1 with "
+                            "the default recipe, which sets none)")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                        help="default bf16 (the recipe's); fp32 for quicker CPU runs")
     train.add_argument("--compile", action="store_true", help="engine.compile() (torch.compile)")
     train.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                       default=None, help="default: the recipe's")
+                       default=None,
+                       help="recompute the blocks' activations in the backward pass (default: "
+                            "the recipe's train.activation_checkpointing; off with the default "
+                            "recipe, which sets none)")
     train.add_argument("--num-classes", type=int, default=None, help="default 21843 (i21k)")
     train.add_argument("--ranks", type=int, default=1,
                        help="data-parallel ranks spawned on this machine (one per GPU; "
@@ -288,14 +305,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="append the result to FILE (JSON lines) with this command, the "
                             "commit and the date; `table FILE` makes the README table of them")
 
-    table = sub.add_parser("table", help="the README table from train --record files")
+    table = sub.add_parser(
+        "table", help="the README table from train --record files",
+        description="The README's benchmark table from the results `train --record` kept, "
+                    "each with its command, commit and date: printed, or written into --readme.")
     table.add_argument("records", type=Path, help="a file written by train --record")
     table.add_argument("--readme", type=Path, default=None,
                        help="rewrite this file's table between its benchmark-table marker "
                             "lines instead of printing it")
 
-    over = sub.add_parser("overhead", help="our DeepSpeed step against a plain PyTorch step, "
-                          "each in a process of its own")
+    over = sub.add_parser(
+        "overhead", help="our DeepSpeed step against a plain PyTorch step, each in a process "
+                         "of its own",
+        description="One training step through our DeepSpeed engine (ZeRO-2, bf16, one rank) "
+                    "against a plain PyTorch step (autocast, clip_grad_norm_, AdamW), each loop "
+                    "in a process of its own, taking turns in blocks; prints both median step "
+                    "times and their ratio.")
     over.add_argument("--model", default="vit_tiny_patch16_224",
                       help="timm ViT name (default vit_tiny_patch16_224)")
     over.add_argument("--batch", type=int, default=32, help="images per step (default 32)")

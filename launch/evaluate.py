@@ -14,8 +14,8 @@ MODEL is one of
     checkpoints/step_N/ dir. A fine-tune with train.ema_decay is evaluated on its EMA weights.
 
 The figure is the one the run reported for the same split: the same eval loader (centre crop,
-the run's resolution and data.normalize), the same evaluator, one process. On the CPU a fine-tune
-evaluates in fp32, pretraining under its train.precision; on a GPU both under train.precision
+the run's resolution and data.normalize), the same evaluator, one process, under the run's
+train.precision autocast on a GPU and on the CPU alike, as both stages evaluate during training
 (--precision overrides). A backbone without a head (a pretraining folder export) has no top-1:
 evaluate the pretraining checkpoint instead.
 

@@ -1,11 +1,14 @@
-"""Send a run's spooled MLflow metrics (and artifacts) that never reached the server.
+"""Send a run's spooled MLflow metrics, artifacts and model registrations that never reached
+the server.
 
     python launch/upload_spool.py OUTPUT_DIR [--uri URI]
 
 A job that could not reach its tracking server keeps every metric in OUTPUT_DIR/tracking/spool.jsonl.
 This creates the MLflow run if the job never could, sends the records MLflow does not have yet
-(one value per step: steps MLflow already holds are skipped), and uploads pending artifacts.
-Run it after the job has ended. --uri sends to another server than the one the job was given.
+(one value per step: steps MLflow already holds are skipped), uploads pending artifacts, then
+registers the uploaded models still waiting for their tracking.register_as version (after the
+upload, so that a version never points at a half-uploaded model). Run it after the job has
+ended. --uri sends to another server than the one the job was given.
 """
 from __future__ import annotations
 
