@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pretrain.config import (DataConfig, EvalConfig, ModelConfig, OptimizerConfig, RunConfig,
                              ScheduleConfig, TrainConfig)
@@ -24,7 +24,8 @@ class FinetuneModelConfig(ModelConfig):
 class FinetuneOptimizerConfig(OptimizerConfig):
     name: Literal["adamw", "sgd"] = Field("sgd", description="sgd with momentum (paper), or adamw")
     lr: float = Field(0.01, gt=0, description="paper grid: 0.003-0.06 ImageNet, 0.001-0.03 CIFAR")
-    weight_decay: float = Field(0.0, ge=0, description="weight decay (paper: none)")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (paper: none; sgd: L2 "
+                                "added to the gradient, adamw: decoupled)")
 
 
 class FinetuneScheduleConfig(ScheduleConfig):
@@ -77,3 +78,17 @@ class FinetuneConfig(RunConfig):
     schedule: FinetuneScheduleConfig = FinetuneScheduleConfig()
     train: FinetuneTrainConfig = FinetuneTrainConfig(global_batch_size=512, total_steps=20_000)
     eval: FinetuneEvalConfig = FinetuneEvalConfig()
+
+    @model_validator(mode="after")
+    def _check_reported_split(self) -> "FinetuneConfig":
+        # the reported figure must come from held-out data, under a name of its own
+        val = self.data.val_split
+        if val and val == self.data.train_split:
+            raise ValueError(f"data.val_split={val} is the split fine-tuned on: the reported "
+                             f"figure would be on training data; set data.val_split to a "
+                             f"held-out split (or null: the dev figure only)")
+        if val and not self.eval.val_name and val == "dev":
+            raise ValueError("data.val_split=dev would report its figure as eval/dev/*, the dev "
+                             "split's series, which picks the best weights; set eval.val_name "
+                             "to another name")
+        return self

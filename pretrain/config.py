@@ -63,9 +63,12 @@ class ModelConfig(Section):
 class OptimizerConfig(Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with momentum")
     lr: float = Field(1e-3, gt=0, description="peak learning rate, reached after warmup")
-    # Decoupled (AdamW-style, multiplied by lr); never applied to biases, norms, pos-embed, cls.
-    weight_decay: float = Field(0.1, ge=0, description="weight decay (not on biases, norms, "
-                                "position embedding, class token)")
+    # adamw: decoupled (multiplied by lr); sgd: torch's L2 term, added to the gradient before
+    # momentum (about 1 / (1 - momentum) times stronger for the same number). Never applied to
+    # biases, norms, pos-embed, cls.
+    weight_decay: float = Field(0.1, ge=0, description="weight decay (adamw: decoupled; sgd: "
+                                "L2 added to the gradient; not on biases, norms, position "
+                                "embedding, class token)")
     betas: Tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decays")
     eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD's momentum")
@@ -379,6 +382,10 @@ class RunConfig(Section):
         if self.data.generate_demo and not self.data.root:
             raise ValueError("data.generate_demo needs data.root: the folder the demo data is "
                              "written to")
+        if self.schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"schedule.min_lr={self.schedule.min_lr:g} is above optimizer.lr="
+                             f"{self.optimizer.lr:g}: the learning rate would rise after the "
+                             f"warmup; lower schedule.min_lr")
         root = self.data.root or ""
         if self.data.generate_demo and ("://" in root or root.startswith("pipe:")):
             # the demo writes a local folder: it would land in ./s3:/bucket/... and train on

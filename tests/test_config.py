@@ -140,6 +140,13 @@ def test_finetune_config_has_the_paper_transfer_defaults():
     assert load_config(FinetuneConfig, None, []).eval.val_name is None
     with pytest.raises(ConfigError, match="eval.val_name=dev would mix the reported figure"):
         load_config(FinetuneConfig, None, ["eval.val_name=dev"])
+    with pytest.raises(ConfigError, match="data.val_split=dev would report its figure as "
+                                          "eval/dev/"):
+        load_config(FinetuneConfig, None, ["data.val_split=dev"])
+    assert load_config(FinetuneConfig, None, ["data.val_split=dev", "eval.val_name=heldout"])
+    # the reported figure is never taken on the data fine-tuned on
+    with pytest.raises(ConfigError, match="data.val_split=train is the split fine-tuned on"):
+        load_config(FinetuneConfig, None, ["data.val_split=train"])
 
 
 def test_setting_one_train_key_keeps_the_stages_other_train_defaults(tmp_path):
@@ -187,6 +194,9 @@ def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_wo
     (["model.num_classes=0"], r"model.num_classes('.* greater than 0| must be at least 1 to "
                               r"train)"),
     (["data.root=null", "data.generate_demo=true"], "data.generate_demo needs data.root"),
+    (["optimizer.lr=1e-6", "schedule.min_lr=1e-5"],
+     "schedule.min_lr=1e-05 is above optimizer.lr=1e-06: the learning rate would rise after "
+     "the warmup"),
     # not a local folder named ./s3:/bucket/in21k beside the remote data trained on
     (["data.root=s3://bucket/in21k", "data.generate_demo=true"],
      "data.generate_demo writes the demo data to a local folder, but "
