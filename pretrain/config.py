@@ -264,12 +264,16 @@ class CheckpointConfig(Section):
 
 
 class DeepSpeedConfig(Section):
-    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="ZeRO stage (3 partitions the "
-                                            "parameters too: ViT-H at scale)")
+    # Unset: 1, or the stage deepspeed.config's file sets.
+    zero_stage: Optional[Literal[0, 1, 2, 3]] = Field(
+        None, description="ZeRO stage, default 1 (3 partitions the parameters too: ViT-H at "
+        "scale)")
     # A JSON file (path, or a name in configs/deepspeed/) for everything else DeepSpeed offers;
     # batch sizes, precision, clipping, optimizer and schedule come from this config (setting
     # them there is refused).
-    config: Optional[str] = Field(None, description="DeepSpeed JSON (replaces zero_stage)")
+    config: Optional[str] = Field(None, description="DeepSpeed JSON, a path or a name in "
+                                  "configs/deepspeed/ (its zero_optimization.stage is the run's; "
+                                  "a zero_stage given too must agree)")
     one_pass_grad_checks: bool = Field(
         True, description="ZeRO-1/2: check the gradients for NaN/inf and take their norm in one "
         "multi-tensor pass instead of DeepSpeed's per-tensor loops (the same verdicts, the same "

@@ -21,6 +21,9 @@ from pretrain.profile import ENGINE_STEP
 log = logging.getLogger(__name__)
 
 DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepspeed"
+# ZeRO-1 when neither deepspeed.zero_stage nor a deepspeed.config file says: the optimizer
+# states sharded, the rest replicated; no cost on one GPU, memory saved on many.
+DEFAULT_ZERO_STAGE = 1
 
 
 def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
@@ -54,6 +57,12 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
         raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
                           f"from this config (optimizer.*, schedule.*, train.*); remove them "
                           f"from the file")
+    # the file decides the stage; one also given as deepspeed.zero_stage must agree with it
+    stage = zero_stage(out)
+    if cfg.deepspeed.zero_stage is not None and cfg.deepspeed.zero_stage != stage:
+        raise ConfigError(f"deepspeed.zero_stage={cfg.deepspeed.zero_stage} but deepspeed.config "
+                          f"'{path}' runs ZeRO-{stage}; drop deepspeed.zero_stage, or set "
+                          f"zero_optimization.stage in the file")
     return out
 
 
@@ -68,7 +77,8 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
         # a world of one they are pure per-step cost (measured on the CPU with `benchmark.py
         # overhead`: ~35 ms of a 190 ms ViT-Tiny step) and change no result.
         many = world > 1
-        out = {"zero_optimization": {"stage": ds.zero_stage, "overlap_comm": many,
+        stage = DEFAULT_ZERO_STAGE if ds.zero_stage is None else ds.zero_stage
+        out = {"zero_optimization": {"stage": stage, "overlap_comm": many,
                                      "contiguous_gradients": many}}
     out.update(
         train_batch_size=micro * accum * world,

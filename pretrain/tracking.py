@@ -387,9 +387,14 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                 "world_size": str(world_size), "hosts": ",".join(hosts)[:4000],
                 "num_hosts": str(len(hosts)), "output_dir": str(Path(output_dir).resolve()),
                 **git_info(REPO_ROOT), **(extra_tags or {})}
+        params = flatten(cfg.model_dump(mode="json"))
+        if ds_config is not None and "deepspeed.zero_stage" in params:
+            # the stage the run used, given by deepspeed.zero_stage, its file, or the default
+            params["deepspeed.zero_stage"] = str(ds_config.get("zero_optimization", {})
+                                                .get("stage", 0))
         state = RunState(uri=uri, experiment=t.experiment, run_id=run_id,
                          run_name=t.run_name or Path(output_dir).resolve().name,
-                         params=flatten(cfg.model_dump(mode="json")), tags=tags)
+                         params=params, tags=tags)
     tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,
                             flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s)
     # a resumed job's config and DeepSpeed config go next to the first ones

@@ -221,6 +221,24 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
     assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}
 
 
+def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_refused():
+    from pretrain.engine import deepspeed_config, zero_stage
+
+    def stage(*overrides):
+        cfg = load_config(PretrainConfig, None, list(overrides))
+        return zero_stage(deepspeed_config(cfg, micro=4, accum=1, world=1))
+    assert stage() == 1 and stage("deepspeed.zero_stage=2") == 2
+    assert stage("deepspeed.config=zero3.json") == 3
+    assert stage("deepspeed.config=zero3.json", "deepspeed.zero_stage=3") == 3
+    with pytest.raises(ConfigError, match=r"deepspeed.zero_stage=2 but deepspeed.config '.*zero3"
+                                          r".json' runs ZeRO-3; drop deepspeed.zero_stage"):
+        stage("deepspeed.config=zero3.json", "deepspeed.zero_stage=2")
+    # the resolved config of such a run loads again as it was saved
+    cfg = load_config(PretrainConfig, None, ["deepspeed.config=zero3.json"])
+    again = PretrainConfig.model_validate(yaml.safe_load(cfg.to_yaml()))
+    assert zero_stage(deepspeed_config(again, micro=4, accum=1, world=1)) == 3
+
+
 @pytest.mark.parametrize("text,message", [
     ('{"scheduler": {"type": "WarmupLR"}}', r"sets \['scheduler'\], which come from this config"),
     ('{"zero_optimization": {"stage": 1},}', r"cannot be read as JSON \(Expecting property name"),

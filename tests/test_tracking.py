@@ -104,6 +104,7 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     # the launcher's built-in demo recipe under the tiny overrides
     assert params["model.name"] == "vit_tiny_patch16_224" and params["optimizer.lr"] == "0.003"
     assert params["train.total_steps"] == str(STEPS) and params["model.depth"] == "2"
+    assert params["deepspeed.zero_stage"] == "1"  # the stage run, where the config left it unset
     tags = run.data.tags
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
