@@ -26,6 +26,25 @@ from pretrain.config import RunConfig
 from pretrain.engine import apply_train_options, build_optimizer, classification_loss
 
 
+def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
+                          grad_clip: Optional[float]) -> None:
+    """Put this run's batch layout and clipping into an Accelerate DeepSpeed config (in place):
+    its "auto" values (and absent ones) become ours. A value the file fixes to something else is
+    refused: DeepSpeed would step, divide the loss and clip by the file's numbers, not the run's."""
+    from pretrain.config import ConfigError
+    wanted = {"train_batch_size": (micro * accum * world, "train.global_batch_size"),
+              "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_size"),
+              "gradient_accumulation_steps": (accum, "train.grad_accum_steps"),
+              "gradient_clipping": (grad_clip or 0.0, "optimizer.grad_clip")}  # 0: no clipping
+    for key, (value, ours) in wanted.items():
+        given = ds_config.get(key, "auto")
+        if given == "auto":
+            ds_config[key] = value
+        elif given != value:
+            raise ConfigError(f"Accelerate's DeepSpeed config sets {key}={given}, but this run's "
+                              f"{ours} gives {value}; set {key} to \"auto\" in that config")
+
+
 class AccelerateBackend:
     zero_stage = 0  # the manifest's field; Accelerate's own DeepSpeed stage lives in its config
 
@@ -70,15 +89,18 @@ class AccelerateBackend:
             # into checkpoints and exports)
             model.compile()
         optimizer = build_optimizer(model, cfg)
+        from accelerate.utils import DistributedType
+        self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.deepspeed:
+            fill_deepspeed_values(self.accelerator.state.deepspeed_plugin.deepspeed_config,
+                                  micro, accum, self.world_size, cfg.optimizer.grad_clip)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.cfg, self.accum = cfg, accum
         # _update drops a step whose gradient norm is not finite, so the non-finite check can
         # wait until after it (pretrain.guard); not under an Accelerate DeepSpeed config
         # (DeepSpeed's step decides alone) nor under fp16 (its loss scaler must see each step)
-        from accelerate.utils import DistributedType
         self.defer_check = cfg.train.nonfinite_check == "after_update" and \
-            cfg.train.precision != "fp16" and \
-            self.accelerator.distributed_type != DistributedType.DEEPSPEED
+            cfg.train.precision != "fp16" and not self.deepspeed
         if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
             from timm.utils import ModelEmaV3
             self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay)
@@ -115,7 +137,13 @@ class AccelerateBackend:
                     guard.defer(loss)
                 elif not guard.finite(loss):
                     return None
-            acc.backward(loss / self.accum)
+            if self.deepspeed:
+                # Accelerate's DeepSpeed wrapper steps the engine whenever sync_gradients is
+                # set, and DeepSpeed divides the loss by its gradient_accumulation_steps itself
+                acc.sync_gradients = last
+                acc.backward(loss)
+            else:
+                acc.backward(loss / self.accum)
         if last:
             self._update()
         return loss.detach()

@@ -157,6 +157,32 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
         backend.build(cfg, micro=8, accum=1, resume=None, store=None)
 
 
+def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping():
+    """Accelerate's DeepSpeed (GPU-only here: the config dict is checked as it would be filled).
+    Its "auto" values become the run's; a different fixed value is refused, since DeepSpeed
+    would otherwise step, divide the loss and clip by the file's numbers."""
+    from finetune.backend import fill_deepspeed_values
+    from pretrain.config import ConfigError
+
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
+    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)
+    assert ds == {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 16,
+                  "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                  "zero_optimization": {"stage": 2}}
+    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)  # the same: accepted
+    ds = {"zero_optimization": {"stage": 2}}
+    fill_deepspeed_values(ds, micro=16, accum=1, world=2, grad_clip=None)
+    assert ds["gradient_clipping"] == 0.0  # optimizer.grad_clip=null: DeepSpeed does not clip
+    # what `accelerate config` writes by default, under a run that accumulates 4 micro-batches
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 2}}
+    with pytest.raises(ConfigError, match=r"sets gradient_accumulation_steps=1, but this run's "
+                                          r"train.grad_accum_steps gives 4; set "
+                                          r"gradient_accumulation_steps to \"auto\""):
+        fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)
+
+
 def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
     """The checkpoint holds the weights the first init gave: resuming it under another init
     would train on while the log and the model card name the new one."""
