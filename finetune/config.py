@@ -44,6 +44,8 @@ class FinetuneDataConfig(DataConfig):
 
 
 class FinetuneEvalConfig(EvalConfig):
+    every_steps: int = Field(1000, gt=0, description="the dev split (data.dev_fraction) every N "
+                             "steps; data.val_split is scored once, after the last step")
     # The reported figure is named after its split (eval/test/top1) unless a name is given; the
     # dev split's is always eval/dev/top1, which picks the best weights.
     val_name: Optional[str] = Field(None, description="metric prefix of the data.val_split "
