@@ -270,6 +270,25 @@ def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     assert "schedule.warmup_steps=100 is not shorter than the run's 4 steps" in caplog.text
 
 
+def test_a_setting_of_the_other_optimizer_is_announced_as_unused(caplog):
+    import logging
+
+    from pretrain.engine import build_optimizer
+    model = torch.nn.Linear(4, 2)
+    for overrides, unused in [(["optimizer.betas=[0.9,0.95]"], "optimizer.betas"),
+                              (["optimizer.name=adamw", "optimizer.momentum=0.8"],
+                               "optimizer.momentum")]:
+        caplog.clear()
+        cfg = load_config(FinetuneConfig, None, overrides)
+        with caplog.at_level(logging.WARNING, logger="pretrain.engine"):
+            build_optimizer(model, cfg)
+        assert f"{unused} not used by optimizer.name={cfg.optimizer.name}" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pretrain.engine"):
+        build_optimizer(model, load_config(FinetuneConfig, None, ["optimizer.momentum=0.8"]))
+    assert "not used" not in caplog.text
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["data.mixup_alpha=0.2", "train.global_batch_size=15"],
      "mixup/cutmix pair each image with another of its micro-batch, which is 15 here"),
