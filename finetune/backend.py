@@ -29,8 +29,9 @@ from pretrain.engine import apply_train_options, build_optimizer, classification
 def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
                           grad_clip: Optional[float]) -> None:
     """Put this run's batch layout and clipping into an Accelerate DeepSpeed config (in place):
-    its "auto" values (and absent ones) become ours. A value the file fixes to something else is
-    refused: DeepSpeed would step, divide the loss and clip by the file's numbers, not the run's."""
+    its "auto" values (and absent ones) become ours. A value it fixes to something else is
+    refused: DeepSpeed would step, divide the loss and clip by those numbers, not the run's.
+    Accelerate itself puts gradient_accumulation_steps=1 where a JSON file has none."""
     from pretrain.config import ConfigError
     wanted = {"train_batch_size": (micro * accum * world, "train.global_batch_size"),
               "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_size"),
@@ -41,8 +42,9 @@ def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
         if given == "auto":
             ds_config[key] = value
         elif given != value:
-            raise ConfigError(f"Accelerate's DeepSpeed config sets {key}={given}, but this run's "
-                              f"{ours} gives {value}; set {key} to \"auto\" in that config")
+            raise ConfigError(f"Accelerate's DeepSpeed config has {key}={given} (from its "
+                              f"file or Accelerate's default), but this run's {ours} gives "
+                              f"{value}; set {key} to \"auto\" in that config")
 
 
 class AccelerateBackend:

@@ -89,7 +89,7 @@ class FinetuneConfig(RunConfig):
             raise ValueError(f"data.val_split={val} is the split fine-tuned on: the reported "
                              f"figure would be on training data; set data.val_split to a "
                              f"held-out split (or null: the dev figure only)")
-        if val and not self.eval.val_name and val == "dev":
+        if val == "dev" and not self.eval.val_name and self.data.dev_fraction:
             raise ValueError("data.val_split=dev would report its figure as eval/dev/*, the dev "
                              "split's series, which picks the best weights; set eval.val_name "
                              "to another name")

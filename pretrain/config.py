@@ -149,7 +149,8 @@ class DataConfig(Section):
         if spec is not None and not RANDAUGMENT_RE.fullmatch(spec):
             raise ValueError(f"data.randaugment={spec!r} is not a timm RandAugment string: "
                              f"'rand' then any of -m<magnitude> -n<ops> -mstd<std> -mmax<max> "
-                             f"-inc<0|1> -p<prob>, e.g. 'rand-m15-n2'")
+                             f"-inc<0|1> -p<probability 0..1> -t<weights|3aw|3a>, e.g. "
+                             f"'rand-m15-n2'")
         return spec
 
     @model_validator(mode="after")

@@ -57,11 +57,17 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
         raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
                           f"from this config (optimizer.*, schedule.*, train.*); remove them "
                           f"from the file")
-    # the file decides the stage; one also given as deepspeed.zero_stage must agree with it
-    stage = zero_stage(out)
-    if cfg.deepspeed.zero_stage is not None and cfg.deepspeed.zero_stage != stage:
-        raise ConfigError(f"deepspeed.zero_stage={cfg.deepspeed.zero_stage} but deepspeed.config "
-                          f"'{path}' runs ZeRO-{stage}; drop deepspeed.zero_stage, or set "
+    # the file decides the stage; one also given as deepspeed.zero_stage must agree with it,
+    # and a file without one runs deepspeed.zero_stage or the default (DeepSpeed's own is 0)
+    given = cfg.deepspeed.zero_stage
+    zero = out.setdefault("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' has a zero_optimization "
+                          f"that is no JSON object; write it as {{\"stage\": 1, ...}}")
+    stage = zero.setdefault("stage", DEFAULT_ZERO_STAGE if given is None else given)
+    if given is not None and given != stage:
+        raise ConfigError(f"deepspeed.zero_stage={given} but deepspeed.config '{path}' runs "
+                          f"ZeRO-{stage}; drop deepspeed.zero_stage, or set "
                           f"zero_optimization.stage in the file")
     return out
 

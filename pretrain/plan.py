@@ -49,8 +49,9 @@ PLAN_READ_ATTEMPTS = 3
 def read_dataset(cfg: RunConfig):
     """(data.root's :class:`pretrain.data.info.DatasetInfo`, None) when its info file is
     readable here, else (None, why): the demo's is only made by the run, and a cluster's data
-    may not be reachable from where the plan is made."""
-    from pretrain.data.info import INFO_NAMES, DatasetInfoError, join, read_info
+    may not be reachable from where the plan is made. A malformed info file raises
+    DatasetInfoError, as it stops the run."""
+    from pretrain.data.info import INFO_NAMES, InfoNotRead, join, read_info
     from pretrain.data.remote import RetryPolicy
     if not cfg.data.root:
         return None, "the demo's data is made by the run"
@@ -59,7 +60,7 @@ def read_dataset(cfg: RunConfig):
                         timeout_s=min(cfg.data.read_timeout_s, 30.0))
     try:
         return read_info(cfg.data.root, retry), None
-    except DatasetInfoError as e:
+    except InfoNotRead as e:
         if cfg.data.generate_demo and not any(os.path.exists(join(cfg.data.root, n))
                                               for n in INFO_NAMES):
             return None, f"the run makes the demo data in {cfg.data.root}"

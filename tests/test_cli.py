@@ -125,15 +125,14 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
         "error: split 'test' not found in dataset 'tiny' (splits: train, validation); "
         "set data.train_split / data.val_split"]
 
-    # an info file edited by hand into broken JSON: named, in the plan and in the run
+    # an info file edited by hand into broken JSON: named, by the plan and by the run
     root = tmp_path / "shards"
     shutil.copytree(tiny_data, root)
     text = (root / "_info.json").read_text()
     (root / "_info.json").write_text(text.replace('"num_labels": 8', '"num_labels": 8,,'))
     proc = run_launcher("pretrain.py", "--dry-run", f"data.root={root}")
-    assert proc.returncode == 0, proc.stderr
-    assert f"data: not read here ({root}/_info.json is not valid JSON (" in proc.stdout
-    assert "steps: 300 (steps per epoch: unknown)" in proc.stdout
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"error: {root}/_info.json is not valid JSON ("), proc.stderr
     for broken in ("[1, 2]", text.replace('"num_labels": 8', '"num_labels": 8,,')):
         (root / "_info.json").write_text(broken)
         proc = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", root))
@@ -142,6 +141,15 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
         assert line.startswith(f"error: {root}/_info.json ") and line.endswith(
             "; fix it, or write it again with launch/prepare_data.py"), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+    # no info file where the plan is made (the data may live on the cluster only): said, and
+    # the plan goes on without the epoch size
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={tmp_path / 'elsewhere'}",
+                        "data.generate_demo=false")
+    assert proc.returncode == 0, proc.stderr
+    assert f"data: not read here (no _info.json or info.json in '{tmp_path / 'elsewhere'}'" \
+        in proc.stdout
+    assert "steps: 300 (steps per epoch: unknown)" in proc.stdout
 
     # a remote root that does not answer: a few quick tries, not the run's ten with back-off
     with socket.socket() as s:

@@ -144,6 +144,7 @@ def test_finetune_config_has_the_paper_transfer_defaults():
                                           "eval/dev/"):
         load_config(FinetuneConfig, None, ["data.val_split=dev"])
     assert load_config(FinetuneConfig, None, ["data.val_split=dev", "eval.val_name=heldout"])
+    assert load_config(FinetuneConfig, None, ["data.val_split=dev", "data.dev_fraction=0"])
     # the reported figure is never taken on the data fine-tuned on
     with pytest.raises(ConfigError, match="data.val_split=train is the split fine-tuned on"):
         load_config(FinetuneConfig, None, ["data.val_split=train"])
@@ -221,7 +222,8 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
     assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}
 
 
-def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_refused():
+def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_refused(
+        tmp_path):
     from pretrain.engine import deepspeed_config, zero_stage
 
     def stage(*overrides):
@@ -233,6 +235,14 @@ def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_
     with pytest.raises(ConfigError, match=r"deepspeed.zero_stage=2 but deepspeed.config '.*zero3"
                                           r".json' runs ZeRO-3; drop deepspeed.zero_stage"):
         stage("deepspeed.config=zero3.json", "deepspeed.zero_stage=2")
+    # a file that leaves the stage out runs the one given, or ZeRO-1 (not DeepSpeed's 0)
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"zero_optimization": {"overlap_comm": true}}')
+    assert stage(f"deepspeed.config={bare}") == 1
+    assert stage(f"deepspeed.config={bare}", "deepspeed.zero_stage=2") == 2
+    bare.write_text('{"zero_optimization": 2}')
+    with pytest.raises(ConfigError, match="has a zero_optimization that is no JSON object"):
+        stage(f"deepspeed.config={bare}")
     # the resolved config of such a run loads again as it was saved
     cfg = load_config(PretrainConfig, None, ["deepspeed.config=zero3.json"])
     again = PretrainConfig.model_validate(yaml.safe_load(cfg.to_yaml()))

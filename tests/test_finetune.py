@@ -177,7 +177,8 @@ def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping
     # what `accelerate config` writes by default, under a run that accumulates 4 micro-batches
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 2}}
-    with pytest.raises(ConfigError, match=r"sets gradient_accumulation_steps=1, but this run's "
+    with pytest.raises(ConfigError, match=r"has gradient_accumulation_steps=1 \(from its file or "
+                                          r"Accelerate's default\), but this run's "
                                           r"train.grad_accum_steps gives 4; set "
                                           r"gradient_accumulation_steps to \"auto\""):
         fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)

@@ -23,6 +23,11 @@ class DatasetInfoError(ValueError):
     """The shard directory has no usable description (missing file, unknown split...)."""
 
 
+class InfoNotRead(DatasetInfoError):
+    """No info file was found, or it could not be read (unreachable, no permission): unlike a
+    malformed one, possibly fine where the run itself reads it."""
+
+
 @dataclass
 class SplitInfo:
     name: str
@@ -109,15 +114,15 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
             except Missing:
                 continue
             except OSError as e:  # unreachable after the retries, or no permission
-                raise DatasetInfoError(f"cannot read {loc}: {e}") from None
+                raise InfoNotRead(f"cannot read {loc}: {e}") from None
         elif os.path.isfile(loc):
             try:
                 raw = Path(loc).read_bytes()
             except OSError as e:
-                raise DatasetInfoError(f"cannot read {loc}: {e}") from None
+                raise InfoNotRead(f"cannot read {loc}: {e}") from None
             break
     if raw is None:
-        raise DatasetInfoError(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
+        raise InfoNotRead(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
                                f"directory written by launch/prepare_data.py")
     # The file is edited by hand at times (num_labels, a split renamed): a typo is named here
     # rather than surfacing as a JSON traceback.

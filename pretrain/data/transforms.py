@@ -331,7 +331,11 @@ def _build_randaugment(spec: str, size: int):
     # and AugReg papers applies 15 or 20 as given, stronger than 10
     magnitude = re.search(r"-m(\d+)(?=-|$)", spec)
     if magnitude and int(magnitude.group(1)) > 10 and "-mmax" not in spec:
-        hparams["magnitude_max"] = int(magnitude.group(1))
+        # with -mstd, room above for the draws' upper tail (their mean stays the magnitude);
+        # above 100 timm draws uniformly below the magnitude
+        std = re.search(r"-mstd(\d+(?:\.\d+)?)", spec)
+        std = float(std.group(1)) if std else 0.0
+        hparams["magnitude_max"] = int(magnitude.group(1)) + (3 * std if std <= 100 else 0)
     try:
         augment = rand_augment_transform(spec, hparams)
     except Exception as e:  # noqa: BLE001 -- timm raises assorted errors for bad strings
