@@ -88,6 +88,9 @@ def main(argv=None) -> int:
     if remote and not args.stage:
         build_parser().error(f"--out {args.out} is remote: add --stage DIR, a local folder with room "
                              f"for the output, where the shards are written before the upload")
+    if args.stage and not remote:
+        build_parser().error(f"--stage is for a remote --out; --out {args.out} is local and is "
+                             f"written directly: drop --stage")
     try:
         prepare(args.source, args.src, args.stage if remote else args.out, name=args.name, shard_size=args.shard_size,
                 val_count=args.val_count, max_size=args.max_size, workers=args.workers, seed=args.seed,

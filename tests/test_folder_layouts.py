@@ -4,6 +4,7 @@ Each test lays out real JPEG/PNG files (or pickles), runs the prepare step the w
 then reads the shards back with webdataset's own grouping and the repository's eval loader:
 every file must come out once, in its split, under the key and label of its class folder.
 """
+import io
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ from pretrain.data.samples import decode_label, image_bytes
 from pretrain.data.shard_writer import prepare
 from pretrain.data.sources import PrepareError
 
-LAYOUT = "expected <root>/<class>/<image> or <root>/{train,val}/<class>/<image>"
+LAYOUT = "expected <root>/<class>/<image> or <root>/{train,val,test}/<class>/<image>"
 
 
 def write_images(root, files):
@@ -177,6 +178,79 @@ def test_nested_class_folders_are_refused_with_the_expected_layout(tmp_path):
     assert LAYOUT in line and "point --src at the folder whose subfolders are the classes" in line
     assert "Traceback" not in proc.stderr
     assert not list((tmp_path / "out").glob("*.tar"))
+
+
+def test_train_valid_test_exports_give_three_splits_and_left_out_folders_are_named(tmp_path,
+                                                                                    caplog):
+    """Roboflow's layout (train/valid/test); an unlabelled flat test folder, as ImageNet and
+    Kaggle ship it, and folders that are no split are left out with a word, not in silence."""
+    files = [f"{split}/{cls}/{n}.jpg" for split in ("train", "valid", "test")
+             for cls in ("cat", "dog") for n in range(2)]
+    widths = write_images(tmp_path / "raw", files + ["extras/cat/x.jpg"])
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    assert f"left out the folders extras of {tmp_path / 'raw'}" in caplog.text
+    names = {"train": "train", "valid": "validation", "test": "test"}
+    expected = {split: {} for split in names.values()}
+    for path in files:
+        split, cls, name = path.split("/")
+        expected[names[split]][f"{cls}/{name[:-4]}"] = (cls, path)
+    assert_shards_hold(tmp_path / "out", widths, expected)
+
+    caplog.clear()
+    write_images(tmp_path / "kaggle", ["train/cat/a.jpg", "val/cat/b.jpg", "test/c.jpg"])
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        info = prepare("imagefolder", str(tmp_path / "kaggle"), str(tmp_path / "out2"),
+                       progress=False)
+    assert set(info.splits) == {"train", "validation"}
+    assert f"left out {tmp_path / 'kaggle' / 'test'}: no class folders in it" in caplog.text
+
+
+def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, caplog):
+    from PIL import Image
+    widths = write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])
+    Image.new("RGB", (20, 10), (200, 30, 30)).save(tmp_path / "raw" / "dog" / "c.bmp")
+    (tmp_path / "raw" / "cat" / "notes.txt").write_text("not a picture")
+    (tmp_path / "raw" / "cat" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (tmp_path / "raw" / "fox").mkdir()
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"),
+                       progress=False)
+    assert info.classes == ["cat", "dog", "fox"]  # the label of an empty class is kept
+    assert "left out 2 files that are not images (by extension: .txt 1, .jpg 1" in caplog.text
+    assert "1 class folders hold no images (fox)" in caplog.text
+    widths["dog/c.bmp"] = 20  # a BMP is read and stored as JPEG
+    assert_shards_hold(tmp_path / "out", widths, {"train": {
+        "cat/a": ("cat", "cat/a.jpg"), "dog/b": ("dog", "dog/b.jpg"),
+        "dog/c": ("dog", "dog/c.bmp")}})
+
+
+def test_a_16_bit_grayscale_png_keeps_its_tones(tmp_path):
+    """PIL's convert to RGB clips 16-bit values at 255: the image came out white."""
+    from PIL import Image
+    tones = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    (tmp_path / "raw" / "scan").mkdir(parents=True)
+    Image.fromarray(tones).save(tmp_path / "raw" / "scan" / "x.png")
+    assert Image.open(tmp_path / "raw" / "scan" / "x.png").mode == "I;16"
+    prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    [url] = ShardSet.from_info(str(tmp_path / "out"), "train").urls
+    with tarfile.open(url) as tar:
+        jpg = tar.extractfile(next(m for m in tar if m.name.endswith(".jpg"))).read()
+    stored = np.asarray(Image.open(io.BytesIO(jpg)).convert("L"), dtype=np.float64)
+    assert abs(stored.mean() - (tones >> 8).mean()) < 3  # was 255 nearly everywhere
+
+
+def test_an_output_folder_inside_the_source_is_refused(tmp_path):
+    write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "raw" / "shards"), "--workers", "1")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: the output folder {tmp_path / 'raw' / 'shards'} is inside --src "
+        f"{tmp_path / 'raw'}; write it elsewhere")
+    assert not (tmp_path / "raw" / "shards").exists()  # no phantom class for a next run
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "out"), "--stage", str(tmp_path / "stage"))
+    assert proc.returncode == 2 and "--stage is for a remote --out" in proc.stderr
 
 
 @pytest.mark.parametrize("files, where, problem", [

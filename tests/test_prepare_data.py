@@ -190,6 +190,20 @@ def test_imagenet1k_uses_timms_synset_order(tmp_path, flat_val):
     assert Counter(s["split"] for s in samples) == {"train": 18, "validation": 9}
 
 
+def test_a_flat_val_label_index_beyond_the_1000_classes_is_one_line(tmp_path):
+    order = timm_info_file("imagenet_synsets.txt").read_text().split()
+    raw = synthetic.write_imagenet1k(tmp_path / "raw", [order[1]], 2, 2, flat_val=True,
+                                     all_synsets=order)
+    (raw.root / "LOC_val_solution.csv").unlink()
+    # the devkit's ground truth counts from 1: its 1000 is one past timm's last index
+    (raw.root / "val.txt").write_text("ILSVRC2012_val_00000001.JPEG 1\n"
+                                      "ILSVRC2012_val_00000002.JPEG 1000\n")
+    with pytest.raises(PrepareError, match=r"val.txt: class index 1000 for "
+                                           r"ILSVRC2012_val_00000002.JPEG is beyond the 1000 "
+                                           r"classes; indices count from 0 in timm's synset order"):
+        prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), progress=False)
+
+
 @pytest.mark.parametrize("kind", ["cifar10", "cifar100"])
 def test_cifar_pickles_keep_labels_and_pixels(tmp_path, kind):
     raw = synthetic.write_cifar(tmp_path / "raw", kind, n_train=40, n_test=12)

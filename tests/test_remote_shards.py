@@ -231,6 +231,20 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
     assert ({o["Key"]: o["LastModified"] for o in relisted}
             == {o["Key"]: o["LastModified"] for o in listed})
 
+    # an edited source, prepared in another stage folder for the same prefix: a cat photo
+    # filed as a dog keeps every shard's size, and still every file is replaced
+    (tmp_path / "raw" / "train" / "cat" / "0001.jpg").rename(
+        tmp_path / "raw" / "train" / "dog" / "0009.jpg")
+    edited = [a if a != str(tmp_path / "stage") else str(tmp_path / "stage2") for a in args]
+    done = run_launcher("prepare_data.py", *edited, "--out", "s3://datasets/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"uploaded {len(listed)} of {len(listed)} files" in done.stderr
+    from pretrain.data.eval_loader import EvalLoader
+    loader = EvalLoader(ShardSet.from_info("s3://datasets/pets", "train"), img_size=16,
+                        batch_size=4, num_classes=2)
+    got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
+    assert ("dog/0009", 1) in got and not any(k == "cat/0001" for k, _ in got)
+
 
 def pets(tmp_path) -> list:
     from test_folder_layouts import write_images

@@ -1,6 +1,7 @@
 """The class-folder layouts, read in place file by file (README, "Prepare data"):
 
-* ``imagefolder``: ``root/<class>/*``; ``root/train/<class>`` + ``root/val/<class>`` give two splits.
+* ``imagefolder``: ``root/<class>/*``; ``root/train/<class>`` with ``root/val/<class>`` (or
+  ``valid``, ``validation``) and/or ``root/test/<class>`` give two or three splits.
   Keys are unique per split (exports number their files afresh in each split) and carry the
   class folder (``cat/0001`` and ``dog/0001`` are the usual case, not a clash).
 * ``imagenet1k``: the same with timm's 1000-synset order; ``val/`` in synset folders or flat with
@@ -9,20 +10,26 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 from collections import Counter
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
-from pretrain.data.sources import (Entry, PrepareError, Source, as_text, is_image, sample_key,
-                                   timm_info_file)
+from pretrain.data.sources import (IMAGE_EXTENSIONS, Entry, PrepareError, Source, as_text, is_image,
+                                   sample_key, timm_info_file)
 
 IMAGENET1K_SYNSETS = "imagenet_synsets.txt"
 # Label files recognised next to a flat ImageNet-1k ``val/`` folder.
 VAL_LABEL_FILES = ("LOC_val_solution.csv", "val_labels.txt", "val.txt")
-FOLDER_LAYOUT = "<root>/<class>/<image> or <root>/{train,val}/<class>/<image>"
+FOLDER_LAYOUT = "<root>/<class>/<image> or <root>/{train,val,test}/<class>/<image>"
+# The split folders exports name (Roboflow: train/valid/test), first match each.
+SPLIT_FOLDERS = {"train": ("train",), "validation": ("val", "validation", "valid"),
+                 "test": ("test",)}
 # What a macOS zip unpacks next to the class folders; never a class of its own.
 IGNORED_FOLDERS = ("__MACOSX",)
+
+log = logging.getLogger(__name__)
 
 
 def _visible(name: str) -> bool:
@@ -45,7 +52,8 @@ def _images_below(folder: str) -> Optional[str]:
 
 
 class ImageFolder(Source):
-    """``root/<class>/*`` (one split ``train``) or ``root/train/<class>`` + ``root/val/<class>``."""
+    """``root/<class>/*`` (one split ``train``) or ``root/train/<class>`` with ``val`` and/or
+    ``test`` beside it."""
 
     name = "imagefolder"
 
@@ -59,15 +67,30 @@ class ImageFolder(Source):
         self.classes = list(classes) if classes is not None else self._folder_classes()
         self._label = {c: i for i, c in enumerate(self.classes)}
         self._skip_unknown = skip_unknown
+        # what the folders hold besides images, and classes without any: said, not dropped unseen
+        self.not_images: List[str] = []
+        self.empty_classes: List[str] = []
 
     @staticmethod
     def _split_dirs(root: Path) -> dict:
         if not root.is_dir():
             raise PrepareError(f"--src {root} is not a folder; point it at the dataset root")
-        val = next((root / n for n in ("val", "validation") if (root / n).is_dir()), None)
-        if (root / "train").is_dir() and val is not None:
-            return {"train": root / "train", "validation": val}
-        return {"train": root}
+        found = {split: next((root / n for n in names if (root / n).is_dir()), None)
+                 for split, names in SPLIT_FOLDERS.items()}
+        if found["test"] is not None and not _subfolders(found["test"]):
+            # ImageNet's and Kaggle's test images come without labels, loose in one folder
+            log.warning("left out %s: no class folders in it (unlabelled test images)",
+                        found["test"])
+            found["test"] = None
+        if found["train"] is None or (found["validation"] is None and found["test"] is None):
+            return {"train": root}
+        dirs = {split: folder for split, folder in found.items() if folder is not None}
+        others = [p.name for p in _subfolders(root)
+                  if p not in dirs.values() and p != root / "test"]
+        if others:
+            log.warning("left out the folders %s of %s: the splits are read from %s",
+                        ", ".join(others), root, ", ".join(p.name for p in dirs.values()))
+        return dirs
 
     def _folder_classes(self) -> List[str]:
         classes = sorted({as_text(p.name) for p in _subfolders(self.split_dirs["train"])})
@@ -83,7 +106,7 @@ class ImageFolder(Source):
         if label is None:
             if not self._skip_unknown:
                 hint = ("pass --skip-unknown to leave it out" if self.fixed_classes else
-                        "every validation class needs a training folder of the same name")
+                        "every class of a val or test folder needs a training folder of the same name")
                 raise PrepareError(f"class folder '{class_name}' ({where}) is not a known class; {hint}")
             self.unknown.append(class_name)
         return label
@@ -91,6 +114,15 @@ class ImageFolder(Source):
     def entries(self) -> Iterator[Entry]:
         for split, root in self.split_dirs.items():
             yield from self._folder_split(split, root)
+        if self.not_images:
+            kinds = Counter(os.path.splitext(n)[1].lower() or "(none)" for n in self.not_images)
+            log.warning("left out %d files that are not images (by extension: %s; e.g. %s); "
+                        "images are %s", len(self.not_images),
+                        ", ".join(f"{k} {n}" for k, n in kinds.most_common()),
+                        self.not_images[0], " ".join(IMAGE_EXTENSIONS))
+        if self.empty_classes:
+            log.warning("%d class folders hold no images (%s): their labels are kept, with no "
+                        "samples", len(self.empty_classes), ", ".join(self.empty_classes[:10]))
 
     def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
         # Images outside class folders would have no label, and images below them a wrong one:
@@ -113,6 +145,10 @@ class ImageFolder(Source):
                     subfolders.append(e.path)
                 elif e.is_file() and is_image(e.name):
                     names.append(e.name)
+                else:  # another kind of file, or a link to nothing
+                    self.not_images.append(os.path.join(class_name, as_text(e.name)))
+            if not names and split == "train":
+                self.empty_classes.append(class_name)
             for sub in sorted(subfolders):
                 nested = _images_below(sub)
                 if nested is not None:
@@ -192,5 +228,10 @@ class ImageNet1k(ImageFolder):
                 if len(row) < 2 or row[0] == "ImageId":
                     continue
                 stem, label = os.path.splitext(row[0])[0], row[1].split()[0]
+                if label.isdigit() and int(label) >= len(self.classes):
+                    raise PrepareError(f"{path}: class index {label} for {row[0]} is beyond the "
+                                       f"{len(self.classes)} classes; indices count from 0 in "
+                                       f"timm's synset order (the devkit's ids count from 1 in "
+                                       f"another order: give synsets instead)")
                 labels[stem] = self.classes[int(label)] if label.isdigit() else label
         return labels

@@ -371,22 +371,55 @@ def remote_size(location: str) -> Optional[int]:
         return None
 
 
+# In the stage folder: each file this folder sent, where to, and the size and mtime it had.
+UPLOAD_LOG = ".uploaded.jsonl"
+
+
+def _sent_before(folder: str, location: str) -> dict:
+    """name -> [size, mtime_ns] of the files this folder already uploaded to ``location``."""
+    import json
+    sent = {}
+    try:
+        with open(os.path.join(folder, UPLOAD_LOG)) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by a crash
+                    continue
+                if record.get("to") == location:
+                    sent[record["name"]] = [record["size"], record["mtime_ns"]]
+    except FileNotFoundError:
+        pass
+    return sent
+
+
 def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPolicy()) -> int:
     """Upload the files of ``folder`` (not its hidden work folders) under the prefix
     ``location``, the file named ``last`` (the info file) after all others, so a reader never
-    finds it before the shards it lists; files already there with the same size are left as
-    they are, so a rerun resumes. Returns the number of files uploaded."""
+    finds it before the shards it lists. A file this folder already sent there, unchanged
+    since, and still there with its size, is not sent again, so a rerun resumes; one from
+    anywhere else is replaced: an object of the same size may hold other samples (a
+    preparation of an edited source, from another stage folder). Returns the number of files
+    uploaded."""
+    import json
     names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
                    and os.path.isfile(os.path.join(folder, n)))
     names.sort(key=lambda n: n == last)
+    sent_before = _sent_before(folder, location)
     sent = 0
-    for i, name in enumerate(names, 1):
-        local, target = os.path.join(folder, name), location.rstrip("/") + "/" + name
-        if remote_size(target) != os.path.getsize(local):
-            upload(local, target, policy)
-            sent += 1
-        if i == len(names) or i % max(1, len(names) // 20) == 0:
-            log.info("published %d/%d files to %s", i, len(names), location)
-    log.info("uploaded %d of %d files to %s (the others were there already)", sent, len(names),
-             location)
+    with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
+        for i, name in enumerate(names, 1):
+            local, target = os.path.join(folder, name), location.rstrip("/") + "/" + name
+            st = os.stat(local)
+            mine = sent_before.get(name) == [st.st_size, st.st_mtime_ns]
+            if not (mine and remote_size(target) == st.st_size):
+                upload(local, target, policy)
+                sent += 1
+                record.write(json.dumps({"to": location, "name": name, "size": st.st_size,
+                                         "mtime_ns": st.st_mtime_ns}) + "\n")
+                record.flush()
+            if i == len(names) or i % max(1, len(names) // 20) == 0:
+                log.info("published %d/%d files to %s", i, len(names), location)
+    log.info("uploaded %d of %d files to %s (the others were there already, sent from this "
+             "stage folder)", sent, len(names), location)
     return sent

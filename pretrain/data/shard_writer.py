@@ -26,6 +26,7 @@ import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from PIL import Image
 
 from pretrain.atomic_write import write_atomic
@@ -150,6 +151,13 @@ def _shorter_side_to(width: int, height: int, target: int) -> Tuple[int, int]:
 
 
 def _as_rgb(img: Image.Image) -> Image.Image:
+    if img.mode.startswith("I;16") or img.mode == "I":
+        # 16-bit grayscale (PNG, TIFF): PIL's convert clips it at 255, so almost every pixel
+        # came out white; keep its top 8 bits instead
+        pixels = np.asarray(img, dtype=np.uint32)
+        if pixels.max(initial=0) > 255:
+            pixels = pixels >> 8
+        img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8), mode="L")
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -265,6 +273,10 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     settings = make_settings(source, src, name=name, shard_size=shard_size, val_count=val_count,
                              max_size=max_size, seed=seed, synsets=synsets, skip_unknown=skip_unknown)
     out_dir = Path(out)
+    if out_dir.resolve().is_relative_to(Path(src).resolve()):
+        # its shards and work files would be scanned as a class folder of the source
+        raise PrepareError(f"the output folder {out_dir} is inside --src {src}; write it "
+                           f"elsewhere")
     work = out_dir / WORK_DIR
     raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work))
     if raw.has_validation and settings["val_count"]:
@@ -272,7 +284,8 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     check_out_dir(out_dir, settings)
     done_info = _complete(out_dir, settings)
     if done_info is not None:
-        log.info("%s is already complete; nothing to do", out_dir)
+        log.info("%s is already complete; nothing to do (the source is not read again: a "
+                 "changed source needs a new output folder)", out_dir)
         return done_info
 
     index = load_or_build_index(raw, work, progress)

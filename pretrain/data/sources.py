@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional
 
 SOURCES = ("imagenet21k", "imagefolder", "imagenet1k", "cifar10", "cifar100")
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+# What PIL reads and exports commonly hold; each is stored as JPEG (GIF: its first frame).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 # Which timm list each ``--synsets`` name means (timm/data/_info).
 SYNSET_LISTS = {"goog": "imagenet21k_goog_synsets.txt", "fall11": "imagenet22k_synsets.txt"}
 # Spill files of the outer-tar stream rotate at this size, so no single file gets huge.
