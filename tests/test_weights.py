@@ -144,6 +144,30 @@ def test_timm_loads_a_stock_size_export_exactly_as_documented(tmp_path, caplog):
         assert torch.equal(vit.eval()(x), model.forward_features(x))
 
 
+@pytest.mark.parametrize("name", ["vit_medium_patch16_gap_256", "vit_base_patch16_reg4_gap_256"])
+def test_a_backbone_of_an_average_pooling_name_loads_in_timm_as_printed(name, tmp_path, caplog):
+    """Our backbone pools the class token whatever the name; timm's *_gap_* names do not, so
+    the printed arguments say so (without them timm built another model and loaded it partly,
+    with a log line only, or refused the position embedding)."""
+    import timm
+
+    from pretrain.config import ModelConfig
+    from pretrain.export import export_timm_backbone
+
+    model = create_model(ModelConfig(name=name, img_size=32, embed_dim=64, depth=2,
+                                     num_heads=2, num_classes=10)).eval()
+    kwargs = timm_kwargs(model.spec)
+    assert (kwargs["class_token"], kwargs["global_pool"]) == (True, "token")
+    path = export_timm_backbone(from_model(model), tmp_path / "bb.safetensors")
+    with caplog.at_level(logging.INFO, logger="timm"):
+        vit = timm.create_model(name, pretrained=True, num_classes=0,
+                                pretrained_cfg_overlay=dict(file=str(path)), **kwargs).eval()
+    assert "Missing keys" not in caplog.text and "Unexpected keys" not in caplog.text
+    x = fixed_input(32, n=2)
+    with torch.no_grad():
+        assert torch.equal(vit(x), model.forward_features(x))
+
+
 # --------------------------------------------------------------------------------------------
 # Google .npz checkpoints, written here with the official key names and shapes
 # --------------------------------------------------------------------------------------------
