@@ -40,7 +40,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "folder in timm's layout (local-dir:FOLDER)")
     p.add_argument("--timm-backbone", metavar="FILE", default=None,
                    help="also write the backbone alone with timm's key names")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out / --timm-backbone (default: refuse, so an "
+                        "earlier export is never lost by a repeated command)")
     return p
+
+
+def check_targets(args, folder: bool) -> None:
+    """Refuse, before the checkpoint is read, what would lose something the user has."""
+    from pathlib import Path
+    targets = [Path(args.out)] + ([Path(args.timm_backbone)] if args.timm_backbone else [])
+    if len(targets) == 2 and targets[0].resolve() == targets[1].resolve():
+        cli.fail(f"--out and --timm-backbone are the same file '{args.out}'; name two files")
+    src = Path(args.checkpoint).resolve()
+    for target in targets:
+        t = target.resolve()
+        if src.is_relative_to(t):  # a folder export into the run would make it a timm folder
+            cli.fail(f"'{target}' holds the checkpoint read ({args.checkpoint}); write the "
+                     f"export to a folder of its own")
+        taken = target.is_file() or (target.is_dir() and any(target.iterdir()))
+        if taken and not args.overwrite:
+            cli.fail(f"'{target}' exists; pass --overwrite to replace it, or name another")
 
 
 def main(argv=None) -> None:
@@ -51,6 +71,7 @@ def main(argv=None) -> None:
     if folder and os.path.isfile(args.out):
         cli.fail(f"--out '{args.out}' is a file; name a folder, or a FILE.safetensors for the "
                  f"single-file export")
+    check_targets(args, folder)
     from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
     from pretrain.export import timm_kwargs
     from pretrain.timm_folder import write_timm_folder

@@ -88,6 +88,31 @@ def test_full_export_carries_everything_and_the_config(pretrained):
     assert json.loads(meta["spec"])["representation_size"] == 64
 
 
+def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained):
+    def export(*args):
+        return subprocess.run([sys.executable, str(REPO / "launch/export.py"),
+                               str(pretrained["out"]), *map(str, args)], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+    full, before = pretrained["full"], pretrained["full"].stat().st_mtime_ns
+    proc = export("--out", full)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: '{full}' exists; pass --overwrite to replace it, or name another")
+    assert full.stat().st_mtime_ns == before
+    proc = export("--out", pretrained["base"] / "x.safetensors", "--timm-backbone", full)
+    assert proc.returncode == 2 and f"'{full}' exists" in proc.stderr
+    assert not (pretrained["base"] / "x.safetensors").exists()
+    # a folder export into the run itself would turn the run into a timm folder
+    proc = export("--out", pretrained["out"])
+    assert proc.returncode == 2 and f"'{pretrained['out']}' holds the checkpoint read" in \
+        proc.stderr
+    same = pretrained["base"] / "same.safetensors"
+    proc = export("--out", same, "--timm-backbone", same)
+    assert proc.returncode == 2 and "are the same file" in proc.stderr
+    proc = export("--out", full, "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert full.stat().st_mtime_ns != before
+
+
 def test_the_export_cli_fails_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(tmp_path),
                            "--out", str(tmp_path / "x.safetensors")], cwd=REPO,
