@@ -286,6 +286,13 @@ def read_init(init: str | os.PathLike) -> InitSource:
     path = Path(text).expanduser()
     if not path.exists():
         raise InitError(f"init '{text}' not found")
+    if path.is_dir() and (path / "config.json").is_file() and \
+            (path / "model.safetensors").is_file():
+        # a model folder in timm's layout (export.py --out FOLDER, a Hugging Face download)
+        return _from_file(path / "model.safetensors")
+    if path.is_dir() and (path / "final.safetensors").is_file():
+        raise InitError(f"init '{text}' is a fine-tune's output folder; start from one of its "
+                        f"files: init={path / 'final.safetensors'} or {path / 'best.safetensors'}")
     try:
         if path.is_dir():
             return _from_deepspeed(path)

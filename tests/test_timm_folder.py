@@ -124,5 +124,16 @@ def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path):
     with torch.no_grad():
         assert torch.equal(vit(x), model.forward_features(x))
     assert tuple(vit.pretrained_cfg["mean"]) == (0.485, 0.456, 0.406)  # the run's data.normalize
+    # the folder is a fine-tune's init as it is: its backbone in, a new head
+    from finetune.weights import InitError, load_init
+    tuned = create_model(ModelConfig(**{**ARCH, "num_classes": 3})).eval()
+    assert load_init(tuned, folder)["format"]
+    with torch.no_grad():
+        assert torch.equal(tuned.forward_features(x), model.forward_features(x))
+    (tmp_path / "ft").mkdir()
+    (tmp_path / "ft" / "final.safetensors").write_bytes(b"")
+    with pytest.raises(InitError, match=r"is a fine-tune's output folder; start from one of its "
+                                        r"files: init=.*final.safetensors"):
+        load_init(tuned, tmp_path / "ft")
     meta = card_metadata(folder)
     assert meta["datasets"] == ["tiny"] and meta["vitscale"]["source"]["step"] == 4
