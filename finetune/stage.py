@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.config import FinetuneConfig
+from pretrain.distributed import rank
 from pretrain.stage import Stage
 
 log = logging.getLogger("finetune")
@@ -57,6 +58,11 @@ class FinetuneStage(Stage):
             from finetune.weights import load_init
             # plain data: it goes into the checkpoint's client state (read weights_only)
             self.lineage = json.loads(json.dumps(load_init(model, self.cfg.init), default=str))
+            if "pre_logits" in self.lineage["new"] and rank() == 0:
+                log.warning("init '%s' has no pre-logits layer: model.representation_size=%s "
+                            "starts it from random weights (set model.representation_size=null "
+                            "to drop it, as the paper's transfer does)", self.cfg.init,
+                            self.cfg.model.representation_size)
 
     def describe_start(self) -> str:
         return f" from {self.cfg.init or 'scratch'}"

@@ -103,7 +103,7 @@ def test_timms_eval_transform_is_the_runs(mode):
     assert gap(1.0).mean() > 4 * d.mean()  # the tolerance would catch a wrong crop
 
 
-def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path):
+def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
     model = random_model(representation_size=64)
     config = {"model": {k: v for k, v in ARCH.items()} | {"representation_size": 64},
@@ -130,6 +130,18 @@ def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path):
     assert load_init(tuned, folder)["format"]
     with torch.no_grad():
         assert torch.equal(tuned.forward_features(x), model.forward_features(x))
+    # a fine-tune that keeps a pre-logits layer the folder does not have: said at the start
+    import logging
+
+    from finetune.config import FinetuneConfig
+    from finetune.stage import FinetuneStage
+    from pretrain.config_files import load_config
+    cfg = load_config(FinetuneConfig, None, [f"init={folder}", "model.representation_size=64",
+                                             *(f"model.{k}={v}" for k, v in ARCH.items())])
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        FinetuneStage(cfg).init_weights(create_model(cfg.model))
+    assert f"init '{folder}' has no pre-logits layer: model.representation_size=64 starts it " \
+        f"from random weights" in caplog.text
     (tmp_path / "ft").mkdir()
     (tmp_path / "ft" / "final.safetensors").write_bytes(b"")
     with pytest.raises(InitError, match=r"is a fine-tune's output folder; start from one of its "
