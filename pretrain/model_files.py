@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -104,7 +105,8 @@ def load_model(path) -> ModelFile:
 # The three kinds of MODEL
 # --------------------------------------------------------------------------------------------
 def _timm_folder(p: Path) -> ModelFile:
-    from pretrain.timm_folder import CONFIG, load_timm_folder, normalize_of, read_card
+    from pretrain.timm_folder import (CONFIG, EVAL_CROP_PCT, EVAL_INTERPOLATION,
+                                      load_timm_folder, normalize_of, read_card)
 
     try:
         config = json.loads((p / CONFIG).read_text())
@@ -116,10 +118,22 @@ def _timm_folder(p: Path) -> ModelFile:
         raise ModelFileError(
             f"MODEL '{p}': its pretrained_cfg mean/std ({pcfg.get('mean')}, {pcfg.get('std')}) "
             f"is neither of this project's normalisations; it was not written by vitscale")
+    # the evaluation runs this project's eval transform: another one would change the figure
+    crop, interpolation = pcfg.get("crop_pct", EVAL_CROP_PCT), pcfg.get("interpolation",
+                                                                         EVAL_INTERPOLATION)
+    if not math.isclose(float(crop), EVAL_CROP_PCT) or interpolation != EVAL_INTERPOLATION:
+        raise ModelFileError(
+            f"MODEL '{p}': its pretrained_cfg asks for crop_pct {crop} and {interpolation} "
+            f"resizing, not this project's eval transform (crop_pct {EVAL_CROP_PCT}, "
+            f"{EVAL_INTERPOLATION}); it was not written by vitscale")
     try:
         model = load_timm_folder(p)
     except Exception as e:  # noqa: BLE001 -- timm's own messages are long; say which folder
         raise ModelFileError(f"MODEL '{p}': timm cannot build it ({_first_line(e)})") from None
+    from timm.models.vision_transformer import VisionTransformer
+    if not isinstance(model, VisionTransformer):
+        raise ModelFileError(f"MODEL '{p}' is a {type(model).__name__}, not a timm "
+                             f"VisionTransformer; this project evaluates ViTs")
     source = (read_card(p).get("vitscale") or {}).get("source") or {}
     mf = ModelFile(model=model, kind="timm folder", path=p,
                    name=config.get("architecture") or type(model).__name__,

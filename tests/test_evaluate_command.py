@@ -252,6 +252,30 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     assert "10 classes but" in messages[3] and "has 5" in messages[3]
     assert "--overwrite" in messages[5] and "training run's output dir" in messages[6]
 
+    # timm folders from elsewhere: another eval transform, or no ViT at all
+    import shutil
+
+    import timm
+    from safetensors.torch import save_file
+    other = tmp_path / "other-crop"
+    shutil.copytree(ft.out / "final", other)
+    config = json.loads((other / "config.json").read_text())
+    config["pretrained_cfg"]["crop_pct"] = 0.9
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"asks for crop_pct 0.9 and bilinear resizing, not "
+                                          r"this project's eval transform"):
+        load_model(other)
+    cnn = tmp_path / "resnet"
+    cnn.mkdir()
+    resnet = timm.create_model("resnet10t", num_classes=10)
+    save_file(resnet.state_dict(), str(cnn / "model.safetensors"))
+    cfg = dict(resnet.pretrained_cfg, mean=config["pretrained_cfg"]["mean"],
+               std=config["pretrained_cfg"]["std"], crop_pct=0.875, interpolation="bilinear")
+    (cnn / "config.json").write_text(json.dumps({"architecture": "resnet10t", "num_classes": 10,
+                                                 "pretrained_cfg": cfg}))
+    with pytest.raises(ConfigError, match=r"is a ResNet, not a timm VisionTransformer"):
+        load_model(cnn)
+
 
 def test_an_unreachable_server_costs_one_warning_and_nothing_else(ft, tmp_path, caplog):
     from pretrain import evaluate_model, evaluation_report
