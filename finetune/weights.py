@@ -133,14 +133,19 @@ def _read_tensors(path: Path) -> tuple[dict, dict]:
     return tensors, {}
 
 
-def _run_id(meta: dict) -> Optional[str]:
-    """The run that wrote the file: export.py's header, or a fine-tune export's model card."""
-    if meta.get("tracking_run_id"):
-        return meta["tracking_run_id"]
+def _header(meta: dict, key: str):
+    """``key`` of a file's header: export.py's own field, or a fine-tune export's model card."""
+    if meta.get(key):
+        return meta[key]
     try:
-        return json.loads(meta.get("model_card") or "{}").get("tracking_run_id")
+        return json.loads(meta.get("model_card") or "{}").get(key)
     except (ValueError, AttributeError):
         return None
+
+
+def _run_id(meta: dict) -> Optional[str]:
+    """The run that wrote the file."""
+    return _header(meta, "tracking_run_id")
 
 
 def _from_file(path: Path) -> InitSource:
@@ -150,7 +155,7 @@ def _from_file(path: Path) -> InitSource:
     ours = ("backbone.", "pre_logits.", "head.")
     if all(k.startswith(ours) for k in tensors):
         fmt = "export" if meta.get("format") == FULL_FORMAT else "state_dict"
-        step = meta.get("step")
+        step = _header(meta, "step")
         return InitSource(fmt, str(path), tensors, int(step) if step else None,
                           _run_id(meta),
                           json.loads(meta["spec"]) if "spec" in meta else None,
@@ -161,7 +166,7 @@ def _from_file(path: Path) -> InitSource:
             state[k] = v
         else:
             state[BACKBONE_PREFIX + k] = v
-    step = meta.get("step")
+    step = _header(meta, "step")
     return InitSource("timm", str(path), state, int(step) if step else None,
                       _run_id(meta),
                       json.loads(meta["spec"]) if "spec" in meta else None)
@@ -269,11 +274,16 @@ def _from_npz(path: Path) -> InitSource:
     import zipfile
 
     try:
-        with np.load(path, allow_pickle=False) as w:  # object arrays would need pickle: refused
-            state, layout = google_npz_state(w, str(path))
+        w = np.load(path, allow_pickle=False)  # object arrays would need pickle: refused
+        if isinstance(w, np.lib.npyio.NpzFile):
+            with w:
+                state, layout = google_npz_state(w, str(path))
     except (ValueError, OSError, zipfile.BadZipFile) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InitError(f"init '{path}' is not a readable .npz ({first})") from None
+    if not isinstance(w, np.lib.npyio.NpzFile):
+        raise InitError(f"init '{path}' holds one array (a .npy file), not the .npz archive of "
+                        f"a Google checkpoint")
     return InitSource("npz", str(path), state, extra={"layout": layout})
 
 

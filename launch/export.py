@@ -11,8 +11,8 @@ CHECKPOINT_OR_OUTPUT_DIR is a pretraining output dir (its newest complete checkp
 one checkpoint dir (checkpoints/step_N/). The ZeRO shards (stages 0-3) are merged to fp32 with
 DeepSpeed's zero-to-fp32 utilities. The full file is what `finetune init=FILE` takes; the timm
 file loads with timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE),
-num_classes=0) (plus the architecture arguments printed below when the model is not a stock
-timm size).
+num_classes=0) (plus the architecture arguments this command prints once it has written the
+file, when the model is not a stock timm size).
 
 An --out that does not end in .safetensors is a folder (config.json, model.safetensors,
 README.md) that loads with nothing else: timm.create_model("local-dir:FOLDER", pretrained=True),
@@ -86,8 +86,9 @@ def main(argv=None) -> None:
         cli.fail(f"cannot write the export: {e}")
     s = c.spec
     params = sum(v.numel() for v in c.state_dict.values())
-    print(f"checkpoint {c.source} (step {c.step}, ZeRO-{c.zero_stage}, "
-          f"{c.world_size} ranks, tracking run {c.tracking_run_id or '-'})")
+    ranks = f"{c.world_size} ranks" if c.world_size else "ranks not recorded"
+    print(f"checkpoint {c.source} (step {c.step}, ZeRO-{c.zero_stage}, {ranks}, "
+          f"tracking run {c.tracking_run_id or '-'})")
     print(f"model {s.name}: {s.img_size}px, patch {s.patch_size}, width {s.embed_dim}, "
           f"depth {s.depth}, pre-logits {s.representation_size or '-'}, "
           f"{s.num_classes} classes, {params / 1e6:.2f} M parameters (fp32)")

@@ -427,6 +427,23 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
 
 
 @pytest.mark.faults
+def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_named(
+        pretrained, tmp_path):
+    from safetensors.torch import save_file
+
+    from finetune.weights import read_init
+    model = fresh(pretrained["cfg"].model)
+    path = tmp_path / "final.safetensors"  # as a fine-tune writes it: the card holds the step
+    save_file(model.state_dict(), str(path),
+              metadata={"model_card": json.dumps({"step": 700, "tracking_run_id": "r1"})})
+    src = read_init(path)
+    assert (src.step, src.pretrain_run_id) == (700, "r1")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+    with pytest.raises(InitError, match=r"holds one array \(a .npy file\), not the .npz archive"):
+        read_init(tmp_path / "one.npz")
+
+
 def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger):
     import shutil
 
