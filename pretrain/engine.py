@@ -380,10 +380,14 @@ class DeepSpeedBackend:
 
     def load_checkpoint(self, root: Path, ckpt) -> dict:
         from pretrain.pickle_screen import check_pickles_are_inert
-        tag = ckpt.tag if ckpt.world_size == self.world_size else ckpt.tag + "_universal"
+        universal = ckpt.world_size != self.world_size
+        tag = ckpt.tag + "_universal" if universal else ckpt.tag
         # DeepSpeed unpickles with weights_only=False: every file it may read is screened first,
         # a universal copy's zero/<param>/*.pt included
         check_pickles_are_inert(Path(root) / tag)
+        # DeepSpeed reads the universal layout whenever its config said so at the start; a
+        # rollback of a job that resumed on another world size loads its own, plain checkpoint
+        self.engine._config.load_universal_checkpoint = universal
         path, client = self.engine.load_checkpoint(str(root), tag=tag,
                                                    load_optimizer_states=True,
                                                    load_lr_scheduler_states=False)

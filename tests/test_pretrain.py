@@ -108,12 +108,19 @@ def test_resume_from_two_ranks_onto_one_skips_a_broken_checkpoint_and_loses_no_s
     lost = sorted((out / "checkpoints/step_00000008").glob("*rank_1_*"))[0]
     lost.unlink()  # one rank's shard of the newest checkpoint never made it to storage
 
-    proc = run_deepspeed(1, *tiny_run_args(out, tiny_data, "train.total_steps=20", *common))
+    # forward passes 1-4 are steps 5-8 (a checkpoint of this world size at 8), 5-7 give NaN
+    # losses: the rollback loads step 8, a plain checkpoint, in a job that resumed from a
+    # universal one (DeepSpeed kept reading the universal layout and raised)
+    proc = run_deepspeed(1, *tiny_run_args(out, tiny_data, "train.total_steps=20",
+                                           "train.nonfinite_limit=3", *common),
+                         script=REPO / "tests" / "faulty_launch.py",
+                         env={"FAULTS": json.dumps({"nan": [5, 6, 7]})})
     text = proc.stdout + proc.stderr
     assert f"skipping checkpoint {out}/checkpoints/step_00000008: file {lost.name} is missing" \
         in text
     assert f"resumed from {out}/checkpoints/step_00000004 at step 4" in text
     assert "different layout" in text  # the loader says how it re-dealt the epoch
+    assert f"rolled back to {out}/checkpoints/step_00000008" in text
     assert sorted(losses(out)) == list(range(1, 21))
     seen = keys(out, 0) + keys(out, 1)
     assert _all_keys(tiny_data) <= set(seen)  # every sample of epoch 0 was trained on
