@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import Failed, iterate_workers, new_batch_images, raise_failed
+from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
+                                          seed_generator)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
@@ -191,6 +192,7 @@ class TrainLoader:
                                 self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                             pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
+                            generator=seed_generator(),
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:

@@ -27,6 +27,14 @@ def raise_failed(item) -> None:
         raise LoaderError(item.message)
 
 
+def seed_generator() -> torch.Generator:
+    """Where a DataLoader draws its workers' base seed from (unused: every sample's draws come
+    from its own seeded rng). Without one it takes a draw from torch's global generator each
+    time an iterator is made, so a resumed run's dropout and stochastic-depth masks were one
+    draw off an uninterrupted run's on the CPU."""
+    return torch.Generator().manual_seed(0)
+
+
 # Workers ignore SIGTERM, but SIGTERM is how torch ends a worker it could not join and how
 # multiprocessing ends daemon children at exit -- and at exit it then joins them, forever, when
 # the iterator was not freed before (a reference cycle is enough). So the loaders end their
