@@ -184,7 +184,8 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
         dry_run(args, cfg)
     else:
         from pretrain.distributed import leave
-        from pretrain.stopping import EXIT_STOPPED, StoppedBySignal
+        from pretrain.stopping import EXIT_STOPPED, StoppedBySignal, unignore_stop_signals
+        unignore_stop_signals(cfg.checkpoint.stop_signals)
         try:
             run(cfg)
         except user_errors() as e:

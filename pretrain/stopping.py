@@ -67,6 +67,18 @@ def ignore_stop_signals(*_) -> None:
         pass
 
 
+def unignore_stop_signals(names: Sequence[str]) -> None:
+    """Give an inherited "ignore" of the stop signals back its default. A batch script's
+    ``trap '' USR1 TERM`` (launch/slurm_job.sh: the shell must live on to requeue) passes through
+    exec to the launcher and the ranks, so a stop signal in a rank's start-up, before
+    :class:`StopSignals` notes them, vanished and the job trained on to the hard limit; with
+    the default it ends the rank at once, and the job is requeued."""
+    for name in names:
+        sig = getattr(signal, name)
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
 class StoppedBySignal(Exception):
     """The ranks stopped together on a signal after writing a complete checkpoint."""
 

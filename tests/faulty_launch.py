@@ -11,12 +11,15 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        inside a loss would), counted with "nan"'s passes
   "slow_save":    seconds              every file of every checkpoint takes this much longer to
                                        write; while one is written, OUTPUT_DIR/saving names it
+  "slow_start":   seconds              the start-up (pretraining's engine build) takes this much
+                                       longer; meanwhile OUTPUT_DIR/starting exists
 """
 import json
 import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,7 +66,6 @@ for key in ("kill_in_save", "write_error"):
         torch.save = _save
 
 if "slow_save" in FAULTS:
-    import time
     _torch_save = torch.save
 
     def _slow_save(obj, f, *args, **kwargs):
@@ -77,6 +79,16 @@ if "slow_save" in FAULTS:
                 marker.unlink(missing_ok=True)
         return _torch_save(obj, f, *args, **kwargs)
     torch.save = _slow_save
+
+if "slow_start" in FAULTS:
+    _build_optimizer = eng_lib.build_optimizer
+
+    def _slow_build_optimizer(*args, **kwargs):
+        out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir="))
+        Path(out, "starting").write_text("")
+        time.sleep(FAULTS["slow_start"])
+        return _build_optimizer(*args, **kwargs)
+    eng_lib.build_optimizer = _slow_build_optimizer
 
 if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]

@@ -35,7 +35,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from conftest import REPO, deepspeed_cmd, run_deepspeed, tiny_run_args
+from conftest import REPO, deepspeed_cmd, run_deepspeed, tiny_run_args, wait_until
 from pretrain.checkpoint import CheckpointStore
 from pretrain.metrics import read_jsonl
 
@@ -764,6 +764,29 @@ def check_stop_and_resume(out, text, relaunch, reference, evals=("eval/demo_val/
     run = mlflow_run(out)
     assert run.info.status == "FINISHED" and run.data.tags["stop.count"] == "1"
     return samples_lost, metrics_lost + mlflow_steps_lost(out)
+
+
+def test_a_stop_signal_in_start_up_ends_a_rank_that_inherited_it_ignored(tmp_path, tiny_data):
+    """slurm_job.sh's shell ignores USR1 and TERM (it must live on to requeue), and exec passes
+    an ignored signal on: a USR1 in the ranks' start-up vanished and the job trained on to its
+    hard limit. Now it ends the rank at once, as the signal's default does."""
+    out = tmp_path / "run"
+    out.mkdir()
+
+    def ignore_usr1():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    proc = subprocess.Popen(
+        [sys.executable, str(FAULTY), *run_args(out, tiny_data)], cwd=REPO,
+        env={**os.environ, "FAULTS": json.dumps({"slow_start": 20})}, preexec_fn=ignore_usr1,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (out / "starting").exists(), proc, "the start-up")
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=15) == -signal.SIGUSR1  # not trained on after the 20 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
 
 
 @pytest.fixture(scope="module")
