@@ -119,13 +119,17 @@ def _timm_folder(p: Path) -> ModelFile:
             f"MODEL '{p}': its pretrained_cfg mean/std ({pcfg.get('mean')}, {pcfg.get('std')}) "
             f"is neither of this project's normalisations; it was not written by vitscale")
     # the evaluation runs this project's eval transform: another one would change the figure
-    crop, interpolation = pcfg.get("crop_pct", EVAL_CROP_PCT), pcfg.get("interpolation",
-                                                                         EVAL_INTERPOLATION)
-    if not math.isclose(float(crop), EVAL_CROP_PCT) or interpolation != EVAL_INTERPOLATION:
+    # (timm's defaults where the file leaves a value out or null)
+    crop = pcfg.get("crop_pct") or EVAL_CROP_PCT
+    interpolation = pcfg.get("interpolation") or EVAL_INTERPOLATION
+    mode = pcfg.get("crop_mode") or "center"
+    if not (isinstance(crop, (int, float)) and math.isclose(crop, EVAL_CROP_PCT)) \
+            or interpolation != EVAL_INTERPOLATION or mode != "center":
         raise ModelFileError(
-            f"MODEL '{p}': its pretrained_cfg asks for crop_pct {crop} and {interpolation} "
-            f"resizing, not this project's eval transform (crop_pct {EVAL_CROP_PCT}, "
-            f"{EVAL_INTERPOLATION}); it was not written by vitscale")
+            f"MODEL '{p}': its pretrained_cfg asks for crop_pct {crop}, {interpolation} "
+            f"resizing and a {mode} crop, not this project's eval transform (crop_pct "
+            f"{EVAL_CROP_PCT}, {EVAL_INTERPOLATION}, center); it was not written by vitscale: "
+            f"evaluate it with timm's own pipeline")
     try:
         model = load_timm_folder(p)
     except Exception as e:  # noqa: BLE001 -- timm's own messages are long; say which folder

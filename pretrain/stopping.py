@@ -72,11 +72,14 @@ def unignore_stop_signals(names: Sequence[str]) -> None:
     ``trap '' USR1 TERM`` (launch/slurm_job.sh: the shell must live on to requeue) passes through
     exec to the launcher and the ranks, so a stop signal in a rank's start-up, before
     :class:`StopSignals` notes them, vanished and the job trained on to the hard limit; with
-    the default it ends the rank at once, and the job is requeued."""
+    the default it ends the rank at once, and the job is requeued. SIGINT gets Python's own
+    default (KeyboardInterrupt: the run's ``finally`` clauses still run); SIGHUP stays ignored
+    where it was, as ``nohup`` asks."""
     for name in names:
         sig = getattr(signal, name)
-        if signal.getsignal(sig) == signal.SIG_IGN:
-            signal.signal(sig, signal.SIG_DFL)
+        if sig != signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
 
 
 class StoppedBySignal(Exception):

@@ -262,8 +262,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["pretrained_cfg"]["crop_pct"] = 0.9
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"asks for crop_pct 0.9 and bilinear resizing, not "
-                                          r"this project's eval transform"):
+    with pytest.raises(ConfigError, match=r"asks for crop_pct 0.9, bilinear resizing and a "
+                                          r"center crop, not this project's eval transform"):
         load_model(other)
     cnn = tmp_path / "resnet"
     cnn.mkdir()

@@ -217,7 +217,8 @@ def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, 
         info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"),
                        progress=False)
     assert info.classes == ["cat", "dog", "fox"]  # the label of an empty class is kept
-    assert "left out 2 files that are not images (by extension: .txt 1, .jpg 1" in caplog.text
+    assert "left out 2 files that are not images (by extension: .jpg 1, .txt 1; e.g. " \
+        "cat/gone.jpg)" in caplog.text
     assert "1 class folders hold no images (fox)" in caplog.text
     widths["dog/c.bmp"] = 20  # a BMP is read and stored as JPEG
     assert_shards_hold(tmp_path / "out", widths, {"train": {

@@ -219,14 +219,15 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
     done = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
     assert done.returncode == 0, done.stderr[-2000:]
     listed = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
-    assert {o["Key"] for o in listed} == {f"pets/{f.name}" for f in (tmp_path / "stage").iterdir()
-                                          if not f.name.startswith(".")}
+    files = [f.name for f in (tmp_path / "stage").iterdir() if not f.name.startswith(".")]
+    # and the id of the stage folder that uploaded there last
+    assert {o["Key"] for o in listed} == {f"pets/{name}" for name in files + ["_stage_id"]}
     assert_pets("s3://datasets/pets")
     # a rerun finds the work done: nothing prepared again, nothing uploaded again
     again = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "already complete; nothing to do" in again.stderr
-    assert f"uploaded 0 of {len(listed)} files" in again.stderr
+    assert f"uploaded 0 of {len(files)} files" in again.stderr
     relisted = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
     assert ({o["Key"]: o["LastModified"] for o in relisted}
             == {o["Key"]: o["LastModified"] for o in listed})
@@ -238,12 +239,21 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
     edited = [a if a != str(tmp_path / "stage") else str(tmp_path / "stage2") for a in args]
     done = run_launcher("prepare_data.py", *edited, "--out", "s3://datasets/pets")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"uploaded {len(listed)} of {len(listed)} files" in done.stderr
+    assert f"uploaded {len(files)} of {len(files)} files" in done.stderr
     from pretrain.data.eval_loader import EvalLoader
     loader = EvalLoader(ShardSet.from_info("s3://datasets/pets", "train"), img_size=16,
                         batch_size=4, num_classes=2)
     got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
     assert ("dog/0009", 1) in got and not any(k == "cat/0001" for k, _ in got)
+    # the first stage folder again (its own log says it sent everything, unchanged since):
+    # the prefix holds the other folder's files now, so every file is sent again
+    back = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
+    assert back.returncode == 0 and f"uploaded {len(files)} of {len(files)} files" in \
+        back.stderr, back.stderr[-2000:]
+    loader = EvalLoader(ShardSet.from_info("s3://datasets/pets", "train"), img_size=16,
+                        batch_size=4, num_classes=2)
+    got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
+    assert ("cat/0001", 0) in got and not any(k == "dog/0009" for k, _ in got)
 
 
 def pets(tmp_path) -> list:
@@ -311,6 +321,7 @@ def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_one
     assert done.returncode == 0, done.stderr[-2000:]
     fs = gcsfs.GCSFileSystem(token="anon")
     listed = {p.rsplit("/", 1)[1]: fs.size(p) for p in fs.ls("datasets/pets")}
+    assert listed.pop("_stage_id") == 32  # the id of the stage folder that uploaded last
     assert listed == {f.name: f.stat().st_size for f in (tmp_path / "stage").iterdir()
                       if not f.name.startswith(".")}
     assert_pets("gs://datasets/pets")

@@ -426,7 +426,6 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
         load_init(narrower, pretrained["timm"])
 
 
-@pytest.mark.faults
 def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_named(
         pretrained, tmp_path):
     from safetensors.torch import save_file
@@ -444,6 +443,7 @@ def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_na
         read_init(tmp_path / "one.npz")
 
 
+@pytest.mark.faults
 def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger):
     import shutil
 

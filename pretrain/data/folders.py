@@ -77,13 +77,13 @@ class ImageFolder(Source):
             raise PrepareError(f"--src {root} is not a folder; point it at the dataset root")
         found = {split: next((root / n for n in names if (root / n).is_dir()), None)
                  for split, names in SPLIT_FOLDERS.items()}
+        if found["train"] is None or (found["validation"] is None and found["test"] is None):
+            return {"train": root}
         if found["test"] is not None and not _subfolders(found["test"]):
             # ImageNet's and Kaggle's test images come without labels, loose in one folder
             log.warning("left out %s: no class folders in it (unlabelled test images)",
                         found["test"])
             found["test"] = None
-        if found["train"] is None or (found["validation"] is None and found["test"] is None):
-            return {"train": root}
         dirs = {split: folder for split, folder in found.items() if folder is not None}
         others = [p.name for p in _subfolders(root)
                   if p not in dirs.values() and p != root / "test"]
@@ -115,11 +115,13 @@ class ImageFolder(Source):
         for split, root in self.split_dirs.items():
             yield from self._folder_split(split, root)
         if self.not_images:
-            kinds = Counter(os.path.splitext(n)[1].lower() or "(none)" for n in self.not_images)
+            found = sorted(self.not_images)  # not the file system's listing order
+            kinds = Counter(os.path.splitext(n)[1].lower() or "(none)" for n in found)
             log.warning("left out %d files that are not images (by extension: %s; e.g. %s); "
-                        "images are %s", len(self.not_images),
-                        ", ".join(f"{k} {n}" for k, n in kinds.most_common()),
-                        self.not_images[0], " ".join(IMAGE_EXTENSIONS))
+                        "images are %s", len(found),
+                        ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(),
+                                                                key=lambda kn: (-kn[1], kn[0]))),
+                        found[0], " ".join(IMAGE_EXTENSIONS))
         if self.empty_classes:
             log.warning("%d class folders hold no images (%s): their labels are kept, with no "
                         "samples", len(self.empty_classes), ", ".join(self.empty_classes[:10]))

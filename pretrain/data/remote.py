@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 RETRY_HTTP = {408, 425, 429, 500, 502, 503, 504}
 
 
+_JITTER = random.SystemRandom()
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How hard to try (``data.read_attempts``, ``data.retry_backoff_s``)."""
@@ -48,8 +51,10 @@ class RetryPolicy:
     timeout_s: float = 120.0  # a connection or read silent this long has failed
 
     def wait(self, failures: int) -> float:
+        # jitter: ranks that failed together do not retry together (from the OS: every rank's
+        # loader workers start with the same seeds)
         return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1)) * \
-            random.uniform(0.5, 1.0)  # jitter: ranks that failed together do not retry together
+            _JITTER.uniform(0.5, 1.0)
 
 
 def retry_policy(data) -> RetryPolicy:
@@ -373,6 +378,30 @@ def remote_size(location: str) -> Optional[int]:
 
 # In the stage folder: each file this folder sent, where to, and the size and mtime it had.
 UPLOAD_LOG = ".uploaded.jsonl"
+# The stage folder's own id (local, hidden), and the copy of it under the prefix that says
+# which stage folder uploaded there last: only then is this folder's log about what is there.
+STAGE_ID, PREFIX_STAGE_ID = ".stage_id", "_stage_id"
+
+
+def _last_stage_here(folder: str, location: str, policy: RetryPolicy) -> tuple:
+    """(this stage folder's id file, whether it is the one that uploaded to ``location``
+    last). Another stage folder's upload in between (an edited source) may have replaced
+    files with others of the same size, which this folder's log knows nothing of."""
+    import uuid
+    mine = os.path.join(folder, STAGE_ID)
+    if not os.path.isfile(mine):
+        with open(mine, "w") as f:
+            f.write(uuid.uuid4().hex)
+    if location.startswith("pipe:"):  # nothing can be read back: everything is sent anyway
+        return mine, False
+    try:
+        quick = RetryPolicy(attempts=min(2, policy.attempts), backoff_s=policy.backoff_s,
+                            timeout_s=policy.timeout_s)  # a failed read only costs a re-upload
+        there = read_bytes(location.rstrip("/") + "/" + PREFIX_STAGE_ID, quick).decode()
+    except (OSError, UnicodeDecodeError):  # not there (a first upload), or not readable
+        there = None
+    with open(mine) as f:
+        return mine, there == f.read()
 
 
 def _sent_before(folder: str, location: str) -> dict:
@@ -397,15 +426,18 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     """Upload the files of ``folder`` (not its hidden work folders) under the prefix
     ``location``, the file named ``last`` (the info file) after all others, so a reader never
     finds it before the shards it lists. A file this folder already sent there, unchanged
-    since, and still there with its size, is not sent again, so a rerun resumes; one from
-    anywhere else is replaced: an object of the same size may hold other samples (a
-    preparation of an edited source, from another stage folder). Returns the number of files
-    uploaded."""
+    since, and still there with its size, is not sent again, so a rerun resumes -- as long as
+    no other stage folder uploaded there since (``_stage_id`` under the prefix says which did
+    last); anything else is replaced: an object of the same size may hold other samples (a
+    preparation of an edited source). Returns the number of files uploaded."""
     import json
     names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
                    and os.path.isfile(os.path.join(folder, n)))
     names.sort(key=lambda n: n == last)
-    sent_before = _sent_before(folder, location)
+    stage_id, last_here = _last_stage_here(folder, location, policy)
+    sent_before = _sent_before(folder, location) if last_here else {}
+    if not last_here:  # said first: a stage folder that uploads here later replaces it
+        upload(stage_id, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
     sent = 0
     with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
         for i, name in enumerate(names, 1):

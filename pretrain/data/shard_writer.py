@@ -152,12 +152,11 @@ def _shorter_side_to(width: int, height: int, target: int) -> Tuple[int, int]:
 
 def _as_rgb(img: Image.Image) -> Image.Image:
     if img.mode.startswith("I;16") or img.mode == "I":
-        # 16-bit grayscale (PNG, TIFF): PIL's convert clips it at 255, so almost every pixel
-        # came out white; keep its top 8 bits instead
-        pixels = np.asarray(img, dtype=np.uint32)
-        if pixels.max(initial=0) > 255:
-            pixels = pixels >> 8
-        img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8), mode="L")
+        # 16-bit grayscale (PNG, TIFF; 32-bit "I" read as 16-bit): PIL's convert clips it at
+        # 255, so almost every pixel came out white; keep its top 8 bits, whatever the image
+        # holds (a per-image rescale would make one tone differ from image to image)
+        pixels = np.asarray(img, dtype=np.int64).clip(0, 65535) >> 8
+        img = Image.fromarray(pixels.astype(np.uint8), mode="L")
     if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
