@@ -15,7 +15,8 @@ import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
-from pretrain.data.remote import is_remote, publish
+from pretrain.data.publish import publish
+from pretrain.data.remote import is_remote
 from pretrain.data.shard_writer import DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, prepare
 from pretrain.data.sources import SOURCES, PrepareError
 
