@@ -391,8 +391,9 @@ class RunConfig(Section):
             raise ValueError(f"schedule.min_lr={self.schedule.min_lr:g} is above optimizer.lr="
                              f"{self.optimizer.lr:g}: the learning rate would rise after the "
                              f"warmup; lower schedule.min_lr")
+        from pretrain.data.info import is_url
         root = self.data.root or ""
-        if self.data.generate_demo and ("://" in root or root.startswith("pipe:")):
+        if self.data.generate_demo and is_url(root):
             # the demo writes a local folder: it would land in ./s3:/bucket/... and train on
             # the remote data anyway
             raise ValueError(f"data.generate_demo writes the demo data to a local folder, but "

@@ -317,16 +317,13 @@ def timm_kwargs(spec: ViTSpec) -> dict:
     always pools the class token; a name whose default pools the average (``*_gap_*``) needs
     that said, or timm builds another model (no class token, another final norm) and loads
     the weights partly, with a log line only."""
-    import timm
-
-    from pretrain.model import ARCH_FIELDS, _timm_arch
+    from pretrain.model import ARCH_FIELDS, _timm_arch, timm_stock
 
     base = dict(zip(ARCH_FIELDS, _timm_arch(spec.name)[:-1]))
     out = {k: getattr(spec, k) for k in ARCH_FIELDS if getattr(spec, k) != base[k]}
     if "mlp_ratio" in out and math.isclose(out["mlp_ratio"], base["mlp_ratio"]):
         del out["mlp_ratio"]
-    with torch.device("meta"):
-        stock = timm.create_model(spec.name, pretrained=False, num_classes=0)
+    stock = timm_stock(spec.name)
     if stock.cls_token is None:
         out["class_token"] = True
     if stock.global_pool != "token":

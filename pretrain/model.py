@@ -70,8 +70,10 @@ class ViTSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _timm_arch(name: str) -> tuple:
-    """The architecture timm registers under ``name``, read off a meta-device build."""
+@functools.lru_cache(maxsize=None)
+def timm_stock(name: str) -> nn.Module:
+    """The model timm registers under ``name``, built on the meta device (nothing allocated;
+    built once per name: the spec, the plan and the export all ask)."""
     import timm
     from timm.models.vision_transformer import VisionTransformer
 
@@ -84,6 +86,12 @@ def _timm_arch(name: str) -> tuple:
     if not isinstance(vit, VisionTransformer):
         raise ConfigError(f"config key 'model.name': '{name}' is a {type(vit).__name__}, "
                           f"not a timm VisionTransformer; pick a vit_* model")
+    return vit
+
+
+def _timm_arch(name: str) -> tuple:
+    """The architecture timm registers under ``name``."""
+    vit = timm_stock(name)
     block = vit.blocks[0]
     return (vit.patch_embed.img_size[0], vit.patch_embed.patch_size[0], vit.embed_dim,
             len(vit.blocks), block.attn.num_heads, block.mlp.fc1.out_features / vit.embed_dim,

@@ -88,15 +88,15 @@ class DatasetInfo:
         return out
 
 
-def _is_url(root: str) -> bool:
+def is_url(root: str) -> bool:
     return "://" in root or root.startswith("pipe:")
 
 
 def join(root: str, filename: str) -> str:
     """A shard's location: a path under a directory, or the same suffix under a URL prefix."""
-    if _is_url(filename) or os.path.isabs(filename):
+    if is_url(filename) or os.path.isabs(filename):
         return filename
-    return root.rstrip("/") + "/" + filename if _is_url(root) else os.path.join(root, filename)
+    return root.rstrip("/") + "/" + filename if is_url(root) else os.path.join(root, filename)
 
 
 def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
@@ -107,7 +107,7 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     raw = loc = None
     for name in INFO_NAMES:
         loc = join(root, name)
-        if _is_url(root):
+        if is_url(root):
             try:
                 raw = read_bytes(loc, retry or RetryPolicy())
                 break

@@ -24,7 +24,6 @@ import io
 import logging
 import math
 import random
-import re
 from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -327,21 +326,18 @@ def _build_randaugment(spec: str, size: int):
     from timm.data.auto_augment import rand_augment_transform
     # The hyper-parameters timm's own transform factory passes for ImageNet-sized inputs.
     hparams = dict(translate_const=int(size * 0.45), img_mean=(124, 116, 104))
-    # timm caps the magnitude at 10 unless told otherwise (-mmax); the TF RandAugment of the ViT
-    # and AugReg papers applies 15 or 20 as given, stronger than 10
-    magnitude = re.search(r"-m(\d+)(?=-|$)", spec)
-    if magnitude and int(magnitude.group(1)) > 10 and "-mmax" not in spec:
-        # with -mstd, room above for the draws' upper tail (their mean stays the magnitude);
-        # above 100 timm draws uniformly below the magnitude
-        std = re.search(r"-mstd(\d+(?:\.\d+)?)", spec)
-        std = float(std.group(1)) if std else 0.0
-        hparams["magnitude_max"] = int(magnitude.group(1)) + (3 * std if std <= 100 else 0)
     try:
         augment = rand_augment_transform(spec, hparams)
     except Exception as e:  # noqa: BLE001 -- timm raises assorted errors for bad strings
         raise ConfigError(f"data.randaugment='{spec}' is not a timm RandAugment string "
                          f"({e}); use e.g. 'rand-m15-n2'") from None
-    for op in augment.ops:
+    for op in augment.ops:  # the settings as timm parsed them from the string
+        if op.magnitude_max is None and op.magnitude > 10:
+            # timm caps the magnitude at 10 unless told otherwise (-mmax); the TF RandAugment
+            # of the ViT and AugReg papers applies 15 or 20 as given. With -mstd, room above
+            # for the draws' upper tail (timm's uniform draw, mstd > 100, stays below it)
+            std = op.magnitude_std if math.isfinite(op.magnitude_std) else 0.0
+            op.magnitude_max = op.magnitude + 3 * std
         if op.name == "PosterizeIncreasing":
             # -inc1's Posterize keeps 4 - int(0.4 x magnitude) bits: none from magnitude 10 up,
             # which PIL refuses (DeiT's rand-m9-mstd0.5-inc1 draws 10 now and then, and the
