@@ -190,6 +190,7 @@ def test_a_misspelled_section_suggests_the_key_under_the_closest_section(overrid
 def _undocumented_options(help_text: str) -> list[str]:
     """The arguments listed in an argparse --help without a help text of their own."""
     missing, lines, listing = [], help_text.splitlines(), False
+    assert "options:" in lines, help_text  # else nothing below would be read
     for i, line in enumerate(lines):
         if not line.startswith(" "):  # a section header, or the blank line ending one
             listing = line in ("options:", "positional arguments:")

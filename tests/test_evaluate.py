@@ -106,6 +106,7 @@ def test_fewshot_probe_separates_classes_that_differ_in_colour():
 def test_fewshot_probe_is_at_chance_on_random_labels():
     model = tiny_vit(representation_size=32)
     result = fewshot(*fewshot_data(random_labels=True)).run(model, step=0)
+    assert set(result) == {"1shot", "5shot", "10shot", "25shot"}
     assert all(acc < 0.5 for acc in result.values()), result  # chance is 0.25
 
 

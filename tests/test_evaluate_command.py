@@ -231,6 +231,9 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     five.mkdir()
     write_info(five, DatasetInfo("five", {"test": SplitInfo("test", 1, ["x.tar"], [1])},
                                  classes=[f"c{i}" for i in range(5)]))
+    held = tmp_path / "held"  # an earlier evaluation's figure file, not to be overwritten
+    held.mkdir()
+    (held / "metrics.json").write_text("{}")
     mf = load_model(ft.out / "final")
     cases = [
         lambda: load_model(tmp_path / "notes.txt"),  # none of the three
@@ -238,7 +241,7 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluate_model.evaluate(mf, str(ft.data), "validation"),  # no such split
         lambda: evaluate_model.evaluate(mf, str(five), "test"),  # 5 classes, not 10
         lambda: evaluate_model.evaluate(mf, str(tmp_path / "nowhere"), "test"),
-        lambda: evaluation_report.output_dir("m", "test", str(ft.base / "eval-final"), False),
+        lambda: evaluation_report.output_dir("m", "test", str(held), False),
         lambda: evaluation_report.output_dir("m", "test", str(ft.out), True),  # the run's own
     ]
     messages = []
