@@ -5,8 +5,9 @@ tracker and ``launch/upload_spool.py`` share.
 find the MLflow run later), ``spool.jsonl`` (every metric record, appended by the training
 thread), ``delivered`` (the spool's byte offset up to which everything reached MLflow),
 ``artifacts/`` (files waiting for upload) and ``lock``. :class:`Remote` is one run's connection:
-it creates or re-attaches the run, sends records (one value per step) and artifacts, and ends
-the run with its end tags. See :mod:`pretrain.tracking` for how a job uses them.
+it creates or re-attaches the run, sends records (one value per step, except the steps a
+rollback trains again: a ``"rewind"`` record lets those through once more) and artifacts, and
+ends the run with its end tags. See :mod:`pretrain.tracking` for how a job uses them.
 """
 from __future__ import annotations
 
@@ -263,6 +264,8 @@ class Remote:
         while records:
             batch, metrics, last = [], [], dict(self.last_step)
             for rec, end in records:
+                if rec.get("rewind"):  # a rollback: the steps after rec["step"] are new values
+                    last = {k: min(s, int(rec["step"])) for k, s in last.items()}
                 new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
                        for k, v in rec["metrics"].items()
                        if rec["step"] > last.get(k, -1 << 62)]

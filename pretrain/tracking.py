@@ -28,6 +28,10 @@ How it stays out of the way (:class:`MlflowTracker`):
   MLflow already holds. MLflow keeps every value logged at a step (``get_metric_history``
   returns duplicates), so this filter is what keeps one value per step: steps the killed job
   delivered after its last checkpoint keep the killed job's values (identical on an exact resume).
+- Rolled back (non-finite losses): the steps after the checkpoint are trained again on other
+  batches, so their new values are sent too (``rewind(step)``): MLflow holds both, the later
+  one is the metric's latest value, and the chart shows the discarded stretch and the retrained
+  one, as ``metrics.jsonl`` does.
 - Stopped by a signal: the trainer ends the run KILLED with ``stop.*`` tags
   (``close("KILLED", tags=...)``); ``stop.count`` counts the stops. The relaunch re-opens the same
   run (RUNNING again), which ends FINISHED: one run in the UI, the stops in its tags.
@@ -37,7 +41,8 @@ How it stays out of the way (:class:`MlflowTracker`):
 - The experiment is tagged ``mlflow.experimentKind=custom_model_development``: MLflow 3's UI then
   opens it on its runs, not on the GenAI traces view.
 
-Spool line: ``{"step": 12, "time": <unix ms>, "metrics": {"train/loss": 2.1, ...}}``.
+Spool line: ``{"step": 12, "time": <unix ms>, "metrics": {"train/loss": 2.1, ...}}``; a
+rollback to step 10 adds ``{"step": 10, "time": ..., "metrics": {}, "rewind": true}``.
 """
 from __future__ import annotations
 
@@ -79,6 +84,9 @@ class NoTracking:
         return None
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
         pass
 
     def log_artifact_bytes(self, name: str, data: bytes) -> None:
@@ -168,15 +176,23 @@ class MlflowTracker:
     # -- training thread -------------------------------------------------------------------
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         t0 = time.perf_counter()
-        rec = {"step": int(step), "time": int(time.time() * 1000),
-               "metrics": {k: float(v.item() if hasattr(v, "item") else v)
-                           for k, v in metrics.items()}}
+        self._record({"step": int(step), "time": int(time.time() * 1000),
+                      "metrics": {k: float(v.item() if hasattr(v, "item") else v)
+                                  for k, v in metrics.items()}})
+        self.log_calls += 1
+        self.seconds_in_log += time.perf_counter() - t0
+
+    def rewind(self, step: int) -> None:
+        """The run rolled back to checkpoint ``step``: what it logs for later steps is sent
+        again, though MLflow already holds values for them (those of the discarded steps)."""
+        self._record({"step": int(step), "time": int(time.time() * 1000), "metrics": {},
+                      "rewind": True})
+
+    def _record(self, rec: dict) -> None:
         # in the OS's hands at once: survives a SIGKILL of this process. Queued whether or not
         # it made it to disk: the thread sends it either way
         end = self._spool.append((json.dumps(rec) + "\n").encode())
         self._pending.append((rec, end))
-        self.log_calls += 1
-        self.seconds_in_log += time.perf_counter() - t0
 
     def log_artifact_bytes(self, name: str, data: bytes) -> None:
         """Queue a file for the run's artifacts (uploaded by the thread). On a full disk it is

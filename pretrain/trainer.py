@@ -200,6 +200,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     def rollback() -> None:
         nonlocal step, window
         step = roll_back(store, backend, guard, step)
+        tracker.rewind(step)  # MLflow takes the retrained steps' values too
         scheduler.step_update(step)
         loss_sum.zero_()  # the rolled-back steps' losses are not this window's
         window = 0

@@ -630,6 +630,19 @@ def test_a_finetune_skips_nan_batches_rolls_back_then_stops_like_pretraining(
     assert last_values(out, "train/rollbacks")[5] == 1
     assert all(map(math.isfinite, last_values(out).values()))
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [3]
+    # MLflow has the retrained step 4 (other batches, another loss) next to the discarded one,
+    # and takes it as the latest value, as metrics.jsonl does; steps trained once: one value
+    from pretrain.spool import RunState
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run_id = RunState.load(out / "tracking").run_id
+    history = sorted(client.get_metric_history(run_id, "train/loss"),
+                     key=lambda m: (m.step, m.timestamp))
+    assert [m.step for m in history] == [1, 2, 3, 4, 4, 5]
+    jsonl = [r["train/loss"] for r in read_jsonl(out / "metrics.jsonl") if r["step"] == 4]
+    assert [m.value for m in history[3:5]] == pytest.approx(jsonl) and jsonl[0] != jsonl[1]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["train/rollbacks"] == 1 and metrics["train/loss"] == pytest.approx(
+        last_values(out)[5])
     fault_ledger.record(7, 0)  # skipped, rolled back, then stopped: not finished
 
 
