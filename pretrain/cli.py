@@ -20,7 +20,8 @@ def user_errors() -> tuple:
     from pretrain.data.info import DatasetInfoError
     from pretrain.data.shards import LoaderError
     from pretrain.data.sources import PrepareError
-    return ConfigError, DatasetInfoError, LoaderError, PrepareError
+    from pretrain.spool import TrackingError  # e.g. the tracking dir held by upload_spool.py
+    return ConfigError, DatasetInfoError, LoaderError, PrepareError, TrackingError
 
 
 def stop_errors() -> tuple:

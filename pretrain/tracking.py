@@ -107,7 +107,7 @@ class MlflowTracker:
 
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
                  system_metrics: bool = True, flush_every_s: float = 2.0,
-                 close_timeout_s: float = 120.0):
+                 close_timeout_s: float = 120.0, abandoned: Optional[RunState] = None):
         self.dir = Path(track_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock(self.dir)
@@ -121,6 +121,7 @@ class MlflowTracker:
         self._held: dict[str, bytes] = {}
         self._held_lock = threading.Lock()
         self.state = state
+        self._abandoned = abandoned  # an earlier run here whose job died: ended FAILED by us
         self._remote = Remote(self.dir, state, on_write_error=self._write_failed)
         state.ended = None
         self._remote.save_state()
@@ -346,10 +347,34 @@ class MlflowTracker:
         r.send(self._outbox)
         r.upload_artifacts()
         r.register_models()
+        if self._abandoned is not None:
+            self._end_abandoned()
         monitor = self._monitor
         if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
                 monitor._process is not None and monitor._process.is_alive()):
             self._start_system_metrics()  # it stopped during an outage
+
+    def _end_abandoned(self) -> None:
+        """End the earlier run of this output_dir FAILED, with why and which run replaced it:
+        its job died without ending it (SIGKILL, the OOM killer, a node lost) before its first
+        checkpoint, so this relaunch is a new run. Left alone it would show RUNNING forever."""
+        from mlflow import MlflowClient
+        from mlflow.entities import RunTag
+        old = self._abandoned
+        client = self._remote.client if old.uri == self.state.uri else MlflowClient(old.uri)
+        try:
+            if client.get_run(old.run_id).info.status == "RUNNING":
+                tags = {**old.end_tags, "stop.superseded_by": self.state.run_id}
+                client.log_batch(old.run_id, tags=[RunTag(k, str(v))
+                                                   for k, v in sorted(tags.items())])
+                client.set_terminated(old.run_id, "FAILED")
+                log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise  # the server is down: the next attempt tries again
+            log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
+                     one_line(e))
+        self._abandoned = None
 
     def _start_system_metrics(self) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -386,8 +411,9 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     t0 = time.perf_counter()
     track_dir = Path(output_dir) / TRACKING_DIR
     earlier = RunState.load(track_dir) if (track_dir / STATE).is_file() else None
+    abandoned = None
     if resumed_at is None and earlier is not None:
-        _set_aside(track_dir)
+        abandoned = _set_aside(track_dir)
         earlier = None
     track_dir.mkdir(parents=True, exist_ok=True)
     uri = resolve_uri(t.uri)
@@ -412,7 +438,8 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                          run_name=t.run_name or Path(output_dir).resolve().name,
                          params=params, tags=tags)
     tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,
-                            flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s)
+                            flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s,
+                            abandoned=abandoned)
     # a resumed job's config and DeepSpeed config go next to the first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"
     tracker.log_artifact_bytes(prefix + "config.yaml", to_yaml(cfg).encode())
@@ -427,16 +454,34 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     return tracker
 
 
-def _set_aside(track_dir: Path) -> None:
+def _set_aside(track_dir: Path) -> Optional[RunState]:
     """A fresh run in an output_dir that held another: keep the old spool if it still has
-    undelivered records (upload_spool.py sends those too), else start clean."""
+    undelivered records (upload_spool.py sends those too), else start clean. An earlier run
+    whose job never ended it is marked FAILED (upload_spool.py ends it so) and returned when it
+    exists in MLflow, for the new run's tracker to end it there."""
     import shutil
-    left = undelivered(track_dir)
-    if left:
-        aside = track_dir.with_name(f"{TRACKING_DIR}.{time.strftime('%Y%m%d-%H%M%S')}")
-        log.warning("%s holds %d undelivered records of an earlier run; moved to %s",
-                    track_dir, left, aside)
-        track_dir.rename(aside)
-    else:
-        shutil.rmtree(track_dir)
+    held = lock(track_dir)
+    if held is None:
+        raise TrackingError(f"{track_dir} is in use by another process (a job still running "
+                            f"there, or upload_spool.py); relaunch once it has ended")
+    try:
+        state = RunState.load(track_dir)
+        abandoned = None
+        if state.ended is None:  # its job was killed without a word, before any checkpoint
+            state.ended = "FAILED"
+            state.end_tags["stop.reason"] = ("its job died before its first checkpoint; the "
+                                             "relaunch started a new run")
+            state.save(track_dir)
+            abandoned = state if state.run_id else None
+        left = undelivered(track_dir)
+        if left:
+            aside = track_dir.with_name(f"{TRACKING_DIR}.{time.strftime('%Y%m%d-%H%M%S')}")
+            log.warning("%s holds %d undelivered records of an earlier run; moved to %s",
+                        track_dir, left, aside)
+            track_dir.rename(aside)
+        else:
+            shutil.rmtree(track_dir)
+    finally:
+        held.close()
+    return abandoned
 

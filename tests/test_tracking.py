@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -311,6 +312,82 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0),
                        (7, 17.0), (8, 18.0), (9, 19.0)]
     assert the_run(client, exp).info.status == "FINISHED"
+
+
+KILLED_BEFORE_ITS_FIRST_CHECKPOINT = """
+import os, signal, sys, time
+from pretrain.config import PretrainConfig
+from pretrain.config_files import load_config
+from pretrain.tracking import start_tracking
+uri, exp, out, steps = sys.argv[1:]
+cfg = load_config(PretrainConfig, None, [f"tracking.uri={uri}", f"tracking.experiment={exp}",
+                  "tracking.flush_every_s=0.05", "tracking.system_metrics=false"])
+tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"])
+for step in range(1, 4):
+    tracker.log({"train/loss": 1.0 / step}, step)
+while steps == "delivered" and (tracker._outbox or tracker._pending):
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_run_of_a_job_killed_before_its_first_checkpoint_ends_failed_on_the_relaunch(
+        tmp_path, client, mlflow_server, monkeypatch):
+    """A job SIGKILLed (the OOM killer, a lost node) before any checkpoint cannot end its
+    MLflow run; its relaunch starts a new run. The old one must not show RUNNING forever: the
+    relaunch ends it FAILED, saying why and which run replaced it -- also when the old records
+    never reached the server and wait in a spool set aside for upload_spool.py."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.spool import TrackingError, lock, upload_spool
+    from pretrain.tracking import start_tracking
+
+    def killed_job(exp, out, uri, steps):
+        proc = subprocess.run([sys.executable, "-c", KILLED_BEFORE_ITS_FIRST_CHECKPOINT, uri,
+                               exp, str(out), steps], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+
+    def relaunch(exp, out):
+        cfg = load_config(PretrainConfig, None, [
+            f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={exp}",
+            "tracking.flush_every_s=0.05", "tracking.system_metrics=false"])
+        tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"])
+        tracker.log({"train/loss": 0.5}, 1)
+        tracker.close()
+        return tracker.run_id
+
+    exp, out = "killed-early", tmp_path / "run"
+    killed_job(exp, out, mlflow_server.uri, "delivered")
+    [old] = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+    assert old.info.status == "RUNNING" and steps_of(client, old.info.run_id) == [1, 2, 3]
+    # while upload_spool.py (or another job) holds the tracking dir, nothing there is touched
+    held = lock(out / "tracking")
+    with pytest.raises(TrackingError, match="in use by another process .* relaunch once"):
+        relaunch(exp, out)
+    held.close()
+    new_id = relaunch(exp, out)
+    runs = {r.info.run_id: r for r in client.search_runs(
+        [client.get_experiment_by_name(exp).experiment_id])}
+    assert set(runs) == {old.info.run_id, new_id}
+    assert runs[new_id].info.status == "FINISHED"
+    ended = runs[old.info.run_id]
+    assert ended.info.status == "FAILED"
+    assert ended.data.tags["stop.superseded_by"] == new_id
+    assert "died before its first checkpoint" in ended.data.tags["stop.reason"]
+
+    # the server was unreachable for the killed job: its run is made and ended by the upload
+    exp, out = "killed-offline", tmp_path / "offline"
+    killed_job(exp, out, f"http://127.0.0.1:{free_port()}", "spooled")
+    new_id = relaunch(exp, out)
+    [aside] = out.glob("tracking.*")
+    upload_spool(out, uri=mlflow_server.uri)
+    runs = {r.info.run_id: r for r in client.search_runs(
+        [client.get_experiment_by_name(exp).experiment_id])}
+    assert len(runs) == 2 and runs.pop(new_id).info.status == "FINISHED"
+    [uploaded] = runs.values()
+    assert uploaded.info.status == "FAILED" and steps_of(client, uploaded.info.run_id) == [1, 2, 3]
+    assert "died before its first checkpoint" in uploaded.data.tags["stop.reason"]
 
 
 def test_a_disabled_tracker_takes_every_call_the_mlflow_tracker_takes(tmp_path):
