@@ -72,7 +72,7 @@ class FinetuneStage(Stage):
         if not self.cfg.init:
             return {"init": "scratch"}
         return lineage_tags(self.lineage.get("pretrain_run_id"), self.lineage.get("path"),
-                            self.lineage.get("step") or 0)
+                            self.lineage.get("step"))
 
     def evaluators(self, cfg, spec, backend) -> list:
         from pretrain.data.device_batch import normalize

@@ -74,15 +74,17 @@ def sample_grid_png(images, max_images: int = 64, min_tile: int = 96) -> bytes:
     return buf.getvalue()
 
 
-def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str, step: int,
-                 nest: bool = True) -> dict[str, str]:
+def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str,
+                 step: Optional[int], nest: bool = True) -> dict[str, str]:
     """Tags a fine-tune run carries about the pretraining it starts from.
 
     Find every fine-tune of a pretraining run with the search filter
     ``tags.`pretrain.run_id` = '<id>'`` (UI search box or ``MlflowClient.search_runs``). With
     ``nest`` (and both runs in the same experiment) the UI shows the fine-tunes nested under it.
     """
-    tags = {"pretrain.checkpoint": str(checkpoint), "pretrain.step": str(int(step))}
+    tags = {"pretrain.checkpoint": str(checkpoint)}
+    if step is not None:  # unknown for weights from elsewhere (.npz, a Hugging Face download)
+        tags["pretrain.step"] = str(int(step))
     if pretrain_run_id:
         tags["pretrain.run_id"] = pretrain_run_id
         if nest:

@@ -156,6 +156,8 @@ def write_timm_folder(source: Union[str, os.PathLike, Consolidated], out: Union[
     meta = {"format": "pt", "source": c.source}  # "pt": what HF tooling expects in the header
     if c.step is not None:
         meta["step"] = str(c.step)
+    if c.tracking_run_id:  # a fine-tune from this folder names the run it comes from
+        meta["tracking_run_id"] = c.tracking_run_id
     write_atomic(out / WEIGHTS, lambda p: save_file(
         {k: v.detach().float().cpu().contiguous() for k, v in state.items()}, str(p),
         metadata=meta))

@@ -310,12 +310,17 @@ def test_every_init_format_gives_identical_features(pretrained, npz_files, tmp_p
     c, cfg = pretrained["consolidated"], pretrained["cfg"]
     timm_pth = tmp_path / "timm_backbone.pth"  # timm state dicts also come as pickles
     torch.save({"state_dict": timm_backbone_state(c.state_dict)}, timm_pth)
+    from pretrain.run_info import lineage_tags
+    from pretrain.timm_folder import write_timm_folder
+    folder = write_timm_folder(c, tmp_path / "timm-folder")  # export.py --out FOLDER
     inits = {"deepspeed (output dir)": pretrained["out"],
              "deepspeed (checkpoint dir)": pretrained["out"] / "checkpoints/step_00000004",
              "export": pretrained["full"], "timm": pretrained["timm"], "timm .pth": timm_pth,
+             "timm folder": folder,
              "npz vision_transformer": npz_files["vision_transformer"],
              "npz big_vision": npz_files["big_vision"],
              "npz big_vision scanned": npz_files["big_vision_scan"]}
+    npz_names = [n for n in inits if n.startswith("npz")]  # from elsewhere: no run, no step
     x = fixed_input(cfg.model.img_size)
     features, logits = {}, {}
     for name, init in inits.items():
@@ -328,8 +333,12 @@ def test_every_init_format_gives_identical_features(pretrained, npz_files, tmp_p
             if with_head:
                 logits[name] = model(x)
                 assert lineage["loaded"] == ["backbone", "pre_logits", "head"]
-        if lineage["format"] in ("deepspeed", "export"):  # the lineage the fine-tune logs
-            assert lineage["step"] == 4 and lineage["pretrain_run_id"] == c.tracking_run_id
+        tags = lineage_tags(lineage.get("pretrain_run_id"), init, lineage.get("step"))
+        if name not in ("timm .pth", *npz_names):  # the lineage the fine-tune logs
+            assert lineage["step"] == 4 and lineage["pretrain_run_id"] == c.tracking_run_id, name
+            assert tags["pretrain.step"] == "4" and tags["mlflow.parentRunId"] == c.tracking_run_id
+        else:  # no step is made up ("0" read as a run's first step)
+            assert set(tags) == {"pretrain.checkpoint"}, name
     ref = features["deepspeed (output dir)"]
     assert ref.abs().sum() > 0
     for name, f in features.items():
