@@ -16,6 +16,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -181,7 +182,8 @@ class Remote:
             except Exception as e:  # noqa: BLE001
                 if not is_permanent(e):
                     raise
-                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id, s.uri)
+                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id,
+                            redacted(s.uri))
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
@@ -313,8 +315,23 @@ def _int(text: Optional[str]) -> int:
         return 0
 
 
+def redacted(uri: str) -> str:
+    """``uri`` fit to print or log as a param: a password in it (``postgresql://u:pw@host/db``,
+    ``https://u:token@host``) becomes ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+    try:
+        parts = urlsplit(uri)
+        if parts.password is None:
+            return uri
+    except ValueError:  # not a URL at all (a bad port): nothing to find in it
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)  # URLs it quotes: no password
     # urllib3 puts the root cause ("Connection refused", "too many 500 error responses") last
     cause = text.rfind("(Caused by ")
     if len(text) > 200 and cause > 0:
@@ -352,10 +369,11 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
                 if state.ended:
                     remote.finish(state.ended)
             except Exception as e:  # noqa: BLE001
-                raise TrackingError(f"could not upload {d} to MLflow at {state.uri}: "
+                raise TrackingError(f"could not upload {d} to MLflow at {redacted(state.uri)}: "
                                     f"{one_line(e)}") from None
             state.save(d)
-            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at {state.uri}")
+            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at "
+                         f"{redacted(state.uri)}")
         finally:
             held.close()
     return lines

@@ -61,7 +61,7 @@ from pretrain.metrics import LineFile
 from pretrain.run_info import dataset_name, environment, flatten, git_info, sample_grid_png
 from pretrain.spool import (ARTIFACTS, SPOOL, STATE, TRACKING_DIR, Remote, RunState,
                             TrackingError, is_permanent, lock, one_line, read_cursor, read_spool,
-                            undelivered)
+                            redacted, undelivered)
 from pretrain.tracking_store import resolve_uri, store_refusal
 
 log = logging.getLogger(__name__)
@@ -273,7 +273,8 @@ class MlflowTracker:
         if left:
             log.warning("%d metric records not delivered to MLflow at %s; %d of them are in %s: "
                         "`python launch/upload_spool.py %s` sends them", len(left),
-                        self.state.uri, len(left) - lost, self.dir / SPOOL, self.dir.parent)
+                        redacted(self.state.uri), len(left) - lost, self.dir / SPOOL,
+                        self.dir.parent)
         if self.unwritten:
             log.warning("%d metric records were not written to %s (%s); %s", self.unwritten,
                         self.dir / SPOOL, self._write_error,
@@ -309,20 +310,20 @@ class MlflowTracker:
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
                 if is_permanent(e) and not self._remote.connected:
                     log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
-                                self.state.uri, store_refusal(e), self.dir / SPOOL)
+                                redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
                     return
                 if not self._down:
                     self._down = True
                     log.warning("MLflow at %s unreachable (%s); training continues, metrics "
-                                "are kept and spooled to %s until it is back", self.state.uri,
-                                one_line(e), self.dir / SPOOL)
+                                "are kept and spooled to %s until it is back",
+                                redacted(self.state.uri), one_line(e), self.dir / SPOOL)
                 wait = min(max(2 * wait, self.flush_every_s),
                            min(MAX_RETRY_WAIT_S, 10 * self.flush_every_s))
             else:
                 if self._down:
                     self._down = False
                     log.info("MLflow at %s reachable again; pending metrics delivered",
-                             self.state.uri)
+                             redacted(self.state.uri))
                 wait = self.flush_every_s
                 if stopping:
                     return
@@ -395,12 +396,16 @@ class MlflowTracker:
 def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                    world_size: int, hosts: Iterable[str] = (), ds_config: Optional[dict] = None,
                    run_id: Optional[str] = None, resumed_at: Optional[int] = None,
-                   dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None):
+                   dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None,
+                   resolved: Optional[Mapping[str, object]] = None):
     """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere.
 
     ``run_id``/``resumed_at``: the MLflow run id from the checkpoint being resumed and its
-    step (None for a fresh run). ``extra_tags``: e.g. :func:`pretrain.run_info.lineage_tags` for a fine-tune.
-    Call it on every rank (cheap: rank 0 does the work).
+    step (None for a fresh run). ``resolved``: values the run worked out for config keys left
+    unset (``train.total_steps`` from epochs, the batch layout, the architecture from the model
+    name), logged as those params instead of "None". ``extra_tags``: e.g.
+    :func:`pretrain.run_info.lineage_tags` for a fine-tune. Call it on every rank (cheap: rank 0
+    does the work).
     """
     t = cfg.tracking
     if rank != 0 or not t.enabled:
@@ -430,6 +435,10 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                 "num_hosts": str(len(hosts)), "output_dir": str(Path(output_dir).resolve()),
                 **git_info(REPO_ROOT), **(extra_tags or {})}
         params = flatten(cfg.model_dump(mode="json"))
+        params.update({k: str(v) for k, v in (resolved or {}).items()
+                       if params.get(k) == "None"})
+        if t.uri:  # a database password in the URI is no one's business in the UI
+            params["tracking.uri"] = redacted(t.uri)
         if ds_config is not None and "deepspeed.zero_stage" in params:
             # the stage the run used, given by deepspeed.zero_stage, its file, or the default
             from pretrain.engine import zero_stage
@@ -442,14 +451,17 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                             abandoned=abandoned)
     # a resumed job's config and DeepSpeed config go next to the first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"
-    tracker.log_artifact_bytes(prefix + "config.yaml", to_yaml(cfg).encode())
+    config_text = to_yaml(cfg)
+    if t.uri and redacted(t.uri) != t.uri:
+        config_text = config_text.replace(t.uri, redacted(t.uri))
+    tracker.log_artifact_bytes(prefix + "config.yaml", config_text.encode())
     if ds_config is not None:
         tracker.log_artifact_bytes(prefix + "deepspeed_config.json",
                                    json.dumps(ds_config, indent=1, default=str).encode())
     tracker.log_artifact_bytes(prefix + "environment.json",
                                json.dumps(environment(), indent=1).encode())
     tracker.seconds_setup += time.perf_counter() - t0
-    log.info("tracking to MLflow at %s (experiment '%s'%s)", uri, state.experiment,
+    log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
 

@@ -21,9 +21,9 @@ def resolve_uri(configured: Optional[str] = None) -> str:
     """``tracking.uri``, else ``MLFLOW_TRACKING_URI``, else MLflow's default for the current
     directory (what ``mlflow ui`` started there reads), as an absolute URI."""
     if configured:
-        return configured
+        return _absolute(configured)
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+        return _absolute(os.environ["MLFLOW_TRACKING_URI"])
     mlruns, db = Path.cwd() / "mlruns", Path.cwd() / "mlflow.db"
     # MLflow 3 keeps using a ./mlruns file store that already holds experiments; else sqlite
     if mlruns.is_dir() and any(d.name.isdigit() and (d / "meta.yaml").exists()
@@ -35,6 +35,16 @@ def resolve_uri(configured: Optional[str] = None) -> str:
                     "--backend-store-uri sqlite:///%s` shows them; `mlflow migrate-filestore` "
                     "moves the earlier ones there)", mlruns, db, db)
     return f"sqlite:///{db}"
+
+
+def _absolute(uri: str) -> str:
+    """``sqlite:///mlflow.db`` is relative to the directory the job starts in: made absolute, a
+    resume or ``upload_spool.py`` started elsewhere still finds the same store (run.json keeps
+    the URI)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        return prefix + str(Path(uri[len(prefix):]).absolute())
+    return uri
 
 
 def _file_store_allowed() -> bool:

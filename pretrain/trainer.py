@@ -23,6 +23,7 @@ import random
 import socket
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -172,7 +173,10 @@ def train(cfg: RunConfig, stage=None) -> dict:
                              ds_config=backend.config_artifact(),
                              hosts=gather(socket.gethostname(), world), run_id=run_id,
                              resumed_at=step if resume is not None else None,
-                             extra_tags=stage.tracking_tags())
+                             extra_tags=stage.tracking_tags(),
+                             resolved={"train.total_steps": steps, "train.micro_batch_size": micro,
+                                       "train.grad_accum_steps": accum,
+                                       **{f"model.{k}": v for k, v in asdict(spec).items()}})
     sink = MultiLogger(build_logger(out, steps, rank), tracker)
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -106,6 +107,10 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     assert params["model.name"] == "vit_tiny_patch16_224" and params["optimizer.lr"] == "0.003"
     assert params["train.total_steps"] == str(STEPS) and params["model.depth"] == "2"
     assert params["deepspeed.zero_stage"] == "1"  # the stage run, where the config left it unset
+    # keys left unset are logged as the run resolved them: the model name's MLP ratio, the
+    # batch layout for 2 ranks (16 = 2 x 8 x 1)
+    assert (params["model.mlp_ratio"], params["train.micro_batch_size"],
+            params["train.grad_accum_steps"]) == ("4.0", "8", "1")
     tags = run.data.tags
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -281,6 +286,10 @@ def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
     assert resolve_uri(None) == "http://env:5000"
     assert resolve_uri("http://config:5000") == "http://config:5000"
+    # a relative sqlite path is the launch directory's: kept absolute for resumes from elsewhere
+    assert resolve_uri("sqlite:///runs/mlflow.db") == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+    assert resolve_uri(None) == f"sqlite:///{tmp_path}/mlflow.db"
 
 
 def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, mlflow_server,
@@ -460,7 +469,7 @@ def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its
 
 
 def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
-        tmp_path, client, mlflow_server, monkeypatch):
+        tmp_path, client, mlflow_server, monkeypatch, caplog):
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
     from pretrain.spool import upload_spool
@@ -469,8 +478,10 @@ def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     exp, out = "stopped-offline", tmp_path / "run"
+    dead = f"http://mlflow:s3cret@127.0.0.1:{free_port()}"  # a password in it, too
+    caplog.set_level(logging.INFO, logger="pretrain.tracking")
     cfg = load_config(PretrainConfig, None, [
-        f"tracking.uri=http://127.0.0.1:{free_port()}", f"tracking.experiment={exp}",
+        f"tracking.uri={dead}", f"tracking.experiment={exp}",
         "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5",
         "tracking.system_metrics=false"])
     tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"])
@@ -485,6 +496,12 @@ def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
     assert {k: run.data.tags[k] for k in ("stop.signal", "stop.step", "stop.count")} == \
         {"stop.signal": "SIGTERM", "stop.step": "3", "stop.count": "1"}
     assert steps_of(client, run.info.run_id) == [1, 2, 3]
+    # the password is in neither the params, the config artifact nor the log
+    assert run.data.params["tracking.uri"] == dead.replace("s3cret", "***")
+    config = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+    assert "mlflow:***@127.0.0.1" in Path(config).read_text()
+    assert "s3cret" not in Path(config).read_text()
+    assert "unreachable" in caplog.text and "s3cret" not in caplog.text
 
 
 def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
