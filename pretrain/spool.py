@@ -283,10 +283,9 @@ class Remote:
             except Exception as e:  # noqa: BLE001
                 if not is_permanent(e):
                     raise
-                # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones;
-                # the records stay in the spool
-                log.warning("MLflow rejected %d metrics (%s); they stay in %s",
-                            len(metrics), one_line(e), self.dir / SPOOL)
+                # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones
+                log.warning("MLflow rejected %d metrics (%s); they are not in MLflow, but in %s "
+                            "and metrics.jsonl", len(metrics), one_line(e), self.dir / SPOOL)
             self.last_step = last
             for _ in batch:
                 records.popleft()

@@ -143,6 +143,12 @@ def eval_data(cfg: RunConfig, spec, rank: int, world: int, split: str, *,
     return lambda: loader
 
 
+def fewshot_name(root: str) -> str:
+    """``fewshot_<folder>``: the probe's metric prefix, in the characters MLflow takes."""
+    import re
+    return "fewshot_" + re.sub(r"[^\w\-.]", "_", Path(root.rstrip("/")).name)
+
+
 def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) -> list:
     """The few-shot linear probe on eval.fewshot_root, when it is set (either stage)."""
     from pretrain.data.info import DatasetInfoError, read_info
@@ -161,6 +167,6 @@ def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) ->
                              "eval.fewshot_train_split / eval.fewshot_test_split")
             .replace("data.root", "eval.fewshot_root")) from None
     return [FewShotEvaluator(
-        train, test, name="fewshot_" + Path(e.fewshot_root.rstrip("/")).name,
+        train, test, name=fewshot_name(e.fewshot_root),
         every_steps=e.fewshot_every_steps, shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,
         num_classes=len(classes) if classes else None, seed=cfg.seed, **common)]

@@ -202,6 +202,9 @@ def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_wo
     (["data.root=s3://bucket/in21k", "data.generate_demo=true"],
      "data.generate_demo writes the demo data to a local folder, but "
      "data.root='s3://bucket/in21k' is a URL; set data.generate_demo=false"),
+    # MLflow would refuse every metric of each step that logs it
+    (["eval.val_name=in21k+val"], r"eval.val_name='in21k\+val' cannot be part of an MLflow "
+                                  r"metric name; use letters, digits"),
 ])
 def test_training_configs_refuse_what_cannot_train(overrides, message):
     for schema in (PretrainConfig, FinetuneConfig):

@@ -184,3 +184,14 @@ def test_two_ranks_agree_with_one_process_and_with_each_other(tmp_path):
     # Same number of forward passes on both ranks despite unequal data (ZeRO-3 safety).
     assert ranks[0]["cls_forwards"] == ranks[1]["cls_forwards"] == 3
     assert ranks[0]["all_forwards"] == ranks[1]["all_forwards"]
+
+
+def test_the_fewshot_metric_prefix_is_a_name_mlflow_takes_whatever_the_folder_is_called():
+    """The probe is named after its data's folder; MLflow refuses a whole batch of metrics for
+    one name with a '+' or '(' in it, so those characters are replaced."""
+    from mlflow.utils.validation import validate_param_and_metric_name
+
+    from pretrain.stage import fewshot_name
+    assert fewshot_name("/data/cifar100/") == "fewshot_cifar100"
+    assert fewshot_name("s3://bucket/cifar-100+v2 (clean)") == "fewshot_cifar-100_v2__clean_"
+    assert validate_param_and_metric_name(f"eval/{fewshot_name('x/a+b (c)')}/1shot")
