@@ -70,8 +70,9 @@ class FinetuneTrainConfig(TrainConfig):
 class FinetuneConfig(RunConfig):
     # a fine-tune resumed with another init would keep the weights it started from
     identity_keys: ClassVar = ("model", "init")
-    init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint, "
-                                "export file, timm state dict or Google .npz")
+    init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint "
+                                "dir, export file, timm folder or state dict, Google .npz; "
+                                "null: from scratch")
     output_dir: str = Field("runs/finetune", description="checkpoints, logs, exports, resolved "
                             "config")
     model: FinetuneModelConfig = FinetuneModelConfig()

@@ -43,6 +43,9 @@ class FinetuneStage(Stage):
         return AccelerateBackend(cfg)
 
     def prepare_data(self, cfg) -> None:
+        if cfg.init:  # a wrong init fails now, not after the data and the model are built
+            from finetune.weights import check_init
+            check_init(cfg.init)
         if cfg.data.generate_demo:
             from pretrain.demo import ensure_demo_data
             ensure_demo_data(cfg.data.root, cfg.model.num_classes, layout="cifar10")

@@ -118,6 +118,13 @@ def _read_tensors(path: Path) -> tuple[dict, dict]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors & containers
+        if str(e).startswith("Weights only load failed"):
+            # torch's own text invites loading it unsafely: not our advice to give
+            found = re.search(r"nsupported (?:global: )?GLOBAL ([\w.]+)", str(e))
+            what = f" ({found.group(1)})" if found else ""
+            raise InitError(f"init '{path}' references Python objects{what}, which are never "
+                            f"unpickled here; save its state_dict of tensors (safetensors or "
+                            f"torch.save) and start from that") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InitError(f"init '{path}' cannot be read as a weights-only torch file: "
                         f"{first}") from None
@@ -287,8 +294,10 @@ def _from_npz(path: Path) -> InitSource:
     return InitSource("npz", str(path), state, extra={"layout": layout})
 
 
-def read_init(init: str | os.PathLike) -> InitSource:
-    """Read ``init`` (any supported format) into ViTClassifier key layout, nothing copied yet."""
+def check_init(init: str | os.PathLike) -> str:
+    """What kind of init ``init`` is (``timm folder``, ``deepspeed``, ``npz``, ``file``), from
+    its name and layout alone; a one-line :class:`InitError` when it cannot be one. Cheap:
+    ``--dry-run`` and the run's start check it before any data or model is touched."""
     text = str(init)
     if "://" in text or text.startswith(("hf-hub:", "hf_hub:")):
         raise InitError(f"init '{text}' must be a local file or directory (no downloads here); "
@@ -298,22 +307,34 @@ def read_init(init: str | os.PathLike) -> InitSource:
         raise InitError(f"init '{text}' not found")
     if path.is_dir() and (path / "config.json").is_file() and \
             (path / "model.safetensors").is_file():
-        # a model folder in timm's layout (export.py --out FOLDER, a Hugging Face download)
-        return _from_file(path / "model.safetensors")
+        return "timm folder"  # timm's layout (export.py --out FOLDER, a Hugging Face download)
     if path.is_dir() and (path / "final.safetensors").is_file():
         raise InitError(f"init '{text}' is a fine-tune's output folder; start from one of its "
                         f"files: init={path / 'final.safetensors'} or {path / 'best.safetensors'}")
-    try:
-        if path.is_dir():
-            return _from_deepspeed(path)
-    except CheckpointError as e:
-        raise InitError(f"init '{text}': {e}") from None
+    if path.is_dir():
+        return "deepspeed"
+    if re.fullmatch(r".*_(model|optim)_states\.pt", path.name):
+        raise InitError(f"init '{text}' is one file of a DeepSpeed checkpoint; give its folder: "
+                        f"init={path.parent}")
     if path.suffix == ".npz":
-        return _from_npz(path)
+        return "npz"
     if path.suffix in (".safetensors", ".pth", ".pt", ".bin", ".ckpt"):
-        return _from_file(path)
+        return "file"
     raise InitError(f"init '{text}': unknown file type '{path.suffix}' (expected a directory, "
                     f".safetensors, .pth/.pt/.bin or .npz)")
+
+
+def read_init(init: str | os.PathLike) -> InitSource:
+    """Read ``init`` (any supported format) into ViTClassifier key layout, nothing copied yet."""
+    kind, path = check_init(init), Path(str(init)).expanduser()
+    if kind == "timm folder":
+        return _from_file(path / "model.safetensors")
+    if kind == "deepspeed":
+        try:
+            return _from_deepspeed(path)
+        except CheckpointError as e:
+            raise InitError(f"init '{init}': {e}") from None
+    return _from_npz(path) if kind == "npz" else _from_file(path)
 
 
 # --------------------------------------------------------------------------------------------

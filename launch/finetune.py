@@ -19,5 +19,13 @@ def finetune(cfg: FinetuneConfig) -> None:
     run(cfg)
 
 
+def check_inputs(cfg: FinetuneConfig) -> None:
+    """--dry-run: the init is found and of a kind the run reads (as the run checks at start)."""
+    if cfg.init:
+        from finetune.weights import check_init
+        check_init(cfg.init)
+
+
 if __name__ == "__main__":
-    cli.main(FinetuneConfig, "finetune.py", __doc__, finetune, sys.argv[1:])
+    cli.main(FinetuneConfig, "finetune.py", __doc__, finetune, sys.argv[1:],
+             preflight=check_inputs)

@@ -154,13 +154,16 @@ def world_size(args) -> int:
         fail(f"$WORLD_SIZE={text!r} is not a number of ranks; unset it or give --world-size N")
 
 
-def dry_run(args, cfg) -> None:
+def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) -> None:
     """Print the resolved config and what the run will cost; the pretraining plan adds memory
-    per GPU for its ZeRO stage, steps and the time to finish."""
+    per GPU for its ZeRO stage, steps and the time to finish. ``preflight``: the stage's own
+    checks of its inputs (the fine-tune's ``init``), as the run makes them at its start."""
     from pretrain.config import PretrainConfig
     from pretrain.plan import describe, plan
 
     try:
+        if preflight is not None:
+            preflight(cfg)
         if isinstance(cfg, PretrainConfig):
             summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
                            samples_per_epoch=args.samples)
@@ -172,7 +175,8 @@ def dry_run(args, cfg) -> None:
 
 
 def main(schema: Type[Section], prog: str, description: str, run: Callable[[Section], object],
-         argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None) -> None:
+         argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None,
+         preflight: Optional[Callable[[Section], None]] = None) -> None:
     """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
     input (config, data, checkpoint) ends in one line on stderr and exit code 2, a run that
     had to stop (see :func:`stop_errors`) in one line and exit code 3, a run stopped by a
@@ -182,7 +186,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
     if args.print_config:
         print(cfg.to_yaml(), end="")
     elif args.dry_run:
-        dry_run(args, cfg)
+        dry_run(args, cfg, preflight)
     else:
         from pretrain.distributed import leave
         from pretrain.stopping import EXIT_STOPPED, StoppedBySignal, unignore_stop_signals

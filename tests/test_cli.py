@@ -91,6 +91,18 @@ def test_finetune_dry_run_refuses_a_world_of_no_ranks():
         "see finetune.py --help"]
 
 
+def test_finetune_dry_run_checks_the_init_as_the_run_would(tmp_path):
+    """A typo in init= is found by the dry-run before sbatch, not by the job on the cluster."""
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                        f"init={tmp_path / 'runs/dmeo'}")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: init '{tmp_path / 'runs/dmeo'}' not found"]
+    (tmp_path / "vit.npz").write_bytes(b"")
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                        f"init={tmp_path / 'vit.npz'}")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_dry_run_refuses_a_world_size_variable_that_is_no_rank_count():
     proc = run_launcher("pretrain.py", "--dry-run", env={"WORLD_SIZE": "0"})
     assert proc.returncode == 2 and proc.stdout == ""
@@ -119,7 +131,8 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
 
     # a split the run would not find stops the plan as it would stop the run
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
-                        f"data.root={tiny_data}", "model.num_classes=8", "data.val_split=test")
+                        f"data.root={tiny_data}", "model.num_classes=8", "data.val_split=test",
+                        "init=null")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "error: split 'test' not found in dataset 'tiny' (splits: train, validation); "

@@ -464,8 +464,18 @@ def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger)
 
     bad = tmp_path / "bad.pth"
     torch.save({"pos_embed": torch.zeros(1), "x": Evil()}, bad)
-    with pytest.raises(InitError, match="cannot be read as a weights-only torch file"):
+    with pytest.raises(InitError) as refused:
         load_init(fresh(pretrained["cfg"].model), bad)
+    # named in our words: torch's own text ends in advice to load it unsafely, in ANSI bold
+    assert str(refused.value) == (
+        f"init '{bad}' references Python objects (posix.system), which are never unpickled "
+        f"here; save its state_dict of tensors (safetensors or torch.save) and start from that")
+    # one file of a DeepSpeed checkpoint: its folder is what to give
+    [shard, *_] = sorted((pretrained["out"] / "checkpoints/step_00000004").glob(
+        "*_model_states.pt"))
+    with pytest.raises(InitError, match=f"is one file of a DeepSpeed checkpoint; give its folder: "
+                                        f"init={shard.parent}$"):
+        load_init(fresh(pretrained["cfg"].model), shard)
     # A DeepSpeed checkpoint dir with one tampered shard: DeepSpeed's loader would unpickle it
     # with weights_only=False, so it is screened first.
     ckpt = tmp_path / "step_copy"
