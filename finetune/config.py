@@ -68,6 +68,7 @@ class FinetuneTrainConfig(TrainConfig):
 
 
 class FinetuneConfig(RunConfig):
+    launcher: ClassVar[str] = "launch/finetune.py"
     # a fine-tune resumed with another init would keep the weights it started from
     identity_keys: ClassVar = ("model", "init")
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint "

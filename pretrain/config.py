@@ -369,6 +369,8 @@ class DebugConfig(Section):
 class RunConfig(Section):
     """The sections every stage has; each stage's config sets its own defaults."""
 
+    launcher: ClassVar[str] = ""  # the stage's entry point, named when its config is misplaced
+
     # Alternatives: a command-line override of one clears the other from the recipe.
     exclusive_keys: ClassVar = (("train.total_steps", "train.epochs"),)
     # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
@@ -418,6 +420,8 @@ class RunConfig(Section):
 
 class PretrainConfig(RunConfig):
     """Pretraining (ImageNet-21k recipe defaults: AdamW, warmup + linear decay, 90 epochs)."""
+
+    launcher: ClassVar[str] = "launch/pretrain.py"
 
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
 

@@ -215,10 +215,41 @@ def _dotted(tree: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def _other_stage(extra: list[str], schema: Type[Section]) -> Optional[str]:
+    """The launcher of the other stage whose config has every one of the ``extra`` keys: the
+    config (or output_dir) given is that stage's."""
+    import importlib
+    for module in ("pretrain.config", "finetune.config"):  # the stages' schemas
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
+    from pretrain.config import RunConfig
+    for other in RunConfig.__subclasses__():
+        if other is schema or not other.launcher or not getattr(schema, "launcher", ""):
+            continue
+        keys = config_keys(other)
+        if all(any(k == e or k.startswith(e + ".") for k in keys) for e in extra):
+            return other.launcher
+    return None
+
+
 def _describe(err: ValidationError, schema: Type[Section]) -> str:
     errors = err.errors()
     first = errors[0]
     key = ".".join(str(p) for p in first["loc"])
+    extra = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if first["type"] == "extra_forbidden" and "." in str(first["loc"][-1]) and \
+            key in config_keys(schema):  # a YAML file with 'optimizer.lr: 1e-3' in it
+        section, _, leaf = key.rpartition(".")
+        return (f"config key '{key}' is written dotted in a YAML file; nest it there "
+                f"({section}: {{{leaf}: ...}}); dotted keys are for command-line overrides")
+    other = _other_stage(extra, schema) if extra else None
+    if other:
+        shown = ", ".join(f"'{k}'" for k in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        return (f"{shown} {'is a key' if len(extra) == 1 else 'are keys'} of {other}, not "
+                f"{schema.launcher}: a config (or output_dir) of the other stage? Run it with "
+                f"{other}, or give {schema.launcher} one of its own")
     if first["type"] == "extra_forbidden":
         hint = suggest_key(key, schema, first.get("input"))
         msg = f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")

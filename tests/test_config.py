@@ -128,6 +128,27 @@ def test_saved_config_reloads_identically(tmp_path):
     assert yaml.safe_load(path.read_text())["seed"] == 7
 
 
+def test_a_config_of_the_other_stage_or_a_dotted_yaml_key_is_named_as_such(tmp_path):
+    """What a newcomer meets: a saved pretraining config handed to the fine-tune (or the other
+    way round), and 'optimizer.lr: 1e-3' written flat in a recipe. The error says which, not
+    'unknown key ...; did you mean <the same key>?'."""
+    pre = save_config(load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml"),
+                      tmp_path / "pre/config.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(FinetuneConfig, pre)
+    assert str(e.value) == ("'deepspeed' is a key of launch/pretrain.py, not launch/finetune.py: "
+                            "a config (or output_dir) of the other stage? Run it with "
+                            "launch/pretrain.py, or give launch/finetune.py one of its own")
+    with pytest.raises(ConfigError, match="^'data.dev_fraction', 'init' are keys of "
+                                          "launch/finetune.py, not launch/pretrain.py"):
+        load_config(PretrainConfig, REPO / "configs/finetune/demo.yaml")
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("optimizer.lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"^config key 'optimizer.lr' is written dotted in a YAML "
+                                          r"file; nest it there \(optimizer: \{lr: ...\}\)"):
+        load_config(PretrainConfig, flat)
+
+
 def test_finetune_config_has_the_paper_transfer_defaults():
     cfg = load_config(FinetuneConfig, None, ["init=runs/pretrain", "data.dev_fraction=0.02"])
     assert (cfg.optimizer.name, cfg.optimizer.momentum, cfg.optimizer.weight_decay) == ("sgd", 0.9, 0.0)
