@@ -21,6 +21,20 @@ CIFAR_TRAIN = 2000
 CIFAR_TEST = 500
 
 
+def check_demo_root(root: str | Path) -> None:
+    """Refuse to write the demo into a folder holding other files (someone's own images, most
+    likely) and no prepared dataset, nor one being prepared."""
+    from pretrain.config import ConfigError
+    from pretrain.data.shard_writer import WORK_DIR
+    root = Path(root)
+    if root.is_dir() and any(root.iterdir()) and not (root / WORK_DIR).is_dir():
+        raise ConfigError(
+            f"data.root '{root}' holds files but no prepared dataset, and data.generate_demo=true "
+            f"would write the demo data there; to train on your images prepare them (python "
+            f"launch/prepare_data.py imagefolder --src {root} --out DIR) and set data.root=DIR "
+            f"data.generate_demo=false")
+
+
 def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet21k") -> None:
     """Rank 0 writes the dataset when ``root`` has none; every rank waits for it.
 
@@ -30,6 +44,7 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
     root = Path(root)
     if rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
         from pretrain.data.shard_writer import prepare
+        check_demo_root(root)
         from pretrain.data.sources import load_synsets
         from pretrain.data.synthetic import write_cifar, write_synset_tars
 

@@ -63,6 +63,8 @@ def read_dataset(cfg: RunConfig):
     except InfoNotRead as e:
         if cfg.data.generate_demo and not any(os.path.exists(join(cfg.data.root, n))
                                               for n in INFO_NAMES):
+            from pretrain.demo import check_demo_root
+            check_demo_root(cfg.data.root)  # refused as the run would refuse it
             return None, f"the run makes the demo data in {cfg.data.root}"
         return None, str(e)
 

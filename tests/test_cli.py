@@ -103,6 +103,23 @@ def test_finetune_dry_run_checks_the_init_as_the_run_would(tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_the_demo_is_never_written_among_a_users_own_files(tmp_path):
+    """data.root pointed at a folder of one's own images, the demo recipe left as it is: the
+    dry-run and the run refuse to generate the demo there, and say how to train on them."""
+    mine = tmp_path / "mine"
+    (mine / "cat").mkdir(parents=True)
+    (mine / "cat/1.jpg").write_bytes(b"\xff\xd8")
+    for extra in (["--dry-run"], [f"output_dir={tmp_path / 'run'}", "data.num_workers=0"]):
+        proc = run_launcher("pretrain.py", f"data.root={mine}", *extra)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: data.root '{mine}' holds files but no prepared dataset, and "
+            f"data.generate_demo=true would write the demo data there; to train on your images "
+            f"prepare them (python launch/prepare_data.py imagefolder --src {mine} --out DIR) "
+            f"and set data.root=DIR data.generate_demo=false")
+    assert sorted(p.name for p in mine.rglob("*")) == ["1.jpg", "cat"]
+
+
 def test_dry_run_refuses_a_world_size_variable_that_is_no_rank_count():
     proc = run_launcher("pretrain.py", "--dry-run", env={"WORLD_SIZE": "0"})
     assert proc.returncode == 2 and proc.stdout == ""
