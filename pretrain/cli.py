@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -203,4 +204,9 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
                 sys.stderr.flush()
             leave()
             raise SystemExit(EXIT_STOPPED)
+        except KeyboardInterrupt:  # Ctrl-C before the stop handlers are in place (start-up)
+            if os.environ.get("RANK", "0") == "0":
+                sys.stderr.write("interrupted (SIGINT); relaunch to start again, or to resume "
+                                 "from the newest complete checkpoint if there is one\n")
+            raise SystemExit(128 + signal.SIGINT) from None
         leave()

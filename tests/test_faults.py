@@ -785,6 +785,24 @@ def test_a_stop_signal_in_start_up_ends_a_rank_that_inherited_it_ignored(tmp_pat
             proc.kill()
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
 
+    # Ctrl-C in the start-up (before the stop handlers): one line, not a 75-line traceback
+    (out / "starting").unlink()
+    proc = subprocess.Popen(
+        [sys.executable, str(FAULTY), *run_args(out, tiny_data)], cwd=REPO,
+        env={**os.environ, "FAULTS": json.dumps({"slow_start": 20})},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (out / "starting").exists(), proc, "the start-up")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        "interrupted (SIGINT); relaunch to start again, or to resume from the newest complete "
+        "checkpoint if there is one")
+
 
 @pytest.fixture(scope="module")
 def reference_zero3(tmp_path_factory, tiny_data):
