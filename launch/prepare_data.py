@@ -26,8 +26,10 @@ SOURCE and what --src points at:
                outer fall11_whole.tar / winter21_whole.tar.gz itself, read as one stream
                (its images are spilled into DIR/.prepare while the shards are written:
                that needs free space for about twice the dataset under DIR)
-  imagefolder  ROOT/<class>/<image> (jpg, jpeg, png, webp, any case; classes sorted by name);
-               ROOT/train/<class> + ROOT/val/<class> give a train and a validation split
+  imagefolder  ROOT/<class>/<image> (jpg, jpeg, jfif, png, webp, bmp, tif, tiff, gif, any
+               case; classes sorted by name); ROOT/train/<class> with ROOT/val/<class> (or
+               validation/, valid/) and ROOT/test/<class> give train, validation and test
+               splits; other files and folders are left out with a warning
   imagenet1k   ROOT/train/<synset>/*.JPEG and ROOT/val/, either in synset folders or flat with
                LOC_val_solution.csv, val_labels.txt or val.txt (file name, synset or index);
                labels in timm's 1000-synset order

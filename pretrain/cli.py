@@ -85,7 +85,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(prog: str, description: str, schema: Type[Section],
                  default_config: Optional[Path] = None) -> argparse.ArgumentParser:
     epilog = ("overrides: any config key as key=value, YAML-typed, e.g. optimizer.lr=3e-4 "
-              "model.drop_path_rate=0.2 data.crop_scale=[0.08,1]\n\nconfig keys and defaults:\n"
+              "model.drop_path_rate=0.2 data.crop_scale=[0.08,1]\n\nconfig keys and defaults "
+              "(a recipe sets its own; --print-config shows what a run gets):\n"
               + _describe_keys(schema))
     p = _Parser(prog=prog, description=description, epilog=epilog,
                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -58,7 +58,7 @@ def test_help_lists_every_config_key_with_its_default():
 @pytest.mark.parametrize("script,schema", [("pretrain.py", PretrainConfig),
                                            ("finetune.py", FinetuneConfig)])
 def test_help_explains_every_config_key_of_both_stages(script, schema):
-    text = run_launcher(script, "--help").stdout.split("config keys and defaults:\n")[1]
+    text = run_launcher(script, "--help").stdout.split("what a run gets):\n")[1]
     lines = {line.split(" = ")[0].strip(): line for line in text.splitlines() if " = " in line}
     assert set(lines) == set(config_keys(schema))
     # "key = default   [choices]   what it is": a key shown with its default alone is unexplained
