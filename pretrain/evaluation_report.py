@@ -44,6 +44,10 @@ def output_dir(model: str, split: str, out: Optional[str], overwrite: bool) -> P
         p = Path(out)
         if p.exists() and not p.is_dir():
             raise EvaluateError(f"--out '{out}' is a file; name a folder")
+        if (p / "config.json").is_file() and (p / "model.safetensors").is_file():
+            # the folder one publishes: its files are the model's, not an evaluation's
+            raise EvaluateError(f"--out '{out}' is a model folder; name another folder (e.g. "
+                                f"{p.name}-eval-{split})")
         if (p / "config.yaml").is_file() or (p / "checkpoints").is_dir():
             # --overwrite there would replace a fine-tune's per_class_top1.json and tracking/
             raise EvaluateError(f"--out '{out}' is a training run's output dir; name another "

@@ -80,6 +80,17 @@ def _is_checkpoint_dir(d: Path) -> bool:
     return any(d.glob("*model_states.pt"))
 
 
+def _is_finetune_dir(d: Path) -> bool:
+    import yaml
+    if (d / "final.safetensors").is_file():
+        return True
+    try:
+        saved = yaml.safe_load((d / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(saved, dict) and "init" in saved  # a key only the fine-tune has
+
+
 def resolve_checkpoint(path: Union[str, os.PathLike]) -> Path:
     """A pretraining output dir, its ``checkpoints/`` dir, a plain DeepSpeed save dir with a
     ``latest`` file, or one checkpoint dir -> the checkpoint dir to read."""
@@ -89,6 +100,10 @@ def resolve_checkpoint(path: Union[str, os.PathLike]) -> Path:
     if not p.is_dir():
         raise CheckpointError(f"'{p}' is a file, not a pretraining output dir or a DeepSpeed "
                               f"checkpoint dir")
+    if _is_finetune_dir(p):  # its checkpoints are Accelerate's, and it exports by itself
+        raise CheckpointError(f"'{p}' is a fine-tune's output dir; it writes its exports itself "
+                              f"when it ends: {p / 'final.safetensors'} and {p / 'final'}/ (timm "
+                              f"folder), best.* likewise")
     if _is_checkpoint_dir(p):
         if TAG_RE.match(p.name):  # one of ours: only a complete one (COMPLETE.json checked)
             valid = {c.path.name for c in CheckpointStore(p.parent).complete()}

@@ -243,6 +243,7 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluate_model.evaluate(mf, str(tmp_path / "nowhere"), "test"),
         lambda: evaluation_report.output_dir("m", "test", str(held), False),
         lambda: evaluation_report.output_dir("m", "test", str(ft.out), True),  # the run's own
+        lambda: evaluation_report.output_dir("m", "test", str(ft.out / "final"), True),
     ]
     messages = []
     for case in cases:
@@ -254,6 +255,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     assert "splits: test, train" in messages[2]
     assert "10 classes but" in messages[3] and "has 5" in messages[3]
     assert "--overwrite" in messages[5] and "training run's output dir" in messages[6]
+    assert messages[7] == f"--out '{ft.out / 'final'}' is a model folder; name another folder " \
+        f"(e.g. final-eval-test)"
 
     # timm folders from elsewhere: another eval transform, or no ViT at all
     import shutil

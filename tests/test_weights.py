@@ -123,6 +123,15 @@ def test_the_export_cli_fails_with_one_line(tmp_path):
                       f"dir (with checkpoints/step_*/) or a DeepSpeed checkpoint dir "
                       f"(*_model_states.pt)"]
     assert "Traceback" not in proc.stderr
+    ft = tmp_path / "ft"  # a fine-tune's output dir, killed before its exports
+    (ft / "checkpoints/step_00000004").mkdir(parents=True)
+    (ft / "config.yaml").write_text("init: runs/demo\n")
+    proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(ft),
+                           "--out", str(tmp_path / "x.safetensors")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: '{ft}' is a fine-tune's output dir; it writes its exports itself when it ends: "
+        f"{ft / 'final.safetensors'} and {ft / 'final'}/ (timm folder), best.* likewise")
 
 
 def test_timm_loads_the_backbone_export_with_no_missing_or_unexpected_keys(pretrained, caplog):
