@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from conftest import REPO, deepspeed_cmd, tiny_run_args, wait_until
 from pretrain.metrics import JsonlLogger, MultiLogger, read_jsonl
 from pretrain.spool import RunState, read_spool
-from pretrain.tracking import MlflowTracker
+from pretrain.tracker import MlflowTracker
 
 pytestmark = pytest.mark.faults
 

@@ -406,7 +406,8 @@ def test_a_disabled_tracker_takes_every_call_the_mlflow_tracker_takes(tmp_path):
 
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
-    from pretrain.tracking import MlflowTracker, NoTracking, start_tracking
+    from pretrain.tracker import MlflowTracker, NoTracking
+    from pretrain.tracking import start_tracking
 
     def public(cls):
         return {name: inspect.signature(member) if callable(member) else type(member)
@@ -510,7 +511,7 @@ def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
     training runs do not show. New and existing experiments get the tag; a kind someone chose
     for an experiment stays."""
     from pretrain.spool import RunState
-    from pretrain.tracking import MlflowTracker
+    from pretrain.tracker import MlflowTracker
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -531,7 +532,7 @@ def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
 
 def test_a_file_store_this_mlflow_refuses_is_reported_with_the_fix(tmp_path, monkeypatch, caplog):
     from pretrain.spool import RunState
-    from pretrain.tracking import MlflowTracker
+    from pretrain.tracker import MlflowTracker
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     uri = (tmp_path / "mlruns").as_uri()

@@ -1,0 +1,347 @@
+"""The MLflow sink of a run (rank 0): :class:`MlflowTracker` spools every record and a background
+thread delivers them; :class:`NoTracking` stands in on other ranks. How a job uses them, and why,
+is :mod:`pretrain.tracking`.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Mapping, Optional
+
+from pretrain.atomic_write import write_atomic
+from pretrain.metrics import LineFile
+from pretrain.run_info import sample_grid_png
+from pretrain.spool import (ARTIFACTS, SPOOL, Remote, RunState, TrackingError, is_permanent,
+                            lock, one_line, read_cursor, read_spool, redacted)
+from pretrain.tracking_store import store_refusal
+
+log = logging.getLogger("pretrain.tracking")  # one logger for the tracking modules
+
+SAMPLES_PNG = "train_samples.png"
+MAX_RETRY_WAIT_S = 30.0  # the longest pause between two delivery attempts
+
+
+# --------------------------------------------------------------------------------------------
+# The sink
+# --------------------------------------------------------------------------------------------
+class NoTracking:
+    """Ranks other than 0, or ``tracking.enabled=false``: every public call of
+    :class:`MlflowTracker`, doing nothing."""
+
+    run_id = None
+    unwritten = 0
+
+    def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
+        return None
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def log_artifact_bytes(self, name: str, data: bytes) -> None:
+        pass
+
+    def log_sample_grid(self, images) -> None:
+        pass
+
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+        pass
+
+    def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
+        pass
+
+
+class MlflowTracker:
+    """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers."""
+
+    def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
+                 system_metrics: bool = True, flush_every_s: float = 2.0,
+                 close_timeout_s: float = 120.0, abandoned: Optional[RunState] = None):
+        self.dir = Path(track_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = lock(self.dir)
+        if self._lock is None:
+            raise TrackingError(f"{self.dir} is locked by another process (a job still running, "
+                                f"or upload_spool.py); wait for it to end")
+        self._write_error: Optional[OSError] = None
+        self._write_error_lock = threading.Lock()  # both threads write; one warning in all
+        # artifacts the disk had no room for, kept until it has (name -> bytes); the lock
+        # also keeps both threads from writing the same file at once
+        self._held: dict[str, bytes] = {}
+        self._held_lock = threading.Lock()
+        self.state = state
+        self._abandoned = abandoned  # an earlier run here whose job died: ended FAILED by us
+        self._remote = Remote(self.dir, state, on_write_error=self._write_failed)
+        state.ended = None
+        self._remote.save_state()
+        self.flush_every_s = flush_every_s
+        self.close_timeout_s = close_timeout_s
+        self.system_metrics = system_metrics
+        # undelivered records of an earlier job in this output_dir go first
+        self._pending: collections.deque = collections.deque()
+        self._outbox = collections.deque(read_spool(self.dir / SPOOL, read_cursor(self.dir)))
+        self._spool = LineFile(self.dir / SPOOL, lambda e: self._write_failed(self.dir / SPOOL, e))
+        self._stop = threading.Event()
+        self._down = False
+        self._monitor = None
+        self._closed = False
+        self.seconds_in_log = 0.0  # training-thread time inside log(), for the closing note
+        self.seconds_setup = 0.0  # ... and in start_tracking / log_sample_grid (once per job)
+        self.log_calls = 0
+        # MLflow's system-metrics thread warns (and stops) on every failed request; ours says
+        # it once and restarts that thread when the server is back
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
+        self._first_attempt = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.state.run_id
+
+    def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
+        """The run id, once the first attempt to create or re-open the run has ended. That
+        attempt starts with the job, so only what a job writes in its first seconds waits here,
+        and an unreachable server fails it within MLFLOW_HTTP_REQUEST_TIMEOUT. For files that
+        name their run (a fine-tune's exports); None when the server was not reached."""
+        if not self._first_attempt.wait(timeout):
+            self._first_attempt.set()  # waited once; later calls take what is known at once
+        return self.run_id
+
+    @property
+    def unwritten(self) -> int:
+        """Records that could not be written to the spool (a full disk). They are still sent to
+        MLflow from memory; only a crash before that loses them."""
+        return self._spool.unwritten
+
+    def _write_failed(self, path: Path, exc: OSError) -> None:
+        with self._write_error_lock:
+            if self._write_error is not None:
+                return
+            self._write_error = exc
+        log.warning("cannot write %s (%s); training goes on, metrics still go to MLflow from "
+                    "memory, records missing from the spool are counted", path, exc)
+
+    # -- training thread -------------------------------------------------------------------
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        t0 = time.perf_counter()
+        self._record({"step": int(step), "time": int(time.time() * 1000),
+                      "metrics": {k: float(v.item() if hasattr(v, "item") else v)
+                                  for k, v in metrics.items()}})
+        self.log_calls += 1
+        self.seconds_in_log += time.perf_counter() - t0
+
+    def rewind(self, step: int) -> None:
+        """The run rolled back to checkpoint ``step``: what it logs for later steps is sent
+        again, though MLflow already holds values for them (those of the discarded steps)."""
+        self._record({"step": int(step), "time": int(time.time() * 1000), "metrics": {},
+                      "rewind": True})
+
+    def _record(self, rec: dict) -> None:
+        # in the OS's hands at once: survives a SIGKILL of this process. Queued whether or not
+        # it made it to disk: the thread sends it either way
+        end = self._spool.append((json.dumps(rec) + "\n").encode())
+        self._pending.append((rec, end))
+
+    def log_artifact_bytes(self, name: str, data: bytes) -> None:
+        """Queue a file for the run's artifacts (uploaded by the thread). On a full disk it is
+        kept in memory and written once there is room."""
+        with self._held_lock:
+            self._held[name] = data
+        self._write_held()
+
+    def _write_held(self) -> None:
+        with self._held_lock:
+            for name, data in list(self._held.items()):
+                path = self.dir / ARTIFACTS / name
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    write_atomic(path, data)
+                except OSError as e:
+                    self._write_failed(path, e)
+                else:
+                    del self._held[name]
+
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+        """Log the timm ``folder`` as the run's MLflow model ``model`` (and register it as a new
+        version of ``register_as``); see :mod:`pretrain.model_registry`. Packaged here, uploaded
+        and registered by the thread. A failure is one warning: the files on disk stay."""
+        import shutil
+
+        from pretrain.model_registry import MODEL_ARTIFACT, package
+        path = self.dir / ARTIFACTS / MODEL_ARTIFACT
+        partial = self.dir / (MODEL_ARTIFACT + ".partial")  # out of the thread's sight
+        try:
+            package(folder, partial)
+            if path.exists():  # a second finish of the same run (relaunched after it)
+                shutil.rmtree(path)
+            # one rename: the uploading thread sees the whole package or none of it
+            os.replace(partial, path)
+            prefix = MODEL_ARTIFACT + "/"
+            self.state.uploaded = [u for u in self.state.uploaded if not u.startswith(prefix)]
+            self.state.models = [m for m in self.state.models if m["path"] != MODEL_ARTIFACT]
+            self.state.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
+                                      "version": None})
+            self._remote.save_state()
+        except Exception as e:  # noqa: BLE001 -- the exported files are there; MLflow is extra
+            log.warning("could not log %s as an MLflow model (%s); the files on disk are "
+                        "complete", folder, one_line(e))
+            return
+        log.info("MLflow model of %s: runs:/%s/%s%s", folder, self.run_id or "<run id>",
+                 MODEL_ARTIFACT, f", to be registered as '{register_as}'" if register_as else "")
+
+    def log_sample_grid(self, images) -> None:
+        t0 = time.perf_counter()
+        self.log_artifact_bytes(SAMPLES_PNG, sample_grid_png(images))
+        self.seconds_setup += time.perf_counter() - t0
+
+    def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
+        """Deliver what is pending (waiting up to ``close_timeout_s`` for an unreachable server),
+        set ``tags`` on the run and end it with ``status``, say where anything undelivered is.
+
+        ``close("KILLED", tags={"stop.signal": "SIGTERM", "stop.step": "7"})`` after a signal
+        stop also counts it in the ``stop.count`` tag; the tags are kept (run.json) so that
+        upload_spool.py sets them when the server was down, and stay on the run when a resumed
+        job re-opens it and ends it FINISHED.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
+        if status == "KILLED":
+            self.state.stops += 1
+        self.state.ended = status
+        self._stop.set()
+        self._thread.join(self.close_timeout_s + 60)
+        self._spool.close()
+        self._write_held()  # the disk may have room again: upload_spool.py can send them then
+        self._remote.save_state()
+        left = list(self._pending) + list(self._outbox)
+        lost = sum(end is None for _, end in left)
+        if left:
+            log.warning("%d metric records not delivered to MLflow at %s; %d of them are in %s: "
+                        "`python launch/upload_spool.py %s` sends them", len(left),
+                        redacted(self.state.uri), len(left) - lost, self.dir / SPOOL,
+                        self.dir.parent)
+        if self.unwritten:
+            log.warning("%d metric records were not written to %s (%s); %s", self.unwritten,
+                        self.dir / SPOOL, self._write_error,
+                        f"{lost} of them never reached MLflow either: lost" if lost
+                        else "all of them reached MLflow")
+        if self._held:
+            log.warning("artifacts %s were not written to %s (%s) and are not in MLflow",
+                        ", ".join(sorted(self._held)), self.dir / ARTIFACTS, self._write_error)
+        if self.log_calls:
+            log.info("tracking: %d log calls took %.3f ms in the training thread (%.3f ms per "
+                     "call); setup %.1f ms once", self.log_calls, 1e3 * self.seconds_in_log,
+                     1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
+        self._lock.close()
+
+    def _at_exit(self) -> None:
+        # the training loop raised: send what we have, mark the run failed, do not linger
+        if not self._closed:
+            self.close_timeout_s = min(self.close_timeout_s, 10.0)
+            self.close("FAILED")
+
+    # -- background thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        wait = 0.0  # first attempt at once: create the run while the model is being built
+        deadline = None
+        while True:
+            stopping = self._stop.wait(wait)
+            if stopping and deadline is None:
+                deadline = time.monotonic() + self.close_timeout_s
+            try:
+                self._attempt()
+                if stopping:
+                    self._finish()
+            except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
+                if is_permanent(e) and not self._remote.connected:
+                    log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
+                                redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
+                    return
+                if not self._down:
+                    self._down = True
+                    log.warning("MLflow at %s unreachable (%s); training continues, metrics "
+                                "are kept and spooled to %s until it is back",
+                                redacted(self.state.uri), one_line(e), self.dir / SPOOL)
+                wait = min(max(2 * wait, self.flush_every_s),
+                           min(MAX_RETRY_WAIT_S, 10 * self.flush_every_s))
+            else:
+                if self._down:
+                    self._down = False
+                    log.info("MLflow at %s reachable again; pending metrics delivered",
+                             redacted(self.state.uri))
+                wait = self.flush_every_s
+                if stopping:
+                    return
+            if stopping:
+                if time.monotonic() >= deadline:
+                    return
+                wait = min(wait, max(deadline - time.monotonic(), 0.0))
+
+    def _attempt(self) -> None:
+        r = self._remote
+        if self._held:  # the disk was full: maybe there is room again
+            self._write_held()
+        if not r.connected:
+            try:
+                r.connect()
+            finally:
+                self._first_attempt.set()  # the run id is decided (or not): see settled_run_id
+            if self.system_metrics:
+                self._start_system_metrics()
+        while self._pending:  # the training thread appends to _pending; only we touch _outbox
+            self._outbox.append(self._pending.popleft())
+        r.send(self._outbox)
+        r.upload_artifacts()
+        r.register_models()
+        if self._abandoned is not None:
+            self._end_abandoned()
+        monitor = self._monitor
+        if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
+                monitor._process is not None and monitor._process.is_alive()):
+            self._start_system_metrics()  # it stopped during an outage
+
+    def _end_abandoned(self) -> None:
+        """End the earlier run of this output_dir FAILED, with why and which run replaced it:
+        its job died without ending it (SIGKILL, the OOM killer, a node lost) before its first
+        checkpoint, so this relaunch is a new run. Left alone it would show RUNNING forever."""
+        from mlflow import MlflowClient
+        from mlflow.entities import RunTag
+        old = self._abandoned
+        client = self._remote.client if old.uri == self.state.uri else MlflowClient(old.uri)
+        try:
+            if client.get_run(old.run_id).info.status == "RUNNING":
+                tags = {**old.end_tags, "stop.superseded_by": self.state.run_id}
+                client.log_batch(old.run_id, tags=[RunTag(k, str(v))
+                                                   for k, v in sorted(tags.items())])
+                client.set_terminated(old.run_id, "FAILED")
+                log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise  # the server is down: the next attempt tries again
+            log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
+                     one_line(e))
+        self._abandoned = None
+
+    def _start_system_metrics(self) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        # resume_logging continues MLflow's system/* step counter after the last logged one
+        self._monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=True,
+                                             tracking_uri=self.state.uri)
+        self._monitor.start()
+
+    def _finish(self) -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+        self._remote.finish(self.state.ended or "FINISHED")
