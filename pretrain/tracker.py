@@ -327,9 +327,9 @@ class MlflowTracker:
                                                    for k, v in sorted(tags.items())])
                 client.set_terminated(old.run_id, "FAILED")
                 log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 -- never the reason this run's records wait
             if not is_permanent(e):
-                raise  # the server is down: the next attempt tries again
+                return  # its server is down: the next attempt tries again
             log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
                      one_line(e))
         self._abandoned = None
