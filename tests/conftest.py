@@ -163,17 +163,6 @@ def sqlite_store(base: Path) -> str:
     return uri
 
 
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """Each test gets the environment back as it found it: the tracking code sets MLflow's
-    request retries and timeout for its process (setdefault), which would otherwise hold for
-    every later test in this process and for every run it launches."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _tracking_store_outside_the_repo(tmp_path_factory):
     """Every launched run tracks to MLflow; without a URI that is ./mlflow.db in the repository
