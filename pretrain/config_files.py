@@ -218,12 +218,7 @@ def _dotted(tree: dict, prefix: str = "") -> list[str]:
 def _other_stage(extra: list[str], schema: Type[Section]) -> Optional[str]:
     """The launcher of the other stage whose config has every one of the ``extra`` keys: the
     config (or output_dir) given is that stage's."""
-    import importlib
-    for module in ("pretrain.config", "finetune.config"):  # the stages' schemas
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
+    import finetune.config  # noqa: F401  (the fine-tune's schema, to be among the stages)
     from pretrain.config import RunConfig
     for other in RunConfig.__subclasses__():
         if other is schema or not other.launcher or not getattr(schema, "launcher", ""):

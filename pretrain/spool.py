@@ -314,23 +314,15 @@ def _int(text: Optional[str]) -> int:
         return 0
 
 
-def redacted(uri: str) -> str:
-    """``uri`` fit to print or log as a param: a password in it (``postgresql://u:pw@host/db``,
-    ``https://u:token@host``) becomes ``***``."""
-    from urllib.parse import urlsplit, urlunsplit
-    try:
-        parts = urlsplit(uri)
-        if parts.password is None:
-            return uri
-    except ValueError:  # not a URL at all (a bad port): nothing to find in it
-        return uri
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+def redacted(text: str) -> str:
+    """``text`` fit to print or log as a param: the password of any URL in it
+    (``postgresql://u:pw@host/db``, ``https://u:token@host``) becomes ``***``."""
+    return re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)
 
 
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    text = re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)  # URLs it quotes: no password
+    text = redacted(text)  # the URLs it quotes
     # urllib3 puts the root cause ("Connection refused", "too many 500 error responses") last
     cause = text.rfind("(Caused by ")
     if len(text) > 200 and cause > 0:

@@ -145,7 +145,7 @@ def eval_data(cfg: RunConfig, spec, rank: int, world: int, split: str, *,
 
 def fewshot_name(root: str) -> str:
     """``fewshot_<folder>``: the probe's metric prefix, in the characters MLflow takes."""
-    import re
+    import re  # a safe subset of pretrain.config.METRIC_NAME_CHARS: no spaces in a prefix
     return "fewshot_" + re.sub(r"[^\w\-.]", "_", Path(root.rstrip("/")).name)
 
 

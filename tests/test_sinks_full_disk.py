@@ -258,7 +258,10 @@ def run_disks(tmp_path, monkeypatch):
     while the small one is full. Unmounted inner first, then outer, whatever the test did."""
     disk = SmallDisk(tmp_path / "run", monkeypatch, size="1m")
     if not disk.mounted:  # a launched run's writes cannot be monkeypatched from here
-        pytest.skip("needs a tmpfs (root): the ranks' own writes must hit a real full disk")
+        # the ranks are other processes: their writes cannot be failed from here, and a fake
+        # full disk inside them would not test what a real one does
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN, as this suite's "
+                    "CI has): the ranks' own writes must hit a real full disk")
     ckpts = disk.path / "checkpoints"
     ckpts.mkdir()
     inner = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(ckpts)],
