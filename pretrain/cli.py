@@ -183,7 +183,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
     input (config, data, checkpoint) ends in one line on stderr and exit code 2, a run that
     had to stop (see :func:`stop_errors`) in one line and exit code 3, a run stopped by a
     signal after a complete checkpoint (``checkpoint.stop_signals``) in one line and exit
-    code 4."""
+    code 4 (a stalled rank ends itself with exit code 5: :mod:`pretrain.watchdog`)."""
     args, cfg = parse(schema, prog, description, argv, default_config=default_config)
     if args.print_config:
         print(cfg.to_yaml(), end="")

@@ -208,6 +208,14 @@ class TrainConfig(Section):
         "step, which is then done again; before_backward: only its micro-batch, at one host "
         "sync per micro-batch")
 
+    # torch waits for a silent loader worker forever and a collective for a stuck peer until
+    # its timeout: pretrain/watchdog.py ends such a rank, so the job does not hold its GPUs to
+    # the time limit. Long enough for the first steps' compilation and a large checkpoint.
+    stall_timeout_s: float = Field(
+        1800.0, ge=0, description="end a rank that read no batch, finished no step and wrote no "
+        "checkpoint for this long, after writing its stacks to the log (exit code 5: "
+        "relaunching resumes); 0: never")
+
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":
         if (self.total_steps is None) == (self.epochs is None):

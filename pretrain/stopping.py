@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 # A rank process that stopped on a signal after a complete checkpoint of its last step exits
 # with this code; relaunching the same command resumes there (0: finished, 2: bad input,
-# 3: stopped for a person to decide, e.g. non-finite losses or a failed checkpoint write).
+# 3: stopped for a person to decide, e.g. non-finite losses or a failed checkpoint write;
+# 5: stalled, see pretrain/watchdog.py).
 EXIT_STOPPED = 4
 HEARTBEAT_S = 2.0  # how often the ranks check on each other
 

@@ -38,6 +38,7 @@ from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
 from pretrain.run_dir import check_same_run, make_dir, set_aside_earlier_run
 from pretrain.stopping import StopSignals, StoppedBySignal
+from pretrain.watchdog import StallWatchdog, progress
 
 log = logging.getLogger("pretrain")
 
@@ -186,6 +187,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
                  steps, stage.describe_start(), cfg.train.global_batch_size, world, micro, accum,
                  spec.train_flops_per_image() / 1e12)
 
+    # from the first batch on, a rank stuck for train.stall_timeout_s shows its stacks and ends
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank).start()
     stream = iter(loader)  # closed at the end: its worker processes go with it
     batches = stream
     if resume is None:  # a picture of what the model sees: the first batch, augmented
@@ -324,6 +327,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
                     stop.ending()
                     stop.report_save(time.monotonic() - started, signame)
                     raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}")
+                progress()
                 timer.exclude_elapsed()
         stop.ending()  # the last checkpoint is written: ranks may now leave at their own pace
         stop.drain()
@@ -336,6 +340,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
         tracker.close("FAILED")
         raise
     finally:
+        watchdog.stop()
         stream.close()
         stop.restore()
     sink.close()

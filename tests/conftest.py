@@ -61,7 +61,10 @@ def tiny_run_args(out: Path, data: Path, *extra: str) -> list[str]:
             "model.patch_size=4", "model.depth=2", "model.embed_dim=64", "model.num_heads=2",
             "model.representation_size=64", "model.num_classes=8", "train.global_batch_size=16",
             "schedule.warmup_steps=2", "log.every_steps=1", "eval.every_steps=4",
-            "checkpoint.every_steps=4", *extra]
+            "checkpoint.every_steps=4",
+            # a tiny run that hangs shows where in seconds (pretrain/watchdog.py), in the test's
+            # failure message, instead of reaching the test's timeout silently
+            "train.stall_timeout_s=120", *extra]
 
 
 @pytest.fixture(scope="session")

@@ -227,6 +227,58 @@ def test_a_failing_write_with_on_write_error_continue_trains_on_and_saves_later(
 # --------------------------------------------------------------------------------------------
 # 4. Bad data: garbage, empty and mislabelled samples, a truncated and a missing shard
 # --------------------------------------------------------------------------------------------
+def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch_resumes(
+        tmp_path, tiny_data, reference, fault_ledger):
+    """The held-out shards hang when opened (FIFOs nobody writes: a hung NFS mount or object
+    store behaves the same), so both ranks' eval loaders at step 10 wait forever. The stall
+    watchdog writes the stacks and ends the ranks; `kill -QUIT` on a rank meanwhile shows its
+    stacks and ends nothing. With the files back, a relaunch resumes from step 5 exactly."""
+    import psutil
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    held_out = sorted(data.glob("tiny-validation-*.tar"))
+    for f in held_out:
+        shutil.move(f, tmp_path / f.name)
+        os.mkfifo(f)
+    out, log = tmp_path / "run", tmp_path / "stalled.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(deepspeed_cmd(2, *run_args(out, data, "train.stall_timeout_s=8")),
+                                cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_until(lambda: 2 * EVERY in last_values(out) if (out / "metrics.jsonl").exists()
+                       else False, proc, "step 10, whose held-out evaluation hangs")
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)  # not its
+                     if "--local_rank=0" in p.cmdline() and p.name() != "pt_data_worker"]  # workers
+            assert len(ranks) == 1, [p.cmdline() for p in ranks]
+            ranks[0].send_signal(signal.SIGQUIT)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    before, stalled, after = text.partition("] stalled: no batch read, step finished or "
+                                            "checkpoint written in ")
+    assert stalled, text[-3000:]
+    assert "in train\n" in before  # the SIGQUIT dump of rank 0: its main thread is in train()
+    assert "in open_shard\n" in after  # the loader worker's stack: stuck opening a shard
+    assert re.search(r"\[rank\d\] stalled: rank \d made no progress \(no batch read, step "
+                     r"finished or checkpoint written\) in \d+ s, over train.stall_timeout_s=8; "
+                     r"its stacks are above. Ending it \(exit code 5\): relaunch the same "
+                     r"command to resume from the newest complete checkpoint", after), text[-3000:]
+    assert "exits with return code = 5" in text
+    workers = [int(pid) for pid in re.findall(r"the stacks of its loader worker (\d+):", text)]
+    assert workers and not [pid for pid in workers if psutil.pid_exists(pid)
+                            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [EVERY]
+
+    for f in held_out:  # the filesystem is back
+        f.unlink()
+        shutil.move(tmp_path / f.name, f)
+    again = faulty(out, data)
+    assert resumed_at(again) == [EVERY]
+    samples_lost, metrics_lost = compare_with(reference, out)
+    fault_ledger.record(1, 1, samples_lost, metrics_lost)
+
+
 def _rewrite(shard: Path, change) -> list[str]:
     """Rewrite a tar through ``change(member_name, bytes) -> bytes``; returns its sample keys."""
     with tarfile.open(shard) as tar:

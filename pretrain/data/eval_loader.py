@@ -13,13 +13,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
-                                          seed_generator)
+from pretrain.data.loader_workers import (Failed, init_worker, iterate_workers, new_batch_images,
+                                          raise_failed, seed_generator)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import LoaderError, RateLimitedLog, ShardPlan, ShardSet, _records, deal
 from pretrain.data.transforms import EvalTransform
-from pretrain.stopping import ignore_stop_signals
 
 
 class _EvalDataset(IterableDataset):
@@ -91,7 +90,7 @@ class EvalLoader:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
                                self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            worker_init_fn=ignore_stop_signals, generator=seed_generator())
+                            worker_init_fn=init_worker, generator=seed_generator())
         for item in iterate_workers(loader):
             raise_failed(item)
             yield Batch(*item)

@@ -35,8 +35,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
-                                          seed_generator)
+from pretrain.data.loader_workers import (Failed, init_worker, iterate_workers, new_batch_images,
+                                          raise_failed, seed_generator)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
@@ -44,7 +44,6 @@ from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, Shar
 from pretrain.data.transforms import TrainTransform
 # Workers ignore the signals a scheduler sends to every process of a job: torch's workers die
 # of them, and the trainer, which stops at a step boundary, still needs batches until then.
-from pretrain.stopping import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +190,7 @@ class TrainLoader:
         dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
                                 self.batch_size, self.transform, self.num_classes)
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory, worker_init_fn=ignore_stop_signals,
+                            pin_memory=self.pin_memory, worker_init_fn=init_worker,
                             generator=seed_generator(),
                             prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()

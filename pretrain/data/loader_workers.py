@@ -1,8 +1,9 @@
 """What both loaders share about running in torch data-loader worker processes.
 
 The batch tensors are made in shared memory, a worker's :class:`LoaderError` comes back as an
-item and is raised in the main process, and every worker is ended, by SIGKILL, when its
-iteration ends or at exit.
+item and is raised in the main process, every batch read counts as the rank's progress (see
+:mod:`pretrain.watchdog`), and every worker is ended, by SIGKILL, when its iteration ends or at
+exit.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from pretrain.data.shards import LoaderError
+from pretrain.stopping import ignore_stop_signals
+from pretrain.watchdog import dump_stacks_on_sigquit, progress
 
 
 class Failed(NamedTuple):
@@ -52,12 +55,26 @@ def _kill(workers) -> None:
 atexit.register(_kill, _WORKERS)  # runs before multiprocessing's own exit handler (LIFO)
 
 
+def live_workers() -> list:
+    """The pids of this process's loader workers that are still running."""
+    return sorted(w.pid for w in list(_WORKERS) if w.is_alive())
+
+
+def init_worker(_worker_id: int) -> None:
+    """Every loader worker's start: the rank decides when it stops, and SIGQUIT shows where
+    the worker is (the stall watchdog asks for that)."""
+    ignore_stop_signals()
+    dump_stacks_on_sigquit()
+
+
 def iterate_workers(loader: DataLoader) -> Iterator[Any]:
     it = iter(loader)
     workers = list(getattr(it, "_workers", ()))
     _WORKERS.update(workers)
     try:
-        yield from it
+        for item in it:
+            progress()
+            yield item
     finally:
         del it  # torch's shutdown: the workers get a few seconds to finish cleanly
         _kill(workers)
