@@ -89,6 +89,7 @@ class StallWatchdog:
     def _end(self, idle: float) -> None:
         """Write the stacks, then end the process; nothing here touches output_dir, which may
         be on the very filesystem that hangs."""
+        from pretrain.data.fork_guard import handles_sigquit
         from pretrain.data.loader_workers import live_workers
 
         report = [f"[rank{self.rank}] stalled: no batch read, step finished or checkpoint "
@@ -97,8 +98,13 @@ class StallWatchdog:
             faulthandler.dump_traceback(own, all_threads=True)
             own.seek(0)
             report.append(own.read())
-        for pid in live_workers():
+        workers = live_workers()
+        for pid in workers:
             report.append(f"[rank{self.rank}] the stacks of its loader worker {pid}:\n".encode())
+            if not handles_sigquit(pid):  # SIGQUIT's default would end it with a core dump
+                report.append(b"(never reached its first line: stuck in the fork, see "
+                              b"pretrain/data/fork_guard.py)\n")
+                continue
             report.append(_worker_dump(pid) or b"(no answer within 2 s)\n")
         os.write(sys.stderr.fileno(), b"".join(report))  # one write: not mixed with other ranks'
         log.error("stalled: rank %d made no progress (no batch read, step finished or "
@@ -108,6 +114,11 @@ class StallWatchdog:
                   EXIT_STALLED)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        for pid in workers:  # one stuck before its start never learnt to die with the rank
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         os._exit(EXIT_STALLED)  # the main thread is stuck: nothing else would end the process
 
 

@@ -1,22 +1,28 @@
 """What both loaders share about running in torch data-loader worker processes.
 
 The batch tensors are made in shared memory, a worker's :class:`LoaderError` comes back as an
-item and is raised in the main process, every batch read counts as the rank's progress (see
+item and is raised in the main process, workers stuck in their fork are started again (see
+:mod:`pretrain.data.fork_guard`), every batch read counts as the rank's progress (see
 :mod:`pretrain.watchdog`), and every worker is ended, by SIGKILL, when its iteration ends or at
 exit.
 """
 from __future__ import annotations
 
 import atexit
+import logging
 import weakref
 from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from pretrain.data.fork_guard import stuck_in_fork  # (importing it installs the fork hook)
 from pretrain.data.shards import LoaderError
 from pretrain.stopping import ignore_stop_signals
 from pretrain.watchdog import dump_stacks_on_sigquit, progress
+
+log = logging.getLogger(__name__)
+START_ATTEMPTS = 3
 
 
 class Failed(NamedTuple):
@@ -68,9 +74,7 @@ def init_worker(_worker_id: int) -> None:
 
 
 def iterate_workers(loader: DataLoader) -> Iterator[Any]:
-    it = iter(loader)
-    workers = list(getattr(it, "_workers", ()))
-    _WORKERS.update(workers)
+    it, workers = _start(loader)
     try:
         for item in it:
             progress()
@@ -78,6 +82,25 @@ def iterate_workers(loader: DataLoader) -> Iterator[Any]:
     finally:
         del it  # torch's shutdown: the workers get a few seconds to finish cleanly
         _kill(workers)
+
+
+def _start(loader: DataLoader):
+    """A new iterator of ``loader`` and its worker processes, all past their fork."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        it = iter(loader)  # each new iterator starts from the same dataset state
+        workers = list(getattr(it, "_workers", ()))
+        _WORKERS.update(workers)
+        stuck = stuck_in_fork(workers)
+        if not stuck:
+            return it, workers
+        it = None  # torch's shutdown of those workers
+        _kill(workers)
+        log.warning("%d data-loader worker(s) stuck in their fork (pids %s; see "
+                    "pretrain/data/fork_guard.py); starting the loader's workers again",
+                    len(stuck), ", ".join(str(w.pid) for w in stuck))
+    raise LoaderError(f"data-loader workers stuck in their fork {START_ATTEMPTS} times in a "
+                      f"row; Python 3.11.10 or later (or 3.12) has the fix of the interpreter "
+                      f"bug behind it (see pretrain/data/fork_guard.py)")
 
 
 def new_batch_images(batch_size: int, size: int) -> torch.Tensor:
