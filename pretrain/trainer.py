@@ -333,10 +333,12 @@ def train(cfg: RunConfig, stage=None) -> dict:
         stop.drain()
         metrics.update(stage.finish(backend, steps, sink, tracker))
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
+        watchdog.stop()  # closing waits for an unreachable MLflow server, and that is no stall
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})
         sink.close()
         raise
     except BaseException:  # a stop, a bad shard, a crash: the MLflow run ends FAILED, now
+        watchdog.stop()
         tracker.close("FAILED")
         raise
     finally:
