@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import weakref
 from typing import Any, Iterator, NamedTuple
 
@@ -64,6 +65,16 @@ atexit.register(_kill, _WORKERS)  # runs before multiprocessing's own exit handl
 def live_workers() -> list:
     """The pids of this process's loader workers that are still running."""
     return sorted(w.pid for w in list(_WORKERS) if w.is_alive())
+
+
+def start_method(num_workers: int):
+    """How a loader's workers start: by fork, wherever there is one. They rely on it: they
+    inherit the rank's logging setup and the watchdog's stacks file, and import nothing. Python
+    3.14 made forkserver the default on Linux, whose workers re-import the launch script (and
+    fail to: it finds its helpers next to itself)."""
+    if num_workers and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return None
 
 
 def init_worker(_worker_id: int) -> None:
