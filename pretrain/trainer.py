@@ -192,7 +192,11 @@ def train(cfg: RunConfig, stage=None) -> dict:
     stream = iter(loader)  # closed at the end: its worker processes go with it
     batches = stream
     if resume is None:  # a picture of what the model sees: the first batch, augmented
-        first = next(batches)
+        try:
+            first = next(batches)
+        except BaseException:  # a bad shard, say: no watchdog left behind in this process
+            watchdog.stop()
+            raise
         tracker.log_sample_grid(first.images)
         batches = itertools.chain([first], batches)
     loss_sum, window = torch.zeros((), device=backend.device), 0

@@ -13,6 +13,8 @@ same command resumes from the newest complete checkpoint.
 
 A rank's stacks, without ending anything, on request: ``kill -QUIT <pid>`` on the rank (Python's
 own ``faulthandler``, registered for SIGQUIT, which no scheduler uses to stop jobs).
+``faulthandler.dump_traceback_later`` alone would not do: it cannot ask the loader workers, whose
+stacks show where a stuck read is, and it exits with code 1, the code of any crash.
 """
 from __future__ import annotations
 

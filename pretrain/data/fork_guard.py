@@ -43,13 +43,13 @@ def handles_sigquit(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) >> (signal.SIGQUIT - 1) & 1)
 
 
-def stuck_in_fork(workers, timeout_s: float = None) -> list:
+def stuck_in_fork(workers) -> list:
     """Those of the just started ``workers`` (multiprocessing processes) that are alive but
-    did not reach their first line within ``timeout_s`` (default :data:`START_TIMEOUT_S`);
-    always none where /proc cannot tell."""
+    did not reach their first line within :data:`START_TIMEOUT_S`; always none where /proc
+    cannot tell."""
     if not os.path.exists("/proc/self/status"):
         return []
-    deadline = time.monotonic() + (START_TIMEOUT_S if timeout_s is None else timeout_s)
+    deadline = time.monotonic() + START_TIMEOUT_S
     waiting = list(workers)
     while True:
         waiting = [w for w in waiting if w.is_alive() and not handles_sigquit(w.pid)]

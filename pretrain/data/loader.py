@@ -42,9 +42,6 @@ from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
                                   WorkerPos, add_counts, deal, slot_stream, unfinished_shards)
 from pretrain.data.transforms import TrainTransform
-# Workers ignore the signals a scheduler sends to every process of a job: torch's workers die
-# of them, and the trainer, which stops at a step boundary, still needs batches until then.
-
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1

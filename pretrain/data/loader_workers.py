@@ -78,8 +78,9 @@ def start_method(num_workers: int):
 
 
 def init_worker(_worker_id: int) -> None:
-    """Every loader worker's start: the rank decides when it stops, and SIGQUIT shows where
-    the worker is (the stall watchdog asks for that)."""
+    """Every loader worker's start: it ignores the signals a scheduler sends to every process
+    of a job (torch's workers die of them, and the rank, which stops at a step boundary, needs
+    batches until then), and SIGQUIT shows where it is (the stall watchdog asks for that)."""
     ignore_stop_signals()
     dump_stacks_on_sigquit()
 
