@@ -32,7 +32,9 @@ class TimmImageModel(PythonModel):
             **timm.data.resolve_model_data_config(self.model))
         self.labels = self.model.pretrained_cfg.get("label_names")
 
-    def predict(self, context, model_input, params=None):
+    # an ndarray hint: MLflow infers no schema from it (the saved signature says what goes
+    # in) and stops warning, on every load, that predict has no type hints
+    def predict(self, context, model_input: np.ndarray, params=None):
         import pandas as pd
         import torch
         from PIL import Image
