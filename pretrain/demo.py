@@ -48,8 +48,11 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
         from pretrain.data.sources import load_synsets
         from pretrain.data.synthetic import write_cifar, write_synset_tars
 
-        log.info("generating the demo dataset (%s layout, %d classes) in %s", layout,
-                 num_classes, root)
+        # a warning: data.root given on the command line without --config lands here too
+        log.warning("data.generate_demo=true and '%s' holds no dataset: generating the built-in "
+                    "demo dataset there (procedural images, %d classes, %s layout); for real "
+                    "data give a recipe with --config, or set data.generate_demo=false", root,
+                    num_classes, layout)
         # A fixed raw folder (not a temp one): an interrupted preparation resumes on re-run.
         raw = root.with_name(root.name + "-raw")
         if layout == "cifar10":

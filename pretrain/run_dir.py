@@ -7,16 +7,18 @@ first moved, whole, into ``output_dir/earlier-<time>/``. Left in place they woul
 new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
 the new run's at the next relaunch.
 
-Also here: a relaunch that would continue another model's run is refused, and a folder the run
-writes to that cannot be made is a config error.
+Also here: a relaunch that would continue another model's run is refused, a folder the run
+writes to that cannot be made is a config error, and a start refused before it wrote anything
+leaves no empty ``output_dir`` behind.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
@@ -96,6 +98,21 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
                 f"; `python launch/upload_spool.py {aside}` sends its {left} MLflow records "
                 f"that never reached the server" if left else "")
     return aside
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(path: Path) -> Iterator[None]:
+    """A run that fails (bad data, a wrong ``init``) and leaves the ``output_dir`` it made
+    empty removes it: the next try, with another name, leaves no litter. Only an empty
+    folder goes (``rmdir``), and only one this start made."""
+    made = not path.exists()
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):  # not empty, or another rank got there first
+                path.rmdir()
+        raise
 
 
 def make_dir(path: Path, key: str) -> None:

@@ -36,7 +36,8 @@ from pretrain.config_files import save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.model import resolve_spec
-from pretrain.run_dir import check_same_run, make_dir, set_aside_earlier_run
+from pretrain.run_dir import (check_same_run, make_dir, removed_if_left_empty,
+                              set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -107,12 +108,17 @@ def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
 def train(cfg: RunConfig, stage=None) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
     ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
+    with removed_if_left_empty(Path(cfg.output_dir)):
+        return _train(cfg, stage)
+
+
+def _train(cfg: RunConfig, stage) -> dict:
     from pretrain.data.device_batch import build_mixup, prepare_batch
     from pretrain.data.loader import build_train_loader
     from pretrain.data.shards import describe_skips
     from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due
-    from pretrain.metrics import MultiLogger, build_logger
+    from pretrain.metrics import MultiLogger, build_logger, closing_line
     from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops
     from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
@@ -186,6 +192,8 @@ def train(cfg: RunConfig, stage=None) -> dict:
                  "accumulation, %.3f TFLOP per image", stage.verb, spec.name, spec.img_size,
                  steps, stage.describe_start(), cfg.train.global_batch_size, world, micro, accum,
                  spec.train_flops_per_image() / 1e12)
+        if step >= steps:
+            log.info("the run finished its %d steps before: nothing to train", steps)
 
     # from the first batch on, a rank stuck for train.stall_timeout_s shows its stacks and ends
     watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank).start()
@@ -353,7 +361,7 @@ def train(cfg: RunConfig, stage=None) -> dict:
     peaks = gather(peak_memory_gib(backend.device), world)
     if rank == 0:
         log.info("data: %s", describe_skips(skipped))
-        log.info("done; peak memory per rank: %s", ", ".join(f"{g:.2f} GiB" for g in peaks))
+        log.info("%s", closing_line(out, metrics, peaks))
     return metrics
 
 

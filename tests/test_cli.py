@@ -118,6 +118,10 @@ def test_the_demo_is_never_written_among_a_users_own_files(tmp_path):
             f"prepare them (python launch/prepare_data.py imagefolder --src {mine} --out DIR) "
             f"and set data.root=DIR data.generate_demo=false")
     assert sorted(p.name for p in mine.rglob("*")) == ["1.jpg", "cat"]
+    assert not (tmp_path / "run").exists()  # the refused start took its empty output_dir back
+    (tmp_path / "kept").mkdir()  # ... but only one it made itself
+    proc = run_launcher("pretrain.py", f"data.root={mine}", f"output_dir={tmp_path / 'kept'}")
+    assert proc.returncode == 2 and (tmp_path / "kept").is_dir(), proc.stderr[-2000:]
 
 
 def test_dry_run_refuses_a_world_size_variable_that_is_no_rank_count():
