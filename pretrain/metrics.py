@@ -260,3 +260,13 @@ def build_logger(output_dir: os.PathLike | str, total_steps: int,
     if rank != 0:
         return NullLogger()
     return MultiLogger(JsonlLogger(Path(output_dir) / METRICS_FILE), ConsoleLogger(total_steps))
+
+
+def closing_line(out: Path, metrics: Mapping[str, float], peaks: list) -> str:
+    """A run's last line: its final accuracies, peak memory and what its output_dir holds."""
+    figures = "".join(f" {k} {v:.4f};" for k, v in sorted(metrics.items())
+                      if k.endswith(("/top1", "/top5")) and isinstance(v, (int, float)))
+    held = ", ".join(p.name + ("/" if p.is_dir() else "") for p in sorted(out.iterdir())
+                     if not p.name.startswith("."))
+    return (f"done:{figures} peak memory per rank {', '.join(f'{g:.2f} GiB' for g in peaks)}; "
+            f"{out} holds {held}")

@@ -46,6 +46,11 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
         assert (out / "best.safetensors").is_file() and (out / "final.safetensors").is_file()
         per_class = json.loads((out / "per_class_top1.json").read_text())
         assert len(per_class) == 10
+        closing = [line for line in (proc.stdout + proc.stderr).splitlines()  # the last line:
+                   if "[rank0] done:" in line][-1]                     # figures and files
+        assert f"eval/test/top1 {results[name]:.4f};" in closing, closing
+        assert f"{out} holds best/, best.json, best.safetensors, checkpoints/, config.yaml, " \
+               f"final/, final.json, final.safetensors, metrics.jsonl, per_class_top1.json" in closing
     assert card["init"]["format"] == "scratch"
     assert results["pretrained"] > 0.3  # chance is 0.1
     assert results["pretrained"] > results["scratch"] + 0.05, results  # pretraining helps
