@@ -71,9 +71,17 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
             f"{len(classes)}; evaluate it on the dataset it was trained on")
     if classes is not None and len(classes) > mf.num_classes:
         # ImageNet-21k's class list with a model of its first N classes (the built-in demo):
-        # fine as long as no label of the split is beyond the head, which the loop checks
-        notes.append(f"{root} lists {len(classes)} classes, the model has {mf.num_classes}: "
-                     f"the split's labels must all be below {mf.num_classes}")
+        # fine as long as no label of the split is beyond the head; prepare_data.py records
+        # the labels the samples use, else the loop checks each one
+        used = info.extra.get("num_labels")
+        if isinstance(used, int) and used > mf.num_classes:
+            raise EvaluateError(
+                f"--data '{root}' has labels up to {used - 1} but MODEL '{mf.path}' has "
+                f"{mf.num_classes} classes; evaluate it on the dataset it was trained on")
+        if not isinstance(used, int):
+            notes.append(f"{root} lists {len(classes)} classes, the model has "
+                         f"{mf.num_classes}: the split's labels must all be below "
+                         f"{mf.num_classes}")
         classes = classes[:mf.num_classes]
     names = mf.label_names or classes
     if mf.label_names and classes and list(mf.label_names) != list(classes):

@@ -231,6 +231,11 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     five.mkdir()
     write_info(five, DatasetInfo("five", {"test": SplitInfo("test", 1, ["x.tar"], [1])},
                                  classes=[f"c{i}" for i in range(5)]))
+    twelve = tmp_path / "twelve"  # lists 12 classes, as the demo's 21k list does, and uses them
+    twelve.mkdir()
+    write_info(twelve, DatasetInfo("twelve", {"test": SplitInfo("test", 1, ["x.tar"], [1])},
+                                   classes=[f"c{i}" for i in range(12)],
+                                   extra={"num_labels": 12}))
     held = tmp_path / "held"  # an earlier evaluation's figure file, not to be overwritten
     held.mkdir()
     (held / "metrics.json").write_text("{}")
@@ -244,6 +249,7 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluation_report.output_dir("m", "test", str(held), False),
         lambda: evaluation_report.output_dir("m", "test", str(ft.out), True),  # the run's own
         lambda: evaluation_report.output_dir("m", "test", str(ft.out / "final"), True),
+        lambda: evaluate_model.evaluate(mf, str(twelve), "test"),  # labels beyond the head
     ]
     messages = []
     for case in cases:
@@ -257,6 +263,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
     assert "--overwrite" in messages[5] and "training run's output dir" in messages[6]
     assert messages[7] == f"--out '{ft.out / 'final'}' is a model folder; name another folder " \
         f"(e.g. final-eval-test)"
+    assert messages[8] == f"--data '{twelve}' has labels up to 11 but MODEL '{ft.out / 'final'}' " \
+        f"has 10 classes; evaluate it on the dataset it was trained on"
 
     # timm folders from elsewhere: another eval transform, or no ViT at all
     import shutil
