@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -54,6 +55,11 @@ class AccelerateBackend:
         from accelerate import Accelerator
 
         self.on_gpu = torch.cuda.is_available()
+        if not self.on_gpu:
+            # Accelerate imports DeepSpeed (where installed) at the first export, to unwrap
+            # the model; DeepSpeed's accelerator probe would then warn from every rank, in the
+            # middle of the log, that it found no GPU: this run is on the CPU by now anyway
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         precision = cfg.train.precision  # fp16 on a CPU: refused by the trainer
         # Accelerate runs several CPU processes (gloo) only when told to use the CPU; without
         # it each torchrun process would train alone.
