@@ -27,6 +27,17 @@ pytestmark = pytest.mark.faults
 EXPERIMENT = "full-disk"
 
 
+def may_mount() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (bit 21 of CapEff), which mounting needs."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    caps = next((line.split()[1] for line in status.splitlines()
+                 if line.startswith("CapEff:")), "0")
+    return bool(int(caps, 16) >> 21 & 1)
+
+
 class SmallDisk:
     """A 64 KiB (or ``size``) tmpfs at ``path`` (root in a container can usually mount one).
     Without one the ENOSPC is injected into ``os.write`` for files under ``path`` instead (the
@@ -43,7 +54,7 @@ class SmallDisk:
             why = mount.stderr.strip() if mount.returncode else None
         except FileNotFoundError:
             why = "no mount command"
-        self.mounted = why is None
+        self.mounted, self.why = why is None, why
         if not self.mounted:
             print(f"\nno tmpfs here ({why}): injecting ENOSPC into os.write instead")
 
@@ -259,9 +270,13 @@ def run_disks(tmp_path, monkeypatch):
     disk = SmallDisk(tmp_path / "run", monkeypatch, size="1m")
     if not disk.mounted:  # a launched run's writes cannot be monkeypatched from here
         # the ranks are other processes: their writes cannot be failed from here, and a fake
-        # full disk inside them would not test what a real one does
-        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN, as this suite's "
-                    "CI has): the ranks' own writes must hit a real full disk")
+        # full disk inside them would not test what a real one does. Skipped only where this
+        # process provably may not mount (no CAP_SYS_ADMIN); with it, a failed mount fails
+        if may_mount():
+            pytest.fail(f"mounting a tmpfs failed although this process has CAP_SYS_ADMIN: "
+                        f"{disk.why}")
+        pytest.skip("cannot mount a tmpfs here (needs CAP_SYS_ADMIN, which this suite's CI "
+                    "has): the ranks' own writes must hit a real full disk")
     ckpts = disk.path / "checkpoints"
     ckpts.mkdir()
     inner = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(ckpts)],
