@@ -10,11 +10,11 @@ import math
 from typing import Iterator, Optional
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, init_worker, iterate_workers, new_batch_images,
-                                          raise_failed, seed_generator, start_method)
+from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
+                                          worker_loader)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import LoaderError, RateLimitedLog, ShardPlan, ShardSet, _records, deal
@@ -89,9 +89,7 @@ class EvalLoader:
     def __iter__(self) -> Iterator[Batch]:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
                                self.batch_size, self.transform, self.num_classes)
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            worker_init_fn=init_worker, generator=seed_generator(),
-                            multiprocessing_context=start_method(self.num_workers))
+        loader = worker_loader(dataset, self.num_workers)
         for item in iterate_workers(loader):
             raise_failed(item)
             yield Batch(*item)

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, init_worker, iterate_workers, new_batch_images,
-                                          raise_failed, seed_generator, start_method)
+from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
+                                          worker_loader)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
 from pretrain.data.shards import (SKIP_CAUSES, LoaderError, RateLimitedLog, ShardPlan, ShardSet,
@@ -186,11 +186,8 @@ class TrainLoader:
         state = self._state.copy()
         dataset = _TrainDataset(self.plan, self.rank, self.workers, state, self.shuffle_buffer,
                                 self.batch_size, self.transform, self.num_classes)
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            pin_memory=self.pin_memory, worker_init_fn=init_worker,
-                            multiprocessing_context=start_method(self.num_workers),
-                            generator=seed_generator(),
-                            prefetch_factor=self.prefetch_factor if self.num_workers else None)
+        loader = worker_loader(dataset, self.num_workers, pin_memory=self.pin_memory,
+                               prefetch_factor=self.prefetch_factor if self.num_workers else None)
         keys_file = self._open_keys_file()
         try:
             for item in iterate_workers(loader):

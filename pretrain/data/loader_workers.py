@@ -85,6 +85,15 @@ def init_worker(_worker_id: int) -> None:
     dump_stacks_on_sigquit()
 
 
+def worker_loader(dataset, num_workers: int, **options) -> DataLoader:
+    """The DataLoader both loaders run their workers through: the dataset yields whole
+    batches, the workers start by fork and as :func:`init_worker` says, and the base seed
+    leaves torch's global generator alone (:func:`seed_generator`)."""
+    return DataLoader(dataset, batch_size=None, num_workers=num_workers,
+                      worker_init_fn=init_worker, generator=seed_generator(),
+                      multiprocessing_context=start_method(num_workers), **options)
+
+
 def iterate_workers(loader: DataLoader) -> Iterator[Any]:
     it, workers = _start(loader)
     try:
