@@ -11,7 +11,7 @@ import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the packages)
 from finetune.config import FinetuneConfig
-from pretrain import cli
+from pretrain import cli, interpreter
 
 
 def finetune(cfg: FinetuneConfig) -> None:
@@ -27,5 +27,6 @@ def check_inputs(cfg: FinetuneConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.main(FinetuneConfig, "finetune.py", __doc__, finetune, sys.argv[1:],
-             preflight=check_inputs)
+    with interpreter.launcher():  # the collector paused at start, no teardown at exit
+        cli.main(FinetuneConfig, "finetune.py", __doc__, finetune, sys.argv[1:],
+                 preflight=check_inputs)

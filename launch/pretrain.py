@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
-from pretrain import cli
+from pretrain import cli, interpreter
 from pretrain.config import PretrainConfig
 
 
@@ -19,5 +19,6 @@ def train(cfg: PretrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    cli.main(PretrainConfig, "pretrain.py", __doc__, train, sys.argv[1:],
-             default_config=cli.REPO_ROOT / "configs" / "pretrain" / "demo.yaml")
+    with interpreter.launcher():  # the collector paused at start, no teardown at exit
+        cli.main(PretrainConfig, "pretrain.py", __doc__, train, sys.argv[1:],
+                 default_config=cli.REPO_ROOT / "configs" / "pretrain" / "demo.yaml")

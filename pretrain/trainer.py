@@ -35,6 +35,7 @@ from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
+from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain.run_dir import (check_same_run, make_dir, removed_if_left_empty,
                               set_aside_earlier_run)
@@ -195,6 +196,9 @@ def _train(cfg: RunConfig, stage) -> dict:
         if step >= steps:
             log.info("the run finished its %d steps before: nothing to train", steps)
 
+    # what is alive now lives to the end: out of the garbage collector's sight, before the
+    # loader forks its workers (pretrain/interpreter.py)
+    training_starts()
     # from the first batch on, a rank stuck for train.stall_timeout_s shows its stacks and ends
     watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank).start()
     stream = iter(loader)  # closed at the end: its worker processes go with it

@@ -1,0 +1,81 @@
+"""What the Python interpreter itself costs a training process: its cyclic garbage collector and
+its teardown at exit.
+
+Once torch, DeepSpeed (or Accelerate), timm and MLflow are imported, a rank holds about half a
+million Python objects, and every full collection of CPython's cyclic collector walks all of
+them (0.3 s on one core of the CI machine). Left to itself the collector makes several full
+collections while the imports grow the heap (1 to 2 s of each rank's start there), one now and
+then during training (a pause on one rank holds every other at the next collective), and
+several more in the interpreter's teardown after the run has ended (1.5 s of each rank's exit).
+Nothing is gained by them: the objects live until the process ends.
+
+- :func:`launcher` wraps a training launcher's ``main``: the collector is off while the run
+  starts, and once ``main`` has ended with an exit code the process ends as the interpreter
+  would -- threads joined, ``atexit`` handlers run (MLflow, logging, multiprocessing's children,
+  the loaders' workers), output flushed -- but without the teardown that follows them. A crash
+  (any other exception) keeps the interpreter's own exit, traceback and all.
+- :func:`training_starts`, from the trainer once the run is set up and before it forks its
+  loader workers: what is alive then (modules, model, engine, optimizer) is moved out of the
+  collector's sight for good (``gc.freeze``), and the collector is on again for what training
+  allocates. The forked workers inherit both; frozen objects are not written to by their
+  collector, so the memory pages they share with the rank stay shared.
+
+Processes that did not go through :func:`launcher` (tests calling the trainer, notebooks) are
+left as they are.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import os
+import sys
+import threading
+from typing import Iterator
+
+_paused = False
+
+
+@contextlib.contextmanager
+def launcher() -> Iterator[None]:
+    """``with launcher(): main()`` in a launcher's ``__main__`` block, and only there: leaving
+    the block ends the process (see the module's docstring)."""
+    global _paused
+    _paused = True
+    gc.disable()
+    try:
+        yield
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code
+        if not isinstance(code, int):  # a message as the code: Python prints it
+            raise
+    except BaseException:
+        gc.unfreeze()  # a crash: the usual exit, which collects everything once more
+        gc.enable()
+        raise
+    exit_without_teardown(code)
+
+
+def training_starts() -> None:
+    """The run is set up: freeze what is alive and collect garbage again (launchers only)."""
+    if _paused:
+        gc.freeze()
+        gc.enable()
+
+
+def exit_without_teardown(code: int) -> None:
+    """End the process as the interpreter's own exit does, up to the ``atexit`` handlers and
+    the flush of the standard streams, then skip its teardown (``os._exit``)."""
+    shutdown = getattr(threading, "_shutdown", None)  # what Python's exit runs first
+    if shutdown is None:  # not CPython 3.10-3.13: the interpreter's own exit then
+        sys.exit(code)
+    shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(Exception):  # what C code printed into the C library's buffers
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    os._exit(code)
