@@ -3,11 +3,11 @@ its teardown at exit.
 
 Once torch, DeepSpeed (or Accelerate), timm and MLflow are imported, a rank holds about half a
 million Python objects, and every full collection of CPython's cyclic collector walks all of
-them (0.3 s on one core of the CI machine). Left to itself the collector makes several full
-collections while the imports grow the heap (1 to 2 s of each rank's start there), one now and
-then during training (a pause on one rank holds every other at the next collective), and
-several more in the interpreter's teardown after the run has ended (1.5 s of each rank's exit).
-Nothing is gained by them: the objects live until the process ends.
+them (0.3 s on one core of a 2-core x86 test machine). Left to itself the collector
+makes several full collections while the imports grow the heap (1 to 2 s of each rank's start
+there), several more in the interpreter's teardown after the run has ended (1.5 s of each rank's
+exit), and now and then one during training, where a pause on one rank holds every other at the
+next collective. Nothing is gained by them: those objects live until the process ends.
 
 - :func:`launcher` wraps a training launcher's ``main``: the collector is off while the run
   starts, and once ``main`` has ended with an exit code the process ends as the interpreter
@@ -15,10 +15,11 @@ Nothing is gained by them: the objects live until the process ends.
   the loaders' workers), output flushed -- but without the teardown that follows them. A crash
   (any other exception) keeps the interpreter's own exit, traceback and all.
 - :func:`training_starts`, from the trainer once the run is set up and before it forks its
-  loader workers: what is alive then (modules, model, engine, optimizer) is moved out of the
-  collector's sight for good (``gc.freeze``), and the collector is on again for what training
-  allocates. The forked workers inherit both; frozen objects are not written to by their
-  collector, so the memory pages they share with the rank stay shared.
+  loader workers: one full collection frees the garbage the start left, what is alive then
+  (modules, model, engine, optimizer) is moved out of the collector's sight for good
+  (``gc.freeze``), and the collector is on again for what training allocates. The forked
+  workers inherit both; frozen objects are not written to by their collector, so the memory
+  pages they share with the rank stay shared.
 
 Processes that did not go through :func:`launcher` (tests calling the trainer, notebooks) are
 left as they are.
@@ -60,6 +61,7 @@ def launcher() -> Iterator[None]:
 def training_starts() -> None:
     """The run is set up: freeze what is alive and collect garbage again (launchers only)."""
     if _paused:
+        gc.collect()  # once: the start's cyclic garbage (a loaded checkpoint's, say) is not kept
         gc.freeze()
         gc.enable()
 

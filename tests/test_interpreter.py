@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
-    import atexit, gc, os, sys, threading, time
+    import atexit, gc, os, sys, threading, time, weakref
     sys.path.insert(0, {repo!r})
     from pretrain import interpreter
 
@@ -21,9 +21,17 @@ SCRIPT = textwrap.dedent("""
         def __del__(self):  # runs in the interpreter's teardown, if there is one
             os.write(1, b" teardown")
 
+    class Node:
+        pass
+
     def main(end):
         assert not gc.isenabled()  # paused while the run starts
+        cycle = Node()
+        cycle.me = cycle
+        left = weakref.ref(cycle)
+        del cycle
         interpreter.training_starts()
+        assert left() is None  # the start's garbage was freed, not kept for good
         assert gc.isenabled() and gc.get_freeze_count() > 0
         atexit.register(lambda: print(" atexit", end=""))
         def late():
