@@ -34,15 +34,15 @@ import sys
 import threading
 from typing import Iterator
 
-_paused = False
+_in_launcher = False  # launcher() manages this process's collector
 
 
 @contextlib.contextmanager
 def launcher() -> Iterator[None]:
     """``with launcher(): main()`` in a launcher's ``__main__`` block, and only there: leaving
     the block ends the process (see the module's docstring)."""
-    global _paused
-    _paused = True
+    global _in_launcher
+    _in_launcher = True
     gc.disable()
     try:
         yield
@@ -50,17 +50,23 @@ def launcher() -> Iterator[None]:
     except SystemExit as e:
         code = 0 if e.code is None else e.code
         if not isinstance(code, int):  # a message as the code: Python prints it
+            _usual_exit()
             raise
-    except BaseException:
-        gc.unfreeze()  # a crash: the usual exit, which collects everything once more
-        gc.enable()
+    except BaseException:  # a crash: Python prints the traceback
+        _usual_exit()
         raise
     exit_without_teardown(code)
 
 
+def _usual_exit() -> None:
+    """Leave the exit to the interpreter, whose teardown then collects everything once more."""
+    gc.unfreeze()
+    gc.enable()
+
+
 def training_starts() -> None:
     """The run is set up: freeze what is alive and collect garbage again (launchers only)."""
-    if _paused:
+    if _in_launcher:
         gc.collect()  # once: the start's cyclic garbage (a loaded checkpoint's, say) is not kept
         gc.freeze()
         gc.enable()
@@ -70,7 +76,8 @@ def exit_without_teardown(code: int) -> None:
     """End the process as the interpreter's own exit does, up to the ``atexit`` handlers and
     the flush of the standard streams, then skip its teardown (``os._exit``)."""
     shutdown = getattr(threading, "_shutdown", None)  # what Python's exit runs first
-    if shutdown is None:  # not CPython 3.10-3.13: the interpreter's own exit then
+    if shutdown is None:  # an interpreter without it: its own exit then
+        _usual_exit()
         sys.exit(code)
     shutdown()
     atexit._run_exitfuncs()
