@@ -57,6 +57,14 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
         raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
                           f"from this config (optimizer.*, schedule.*, train.*); remove them "
                           f"from the file")
+    if out.get("disable_python_gc"):
+        # DeepSpeed would keep the collector off for the application to run it at points of its
+        # choosing; the launchers have their own way (pretrain/interpreter.py), which would
+        # silently turn it on again
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' sets disable_python_gc, but "
+                          f"the launchers manage Python's garbage collector themselves (off "
+                          f"while a run starts, what lives for the whole run frozen out of it "
+                          f"from the first step); remove the key from the file")
     # the file decides the stage; one also given as deepspeed.zero_stage must agree with it,
     # and a file without one runs deepspeed.zero_stage or the default (DeepSpeed's own is 0)
     given = cfg.deepspeed.zero_stage

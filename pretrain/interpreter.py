@@ -12,8 +12,9 @@ next collective. Nothing is gained by them: those objects live until the process
 - :func:`launcher` wraps a training launcher's ``main``: the collector is off while the run
   starts, and once ``main`` has ended with an exit code the process ends as the interpreter
   would -- threads joined, ``atexit`` handlers run (MLflow, logging, multiprocessing's children,
-  the loaders' workers), output flushed -- but without the teardown that follows them. A crash
-  (any other exception) keeps the interpreter's own exit, traceback and all.
+  the loaders' workers), output flushed -- but without the teardown that follows them: its
+  garbage collections, objects' finalizers, C++ destructors and C exit handlers. A crash (any
+  other exception), and a run under a profiler or tracer, keep the interpreter's own exit.
 - :func:`training_starts`, from the trainer once the run is set up and before it forks its
   loader workers: one full collection frees the garbage the start left, what is alive then
   (modules, model, engine, optimizer) is moved out of the collector's sight for good
@@ -55,6 +56,11 @@ def launcher() -> Iterator[None]:
     except BaseException:  # a crash: Python prints the traceback
         _usual_exit()
         raise
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        # a profiler or tracer (python -m cProfile -o, a debugger, coverage) may write its
+        # results once the script is done, which a process ended here never reaches
+        _usual_exit()
+        sys.exit(code)
     exit_without_teardown(code)
 
 
@@ -81,9 +87,13 @@ def exit_without_teardown(code: int) -> None:
         sys.exit(code)
     shutdown()
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    for name in ("stdout", "stderr"):
+        try:
+            getattr(sys, name).flush()
+        except Exception as e:  # a full disk under the job's log, say: Python's exit says so
+            with contextlib.suppress(OSError):
+                os.write(2, f"Exception ignored on flushing sys.{name}: {e!r}\n".encode())
+            code = 120  # and ends with this code, whatever the code was
     with contextlib.suppress(Exception):  # what C code printed into the C library's buffers
         import ctypes
         ctypes.CDLL(None).fflush(None)

@@ -273,6 +273,18 @@ def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_
     assert zero_stage(deepspeed_config(again, micro=4, accum=1, world=1)) == 3
 
 
+def test_a_deepspeed_file_turning_off_pythons_garbage_collector_is_refused(tmp_path):
+    from pretrain.engine import deepspeed_config
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"disable_python_gc": true}')
+    cfg = load_config(PretrainConfig, None, [f"deepspeed.config={ds}"])
+    with pytest.raises(ConfigError, match=r"sets disable_python_gc, but the launchers manage "
+                                          r"Python's garbage collector themselves .*; remove"):
+        deepspeed_config(cfg, micro=4, accum=1, world=1)
+    ds.write_text('{"disable_python_gc": false}')  # DeepSpeed's default: nothing to refuse
+    assert not deepspeed_config(cfg, micro=4, accum=1, world=1)["disable_python_gc"]
+
+
 @pytest.mark.parametrize("text,message", [
     ('{"scheduler": {"type": "WarmupLR"}}', r"sets \['scheduler'\], which come from this config"),
     ('{"zero_optimization": {"stage": 1},}', r"cannot be read as JSON \(Expecting property name"),

@@ -3,6 +3,8 @@ nothing by it: its exit code, its output, its threads' work and its exit handler
 a normal exit; a crash still exits as Python does, traceback and all."""
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
-    import atexit, gc, os, sys, threading, time, weakref
+    import atexit, ctypes, gc, os, sys, threading, time, weakref
     sys.path.insert(0, {repo!r})
     from pretrain import interpreter
 
@@ -39,12 +41,14 @@ SCRIPT = textwrap.dedent("""
             print(" thread", end="")
         threading.Thread(target=late).start()  # not a daemon: the exit waits for it
         print("main", end="")  # no newline, no flush
+        ctypes.CDLL(None).printf(b" C")  # into the C library's buffer: no newline, no flush
         if end == "crash":
             raise ValueError("a crash")
         if end != "return":
             sys.exit(int(end) if end.isdigit() else end)
 
     keep = Teardown()
+    keep.me = keep  # a cycle, frozen with the rest: only collected if unfrozen again
     with interpreter.launcher():
         main(sys.argv[1])
 """)
@@ -57,25 +61,80 @@ def script(tmp_path_factory) -> Path:
     return path
 
 
+def launch(*args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """The script's output as a pipe buffers it (a job's log, a launcher's reader)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return subprocess.run([sys.executable, *map(str, args)], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+
+
 @pytest.mark.parametrize("end,code", [("return", 0), ("4", 4), ("0", 0)])
 def test_a_launcher_exits_with_its_code_and_all_its_output_but_no_teardown(script, end, code):
-    proc = subprocess.run([sys.executable, str(script), end], capture_output=True, text=True,
-                          timeout=60)
+    proc = launch(script, end)
     assert proc.returncode == code, proc.stderr
-    assert proc.stdout == "main thread atexit"  # and no " teardown"
+    assert proc.stdout == "main thread atexit C"  # and no " teardown"
     assert proc.stderr == ""
 
 
 def test_a_crash_exits_as_python_does(script):
-    proc = subprocess.run([sys.executable, str(script), "crash"], capture_output=True, text=True,
-                          timeout=60)
+    proc = launch(script, "crash")
     assert proc.returncode == 1
-    assert proc.stdout == "main thread atexit teardown"
+    # (the order is Python's: printing the traceback flushes the output written so far)
+    assert sorted(proc.stdout.split()) == ["C", "atexit", "main", "teardown", "thread"]
     assert "Traceback" in proc.stderr and proc.stderr.strip().endswith("ValueError: a crash")
 
 
 def test_an_exit_with_a_message_prints_it_as_python_does(script):
-    proc = subprocess.run([sys.executable, str(script), "a message"], capture_output=True,
-                          text=True, timeout=60)
+    proc = launch(script, "a message")
     assert proc.returncode == 1
-    assert proc.stdout.startswith("main thread atexit") and proc.stderr == "a message\n"
+    assert {"main", "thread", "atexit", "C"} <= set(proc.stdout.split())
+    assert proc.stderr == "a message\n"
+
+
+def test_output_that_cannot_be_written_at_exit_is_reported_with_pythons_code(script):
+    with open("/dev/full", "w") as full:  # every write: no space left on the device
+        proc = launch(script, "return", stdout=full)
+    assert proc.returncode == 120
+    assert "Exception ignored on flushing sys.stdout: OSError(28, " in proc.stderr
+
+
+def test_under_a_profiler_the_exit_is_pythons_and_the_profile_is_written(script, tmp_path):
+    proc = launch("-m", "cProfile", "-o", tmp_path / "run.prof", script, "return")
+    assert proc.returncode == 0, proc.stderr
+    assert "teardown" in proc.stdout and (tmp_path / "run.prof").stat().st_size > 0
+
+
+def test_a_real_run_starts_with_the_collector_off_and_trains_with_it_on_and_frozen(
+        tmp_path, tiny_data):
+    """The launcher and the trainer together: what a rank's collector does, seen from inside
+    a real pretraining launch (probes on two functions the trainer calls)."""
+    from conftest import tiny_run_args
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import gc, runpy, sys
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "launch")!r}]
+        import pretrain.trainer as trainer
+        import pretrain.watchdog as watchdog
+
+        def report(when):
+            print(f"{{when}}: enabled={{gc.isenabled()}} frozen={{gc.get_freeze_count()}}",
+                  file=sys.stderr, flush=True)
+        check_same_run, start = trainer.check_same_run, watchdog.StallWatchdog.start
+        def setting_up(*args):
+            report("setting up")
+            return check_same_run(*args)
+        def first_step(self):
+            report("first step")
+            return start(self)
+        trainer.check_same_run, watchdog.StallWatchdog.start = setting_up, first_step
+        sys.argv[0] = {str(REPO / "launch" / "pretrain.py")!r}
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """))
+    out = tmp_path / "run"
+    proc = launch(probe, *tiny_run_args(out, tiny_data, "train.total_steps=4",
+                                        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "setting up: enabled=False frozen=0" in proc.stderr
+    found = re.search(r"first step: enabled=True frozen=(\d+)", proc.stderr)
+    assert found and int(found.group(1)) > 100_000, proc.stderr[-3000:]
+    assert "done: " in proc.stderr and (out / "checkpoints" / "step_00000004").is_dir()
