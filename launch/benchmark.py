@@ -34,6 +34,8 @@ from pathlib import Path
 # Ranks spawned by `train --ranks R` re-import this file with launch/ already off sys.path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
+from pretrain import interpreter  # noqa: E402
+
 
 def run_loader(args) -> dict:
     from pretrain.data.loader_benchmark import (bench_decoders, bench_ours, bench_reference,
@@ -374,4 +376,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with interpreter.launcher(pause_collector=False):  # no teardown at exit
+        sys.exit(main())

@@ -32,7 +32,7 @@ import logging
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
-from pretrain import cli
+from pretrain import cli, interpreter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,4 +108,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with interpreter.launcher(pause_collector=False):  # no teardown at exit
+        main(sys.argv[1:])

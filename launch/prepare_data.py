@@ -14,6 +14,7 @@ import os
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+from pretrain import interpreter
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import publish
 from pretrain.data.remote import is_remote
@@ -113,4 +114,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with interpreter.launcher(pause_collector=False):  # no teardown at exit
+        sys.exit(main())

@@ -9,8 +9,8 @@ there), several more in the interpreter's teardown after the run has ended (1.5 
 exit), and now and then one during training, where a pause on one rank holds every other at the
 next collective. Nothing is gained by them: those objects live until the process ends.
 
-- :func:`launcher` wraps a training launcher's ``main``: the collector is off while the run
-  starts, and once ``main`` has ended with an exit code the process ends as the interpreter
+- :func:`launcher` wraps a launcher's ``main``: in the training launchers the collector is off
+  while the run starts; in every launcher, once ``main`` has ended with an exit code the process ends as the interpreter
   would -- threads joined, ``atexit`` handlers run (MLflow, logging, multiprocessing's children,
   the loaders' workers), output flushed -- but without the teardown that follows them: its
   garbage collections, objects' finalizers, C++ destructors and C exit handlers. A crash (any
@@ -39,12 +39,15 @@ _in_launcher = False  # launcher() manages this process's collector
 
 
 @contextlib.contextmanager
-def launcher() -> Iterator[None]:
+def launcher(pause_collector: bool = True) -> Iterator[None]:
     """``with launcher(): main()`` in a launcher's ``__main__`` block, and only there: leaving
-    the block ends the process (see the module's docstring)."""
+    the block ends the process (see the module's docstring). ``pause_collector=False``: the
+    exit only, for launchers that do not train (their work may be long, and nothing of theirs
+    calls :func:`training_starts`)."""
     global _in_launcher
-    _in_launcher = True
-    gc.disable()
+    if pause_collector:
+        _in_launcher = True
+        gc.disable()
     try:
         yield
         code = 0

@@ -76,6 +76,27 @@ def test_a_launcher_exits_with_its_code_and_all_its_output_but_no_teardown(scrip
     assert proc.stderr == ""
 
 
+def test_a_launcher_that_does_not_train_keeps_its_collector_and_skips_the_teardown(tmp_path):
+    tool = tmp_path / "tool.py"  # as evaluate.py, export.py, prepare_data.py... are run
+    tool.write_text(textwrap.dedent(f"""
+        import gc, os, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from pretrain import interpreter
+
+        class Teardown:
+            def __del__(self):
+                os.write(1, b" teardown")
+
+        keep = Teardown()
+        with interpreter.launcher(pause_collector=False):
+            interpreter.training_starts()  # nothing to do outside a training launcher
+            print(f"enabled={{gc.isenabled()}} frozen={{gc.get_freeze_count()}}", end="")
+    """))
+    proc = launch(tool)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "enabled=True frozen=0"  # and no " teardown"
+
+
 def test_a_crash_exits_as_python_does(script):
     proc = launch(script, "crash")
     assert proc.returncode == 1
