@@ -1,20 +1,22 @@
-"""What the Python interpreter itself costs a training process: its cyclic garbage collector and
-its teardown at exit.
+"""What the Python interpreter itself costs a launcher: its cyclic garbage collector and its
+teardown at exit.
 
 Once torch, DeepSpeed (or Accelerate), timm and MLflow are imported, a rank holds about half a
 million Python objects, and every full collection of CPython's cyclic collector walks all of
-them (0.3 s on one core of a 2-core x86 test machine). Left to itself the collector
-makes several full collections while the imports grow the heap (1 to 2 s of each rank's start
-there), several more in the interpreter's teardown after the run has ended (1.5 s of each rank's
-exit), and now and then one during training, where a pause on one rank holds every other at the
-next collective. Nothing is gained by them: those objects live until the process ends.
+them (0.3 s on one core of a 2-core x86 test machine). Left to itself the collector makes
+several full collections while the imports grow the heap (1 to 2 s of each rank's start
+there), several more in the interpreter's teardown after the run has ended (1.5 s of each
+rank's exit), and now and then one during training, where a pause on one rank holds every
+other at the next collective. Nothing is gained by them: those objects live until the process
+ends.
 
-- :func:`launcher` wraps a launcher's ``main``: in the training launchers the collector is off
-  while the run starts; in every launcher, once ``main`` has ended with an exit code the process ends as the interpreter
-  would -- threads joined, ``atexit`` handlers run (MLflow, logging, multiprocessing's children,
-  the loaders' workers), output flushed -- but without the teardown that follows them: its
-  garbage collections, objects' finalizers, C++ destructors and C exit handlers. A crash (any
-  other exception), and a run under a profiler or tracer, keep the interpreter's own exit.
+- :func:`launcher` wraps a launcher's ``main``. In the training launchers the collector is off
+  while the run starts. In every launcher, once ``main`` has ended with an exit code, the
+  process ends as the interpreter would -- threads joined, ``atexit`` handlers run (MLflow,
+  logging, multiprocessing's children, the loaders' workers), output flushed -- but without
+  the teardown that follows them: its garbage collections, objects' finalizers, C++
+  destructors and C exit handlers. A crash (any other exception), and a run under a profiler
+  or tracer, keep the interpreter's own exit.
 - :func:`training_starts`, from the trainer once the run is set up and before it forks its
   loader workers: one full collection frees the garbage the start left, what is alive then
   (modules, model, engine, optimizer) is moved out of the collector's sight for good
