@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
             os.write(1, b" teardown")
 
     class Node:
-        pass
+        """A plain object in a reference cycle, watched through a weak reference."""
 
     def main(end):
         assert not gc.isenabled()  # paused while the run starts
