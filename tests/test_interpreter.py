@@ -23,8 +23,8 @@ SCRIPT = textwrap.dedent("""
         def __del__(self):  # runs in the interpreter's teardown, if there is one
             os.write(1, b" teardown")
 
-    class Node:
-        """A plain object in a reference cycle, watched through a weak reference."""
+    class Node:  # a plain object for a reference cycle, watched through a weak reference
+        __slots__ = ("me", "__weakref__")
 
     def main(end):
         assert not gc.isenabled()  # paused while the run starts
