@@ -28,12 +28,29 @@ from pretrain.engine import apply_train_options, build_optimizer, classification
 
 
 def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
-                          grad_clip: Optional[float]) -> None:
-    """Put this run's batch layout and clipping into an Accelerate DeepSpeed config (in place):
-    its "auto" values (and absent ones) become ours. A value it fixes to something else is
-    refused: DeepSpeed would step, divide the loss and clip by those numbers, not the run's.
-    Accelerate itself puts gradient_accumulation_steps=1 where a JSON file has none."""
+                          grad_clip: Optional[float], precision: str) -> None:
+    """Put this run's batch layout, clipping and precision into an Accelerate DeepSpeed config
+    (in place): its "auto" values (and absent ones) become ours. A value it fixes to something
+    else is refused: DeepSpeed would step, divide the loss, clip and compute by those numbers,
+    not the run's. Accelerate itself puts gradient_accumulation_steps=1 where a JSON file has
+    none, and bf16/fp16 from train.precision where the file says "auto" or nothing; a fixed
+    bf16.enabled or fp16.enabled it keeps, silently, whatever train.precision says."""
     from pretrain.config import ConfigError
+
+    # as in pretraining's DeepSpeed file (pretrain/engine.py): ours, from this config
+    owned = sorted(set(ds_config) & {"optimizer", "scheduler"})
+    if owned:
+        raise ConfigError(f"Accelerate's DeepSpeed config sets {owned}, which come from this "
+                          f"config (optimizer.*, schedule.*); remove them from that config")
+    for dtype in ("bf16", "fp16"):
+        section = ds_config.setdefault(dtype, {})
+        given, ours = section.get("enabled", "auto"), precision == dtype
+        if given == "auto":
+            section["enabled"] = ours
+        elif str(given).lower() != str(ours).lower():
+            raise ConfigError(f"Accelerate's DeepSpeed config has {dtype}.enabled={given}, but "
+                              f"this run's train.precision is {precision}; set {dtype}.enabled "
+                              f"to \"auto\" in that config")
     wanted = {"train_batch_size": (micro * accum * world, "train.global_batch_size"),
               "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_size"),
               "gradient_accumulation_steps": (accum, "train.grad_accum_steps"),
@@ -101,7 +118,8 @@ class AccelerateBackend:
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
         if self.deepspeed:
             fill_deepspeed_values(self.accelerator.state.deepspeed_plugin.deepspeed_config,
-                                  micro, accum, self.world_size, cfg.optimizer.grad_clip)
+                                  micro, accum, self.world_size, cfg.optimizer.grad_clip,
+                                  cfg.train.precision)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.cfg, self.accum = cfg, accum
         # _update drops a step whose gradient norm is not finite, so the non-finite check can

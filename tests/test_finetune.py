@@ -173,13 +173,15 @@ def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping
 
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
           "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}}
-    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)
+    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0, precision="fp32")
     assert ds == {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 16,
                   "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                  "bf16": {"enabled": False}, "fp16": {"enabled": False},
                   "zero_optimization": {"stage": 2}}
-    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)  # the same: accepted
+    # the same again: accepted
+    fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0, precision="fp32")
     ds = {"zero_optimization": {"stage": 2}}
-    fill_deepspeed_values(ds, micro=16, accum=1, world=2, grad_clip=None)
+    fill_deepspeed_values(ds, micro=16, accum=1, world=2, grad_clip=None, precision="fp32")
     assert ds["gradient_clipping"] == 0.0  # optimizer.grad_clip=null: DeepSpeed does not clip
     # what `accelerate config` writes by default, under a run that accumulates 4 micro-batches
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
@@ -188,7 +190,39 @@ def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping
                                           r"Accelerate's default\), but this run's "
                                           r"train.grad_accum_steps gives 4; set "
                                           r"gradient_accumulation_steps to \"auto\""):
-        fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0)
+        fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0, precision="fp32")
+
+
+@pytest.mark.parametrize("precision,file,refused", [
+    ("fp32", {"bf16": {"enabled": True}}, "bf16.enabled=True, but this run's train.precision "
+                                          "is fp32"),
+    ("bf16", {"bf16": {"enabled": False}}, "bf16.enabled=False, but this run's "
+                                           "train.precision is bf16"),
+    ("bf16", {"bf16": {"enabled": "auto"}}, None),
+    ("bf16", {}, None),
+    ("fp32", {"scheduler": {"type": "WarmupLR"}}, r"sets \['scheduler'\], which come from "
+                                                   r"this config"),
+])
+def test_an_accelerate_deepspeed_config_computes_in_the_runs_precision(precision, file, refused):
+    """Accelerate fills bf16/fp16 from train.precision where the file leaves them to it, and
+    keeps a fixed value silently: the run would compute in the file's precision while its
+    config, log and model card name another. Accelerate's own plugin fills the config first,
+    as when the Accelerator is built."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from finetune.backend import fill_deepspeed_values
+    from pretrain.config import ConfigError
+
+    plugin = DeepSpeedPlugin(hf_ds_config={**file, "zero_optimization": {"stage": 2}})
+    plugin.set_mixed_precision({"bf16": "bf16"}.get(precision, "no"))
+    ds = plugin.deepspeed_config
+    if refused:
+        with pytest.raises(ConfigError, match=refused):
+            fill_deepspeed_values(ds, micro=8, accum=1, world=1, grad_clip=1.0,
+                                  precision=precision)
+    else:
+        fill_deepspeed_values(ds, micro=8, accum=1, world=1, grad_clip=1.0, precision=precision)
+        assert ds["bf16"]["enabled"] is (precision == "bf16") and not ds["fp16"]["enabled"]
 
 
 def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
