@@ -129,11 +129,11 @@ def run_train(args) -> dict:
         args.model, args.batch, image_size=args.image_size, zero=args.zero,
         precision=args.precision, ranks=args.ranks,
         activation_checkpointing=args.activation_checkpointing, num_classes=args.num_classes,
-        recipe=args.config, overrides=args.overrides)
+        recipe=args.config, compile=args.compile, overrides=args.overrides)
     if args.profile_steps < 1:
         raise SystemExit("--profile-steps must be >= 1")
     return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
-                         compile=args.compile, shards=args.shards, workers=args.workers,
+                         shards=args.shards, workers=args.workers,
                          profile=str(args.profile) if args.profile else None,
                          profile_steps=args.profile_steps)
 
@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "the default recipe, which sets none)")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
                        help="default bf16 (the recipe's); fp32 for quicker CPU runs")
-    train.add_argument("--compile", action="store_true", help="engine.compile() (torch.compile)")
+    train.add_argument("--compile", action="store_true",
+                       help="engine.compile() (torch.compile), as train.compile=true does")
     train.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="recompute the blocks' activations in the backward pass (default: "
@@ -296,7 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recipe YAML to start from (default configs/pretrain/vit_l16_i21k.yaml "
                             "with the pre-logits width set to the model's)")
     train.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="KEY=VALUE", help="any config override, repeatable")
+                       metavar="KEY=VALUE",
+                       help="any config override, repeatable; what the training step reads "
+                            "takes effect as in the trainer (model, optimizer, train, deepspeed, "
+                            "data augmentation with --shards, mixup/cutmix always), while "
+                            "checkpoint, eval, tracking and log keys do nothing here")
     train.add_argument("--profile", type=Path, default=None, metavar="DIR",
                        help="after the timed steps, run --profile-steps more under torch.profiler: "
                             "DIR/trace_rank<R>.json and a breakdown by kind of work (matmul, attention, "

@@ -74,6 +74,8 @@ def _options(r: dict) -> str:
     if r.get("activation_checkpointing"):
         opts.append("act. ckpt" + (f" of {r['checkpointed_blocks']} blocks"
                                    if r.get("checkpointed_blocks") else ""))
+    if r.get("mixup"):
+        opts.append("mixup/cutmix")
     if r.get("nonfinite_check") == "before_backward":
         opts.append("check before backward")
     if r.get("one_pass_grad_checks") is False and r["zero_stage"] in (1, 2):

@@ -37,6 +37,7 @@ from pretrain.config_files import load_config
 from pretrain.distributed import free_port, init_distributed
 from pretrain.engine import input_dtype
 from pretrain.guard import NonFiniteGuard
+from pretrain.interpreter import heap_frozen
 from pretrain.throughput import peak_memory_gib
 
 RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
@@ -47,10 +48,11 @@ def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
                  zero: Optional[int] = None, precision: Optional[str] = None, ranks: int = 1,
                  activation_checkpointing: Optional[bool] = None,
                  num_classes: Optional[int] = None, recipe: Optional[os.PathLike | str] = None,
-                 overrides: Sequence[str] = ()) -> PretrainConfig:
+                 compile: bool = False, overrides: Sequence[str] = ()) -> PretrainConfig:
     """The run config to measure: a pretraining recipe (default: the ViT-L/16 i21k one, so
     head, loss, drop-path and optimizer are those of the real run) with the model, per-rank
-    batch and the other given settings put in. ``overrides`` are the usual ``key=value``."""
+    batch and the other given settings put in (``compile``: train.compile on, whatever the
+    recipe says). ``overrides`` are the usual ``key=value``."""
     from pretrain.model import _timm_arch
 
     sets = [f"model.name={model}", f"train.micro_batch_size={batch}",
@@ -72,6 +74,8 @@ def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
         sets.append(f"train.activation_checkpointing={str(activation_checkpointing).lower()}")
     if num_classes is not None:
         sets.append(f"model.num_classes={num_classes}")
+    if compile:
+        sets.append("train.compile=true")
     return load_config(PretrainConfig, recipe, [*sets, *overrides])
 
 
@@ -106,17 +110,18 @@ def synthetic_batches(batch: int, img_size: int, num_classes: int, device, count
     return out
 
 
-def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: bool = False,
+def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
             shards: Optional[str] = None, workers: Optional[int] = None, rank: int = 0,
             world: int = 1, profile: Optional[str] = None, profile_steps: int = 3) -> dict:
-    """Train ``warmup + steps`` steps on this rank (distributed already set up); the figures
-    of the last ``steps``. With ``profile`` (a folder), ``profile_steps`` more steps run under
-    torch.profiler afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out
-    of the figures. Collective: every rank of the world must call it."""
+    """Train ``warmup + steps`` steps on this rank (distributed already set up), as the trainer
+    does for ``cfg`` (train.compile, data.mixup_alpha...); the figures of the last ``steps``.
+    With ``profile`` (a folder), ``profile_steps`` more steps run under torch.profiler
+    afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out of the figures.
+    Collective: every rank of the world must call it."""
     from pretrain import engine as eng
     from pretrain import grad_checks
     from pretrain.profile import profiled
-    from pretrain.data.device_batch import prepare_batch
+    from pretrain.data.device_batch import build_mixup, prepare_batch
     from pretrain.data.loader import build_train_loader
     from pretrain.throughput import StepTimer, peak_tflops
 
@@ -124,71 +129,77 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3, compile: b
         raise ValueError(f"need steps >= 1 and warmup >= 0, got {steps} and {warmup}")
     torch.manual_seed(cfg.seed)
     engine, optimizer, ds_config = build_engine(cfg, world)
-    if compile:
+    if cfg.train.compile:
         engine.compile()  # torch.compile of the module, the way DeepSpeed supports it
     device = engine.device
     dtype = input_dtype(cfg.train.precision)
     spec = engine.module.spec
     micro = cfg.train.micro_batch_size
     scheduler = eng.build_scheduler(optimizer, cfg, cfg.train.total_steps)
+    mixup = build_mixup(cfg.data, spec.num_classes)  # on the device, timed with the step
 
-    if shards:
-        data = cfg.data.model_copy(update={"root": shards, "generate_demo": False,
-                                           **({"num_workers": workers} if workers is not None
-                                              else {})})
-        loader = build_train_loader(data, img_size=spec.img_size, batch_size=micro, rank=rank,
-                                    world_size=world, seed=cfg.seed,
-                                    num_classes=spec.num_classes,
-                                    pin_memory=device.type == "cuda")
-        batches = iter(loader)
-        next_batch = lambda: next(batches)  # noqa: E731
-    else:
-        pool = synthetic_batches(micro, spec.img_size, spec.num_classes, device)
-        counter = iter(range(10 ** 12))
-        next_batch = lambda: pool[next(counter) % len(pool)]  # noqa: E731
+    # the heap as the launched trainer's from the loader's start on: frozen, collector on
+    with heap_frozen():
+        if shards:
+            data = cfg.data.model_copy(update={"root": shards, "generate_demo": False,
+                                               **({"num_workers": workers} if workers is not None
+                                                  else {})})
+            loader = build_train_loader(data, img_size=spec.img_size, batch_size=micro,
+                                        rank=rank, world_size=world, seed=cfg.seed,
+                                        num_classes=spec.num_classes,
+                                        pin_memory=device.type == "cuda")
+            batches = iter(loader)
+            next_batch = lambda: next(batches)  # noqa: E731
+        else:
+            pool = synthetic_batches(micro, spec.img_size, spec.num_classes, device)
+            counter = iter(range(10 ** 12))
+            next_batch = lambda: pool[next(counter) % len(pool)]  # noqa: E731
 
-    peak = peak_tflops(cfg.log.peak_tflops)
-    timer = StepTimer(spec.train_flops_per_image(), world_size=world, peak_tflops=peak,
-                      cuda_sync=device.type == "cuda")
-    step_times = []
-    guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)  # the trainer's check, timed too
-    defer = eng.defers_check(cfg, engine.optimizer)
+        peak = peak_tflops(cfg.log.peak_tflops)
+        timer = StepTimer(spec.train_flops_per_image(), world_size=world, peak_tflops=peak,
+                          cuda_sync=device.type == "cuda")
+        step_times = []
+        # the trainer's check, timed too
+        guard = NonFiniteGuard(cfg.train.nonfinite_limit, "stop", 0)
+        defer = eng.defers_check(cfg, engine.optimizer)
 
-    def one_step(step: int):
-        start = time.perf_counter()
-        scheduler.step_update(step)
-        images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, None, dtype)
-        timer.data_ready()
-        loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
-        guard.settle()  # a deferred check is read after the update, as the trainer reads it
-        timer.step_done(images=micro * world)
-        step_times.append(time.perf_counter() - start)
-        return loss
+        def one_step(step: int):
+            start = time.perf_counter()
+            scheduler.step_update(step)
+            images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, mixup,
+                                            dtype)
+            timer.data_ready()
+            loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
+            guard.settle()  # a deferred check is read after the update, as the trainer reads it
+            timer.step_done(images=micro * world)
+            step_times.append(time.perf_counter() - start)
+            return loss
 
-    for step in range(warmup + steps):
-        if step == warmup:
-            timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
-            timer.exclude_elapsed()
-        loss = one_step(step)
-    perf = timer.summary()
-    profiled_ms = None
-    with profiled(profile, rank, device) as breakdown:
-        if profile:
-            for step in range(warmup + steps, warmup + steps + profile_steps):
-                loss = one_step(step)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            profiled_ms = 1e3 * statistics.median(step_times[-profile_steps:])
+        for step in range(warmup + steps):
+            if step == warmup:
+                timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
+                timer.exclude_elapsed()
+            loss = one_step(step)
+        perf = timer.summary()
+        profiled_ms = None
+        with profiled(profile, rank, device) as breakdown:
+            if profile:
+                for step in range(warmup + steps, warmup + steps + profile_steps):
+                    loss = one_step(step)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                profiled_ms = 1e3 * statistics.median(step_times[-profile_steps:])
     step_times = step_times[:warmup + steps]
     loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
         "ranks": world, "zero_stage": eng.zero_stage(ds_config),
-        "precision": cfg.train.precision, "compile": compile,
+        "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
         "nonfinite_check": "after_update" if defer else "before_backward",
         "one_pass_grad_checks": grad_checks.installed(engine.optimizer),
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "checkpointed_blocks": cfg.train.checkpointed_blocks,  # None: all of them
+        "mixup": mixup is not None,  # data.mixup_alpha / cutmix_alpha, applied on the device
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,
         "images_per_sec": perf["perf/images_per_sec"],
         "tflops_per_device": perf["perf/tflops"],
@@ -246,6 +257,13 @@ def _measure_here(cfg_json: str, **kwargs) -> dict:
         dist.destroy_process_group()
 
 
+def _as_json(cfg: PretrainConfig) -> str:
+    # only what the recipe and overrides set: the keys a rank sees as set are the trainer's
+    # (otherwise every optimizer key reads as set, and the one the optimizer does not use is
+    # warned about in every benchmark)
+    return cfg.model_dump_json(exclude_unset=True)
+
+
 def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     """:func:`measure` in a world of ``ranks`` processes; rank 0's figures.
 
@@ -253,14 +271,14 @@ def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     more are spawned, one per GPU on a GPU machine, gloo ranks on the CPU.
     """
     if ranks == 1:
-        return _measure_here(cfg.model_dump_json(), **kwargs)
+        return _measure_here(_as_json(cfg), **kwargs)
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise ValueError(f"--ranks {ranks} but only {torch.cuda.device_count()} GPU(s)")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    payload = dict(cfg_json=cfg.model_dump_json(), **kwargs)
+    payload = dict(cfg_json=_as_json(cfg), **kwargs)
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, payload, queue))
              for r in range(ranks)]

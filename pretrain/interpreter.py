@@ -25,7 +25,8 @@ ends.
   pages they share with the rank stay shared.
 
 Processes that did not go through :func:`launcher` (tests calling the trainer, notebooks) are
-left as they are.
+left as they are. :func:`heap_frozen` gives a block the trainer's regime in any process, so
+that ``benchmark.py train`` times steps as the launched trainer runs them.
 """
 from __future__ import annotations
 
@@ -78,9 +79,29 @@ def _usual_exit() -> None:
 def training_starts() -> None:
     """The run is set up: freeze what is alive and collect garbage again (launchers only)."""
     if _in_launcher:
-        gc.collect()  # once: the start's cyclic garbage (a loaded checkpoint's, say) is not kept
-        gc.freeze()
-        gc.enable()
+        _freeze_heap()
+
+
+def _freeze_heap() -> None:
+    gc.collect()  # once: the start's cyclic garbage (a loaded checkpoint's, say) is not kept
+    gc.freeze()
+    gc.enable()
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The block runs with the heap as a launched trainer's is from its first step on (what
+    is alive frozen, the collector on), in any process; afterwards the heap is as it was.
+    For benchmarks that time training steps outside the launcher: spawned ranks, tests."""
+    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    _freeze_heap()
+    try:
+        yield
+    finally:
+        if not was_frozen:
+            gc.unfreeze()
+        if not was_enabled:
+            gc.disable()
 
 
 def exit_without_teardown(code: int) -> None:

@@ -100,6 +100,29 @@ def test_train_two_ranks_fed_by_the_real_loader(tiny_data):
     assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected
 
 
+def test_train_times_the_step_the_trainer_would_run_for_the_same_config():
+    """A key the trainer's step reads is the benchmark's too: mixup/cutmix runs in the timed
+    step (soft targets, another loss from the same weights and images), and train.compile
+    compiles as --compile does. TORCHDYNAMO_DISABLE=1 leaves out the compilation itself
+    (minutes on a CPU), not the engine's compile()."""
+    # a head that is not zero-initialised: the loss then depends on the images and targets
+    base = ["train", *TINY, "--batch", "4", "--precision", "fp32", "--steps", "1",
+            "--warmup", "0", "--set", "model.head_zero_init=false", "--json"]
+    done = run_launcher("benchmark.py", *base, "--set", "data.mixup_alpha=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    plain = json.loads(done.stdout)
+    # nobody set optimizer.momentum: the config a rank gets says so, nothing to warn about
+    assert "not used by optimizer" not in done.stderr, done.stderr[-3000:]
+    mixed = _json(*base[:-1], "--set", "data.mixup_alpha=0.8")
+    assert (plain["mixup"], mixed["mixup"]) == (False, True)
+    assert mixed["final_loss"] != plain["final_loss"]
+    assert not plain["compile"]
+    compiled = run_launcher("benchmark.py", *base, "--set", "train.compile=true",
+                            env={"TORCHDYNAMO_DISABLE": "1"})
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert json.loads(compiled.stdout)["compile"] is True
+
+
 def test_overhead_compares_both_loops_from_the_same_start():
     r = _json("overhead", *TINY, "--batch", "4", "--steps", "1", "--repeats", "2")
     assert r["zero_stage"] == 2 and r["precision"] == "bf16" and r["threads"] == 1

@@ -159,3 +159,43 @@ def test_a_real_run_starts_with_the_collector_off_and_trains_with_it_on_and_froz
     found = re.search(r"first step: enabled=True frozen=(\d+)", proc.stderr)
     assert found and int(found.group(1)) > 100_000, proc.stderr[-3000:]
     assert "done: " in proc.stderr and (out / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_heap_frozen_gives_a_block_the_trainers_regime_and_then_the_heap_back():
+    import gc
+
+    from pretrain import interpreter
+    gc.disable()  # as a training launcher has it while the run starts
+    try:
+        with interpreter.heap_frozen():
+            assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_benchmark_train_times_its_steps_with_the_heap_frozen_as_the_trainer_does(tmp_path):
+    """Figures that stand for the trainer's: a gen-2 collection over the whole heap (0.3 s
+    here) must not fall into the benchmark's steps when the launched trainer's cannot."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent(f"""
+        import gc, runpy, sys
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "launch")!r}]
+        import pretrain.engine as engine
+
+        train_micro_batch = engine.train_micro_batch
+        def step(*args):
+            print(f"step: enabled={{gc.isenabled()}} frozen={{gc.get_freeze_count()}}",
+                  file=sys.stderr, flush=True)
+            return train_micro_batch(*args)
+        engine.train_micro_batch = step
+        sys.argv[0] = {str(REPO / "launch" / "benchmark.py")!r}
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    """))
+    proc = launch(probe, "train", "--model", "vit_tiny_patch16_224", "--image-size", "16",
+                  "--num-classes", "4", "--batch", "2", "--precision", "fp32", "--steps", "1",
+                  "--warmup", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frozen = [int(n) for n in re.findall(r"step: enabled=True frozen=(\d+)", proc.stderr)]
+    assert len(frozen) == 2 and min(frozen) > 100_000, proc.stderr[-3000:]
