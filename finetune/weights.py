@@ -46,7 +46,8 @@ from typing import Mapping, Optional
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.export import BACKBONE_PREFIX, FULL_FORMAT, CheckpointError, read_metadata
+from pretrain.export import (BACKBONE_PREFIX, FULL_FORMAT, CheckpointError, read_metadata,
+                             resolve_checkpoint)
 from pretrain.model import ViTClassifier
 
 POS_EMBED = BACKBONE_PREFIX + "pos_embed"
@@ -198,6 +199,10 @@ def check_init(init: str | os.PathLike) -> str:
         raise InitError(f"init '{text}' is a fine-tune's output folder; start from one of its "
                         f"files: init={path / 'final.safetensors'} or {path / 'best.safetensors'}")
     if path.is_dir():
+        try:  # its layout only: which checkpoint it names, nothing read
+            resolve_checkpoint(path)
+        except CheckpointError as e:
+            raise InitError(f"init '{text}': {e}") from None
         return "deepspeed"
     if re.fullmatch(r".*_(model|optim)_states\.pt", path.name):
         raise InitError(f"init '{text}' is one file of a DeepSpeed checkpoint; give its folder: "

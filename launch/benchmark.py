@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import interpreter  # noqa: E402
+from pretrain.cli import fail, positive_int, whole_number  # noqa: E402
 
 
 def run_loader(args) -> dict:
@@ -43,6 +44,8 @@ def run_loader(args) -> dict:
     from pretrain.data.transforms import decoder_description
 
     photo_size = _photo_size(args.decoder_photos)  # a typo fails now, not after the timing
+    if not 1 <= args.decoder_quality <= 100:
+        fail(f"--decoder-quality {args.decoder_quality}: a JPEG quality is 1 to 100")
     shards = resolve_shards(args.shards, args.split)
     common = dict(workers=args.workers, batches=args.batches, batch_size=args.batch_size,
                   img_size=args.img_size, buffer=args.shuffle_buffer)
@@ -66,8 +69,9 @@ def _photo_size(text: str):
     try:
         width, height = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--decoder-photos {text}: expected WIDTHxHEIGHT, e.g. 500x375"
-                         ) from None
+        width = height = 0
+    if width < 1 or height < 1:
+        fail(f"--decoder-photos {text}: expected WIDTHxHEIGHT in px, e.g. 500x375")
     return width, height
 
 
@@ -120,18 +124,20 @@ def _stdout_to_stderr():
 
 
 def run_train(args) -> dict:
+    # output paths that would fail only after the measurement, losing it
+    if args.record is not None and args.record.is_dir():
+        fail(f"--record {args.record} is a folder; name a .jsonl file (made if missing, "
+             f"appended to if there)")
+    if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
+        fail(f"--profile {args.profile} is a file; name a folder for the trace (made if missing)")
     _quiet()
     from pretrain import benchmark
 
-    if args.batch < 1 or args.ranks < 1:
-        raise SystemExit("--batch and --ranks must be >= 1")
     cfg = benchmark.bench_config(
         args.model, args.batch, image_size=args.image_size, zero=args.zero,
         precision=args.precision, ranks=args.ranks,
         activation_checkpointing=args.activation_checkpointing, num_classes=args.num_classes,
         recipe=args.config, compile=args.compile, overrides=args.overrides)
-    if args.profile_steps < 1:
-        raise SystemExit("--profile-steps must be >= 1")
     return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
                          shards=args.shards, workers=args.workers,
                          profile=str(args.profile) if args.profile else None,
@@ -166,7 +172,6 @@ def print_train_table(r: dict) -> None:
 
 def run_table(args) -> int:
     from pretrain import bench_records
-    from pretrain.cli import fail
     if not args.records.is_file():
         fail(f"{args.records}: no such file; write it with `benchmark.py train ... --record "
              f"{args.records}`")
@@ -179,6 +184,9 @@ def run_table(args) -> int:
             print(f"rewrote the benchmark table in {args.readme}")
     except ValueError as e:
         fail(str(e))
+    except OSError as e:  # a missing or unwritable --readme
+        fail(f"--readme {args.readme}: {e.strerror or e}; name the README that holds the "
+             f"table's marker lines")
     return 0
 
 
@@ -212,12 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write WebDataset shards of real photos (500x375 JPEG crops of "
                     "scikit-learn's sample photos) with their _info.json, the input of `loader` "
                     "and of `train --shards`.")
-    photos.add_argument("--count", type=int, default=2048, help="photos to write (default 2048)")
+    photos.add_argument("--count", type=positive_int, default=2048,
+                        help="photos to write (default 2048)")
     photos.add_argument("--out", type=Path, required=True, metavar="DIR",
-                        help="folder for the shards and their _info.json (made if missing)")
-    photos.add_argument("--shard-size", type=int, default=128,
+                        help="folder for the shards and their _info.json (made if missing); one "
+                             "that already holds a dataset is refused")
+    photos.add_argument("--shard-size", type=positive_int, default=128,
                         help="photos per shard (default 128)")
-    photos.add_argument("--seed", type=int, default=0,
+    photos.add_argument("--seed", type=whole_number, default=0,
                         help="seed of the crops and flips; the same seed writes the same photos "
                              "(default 0)")
 
@@ -230,18 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="directory with _info.json, or a shard pattern {000..009}")
     loader.add_argument("--split", default="train",
                         help="split of _info.json to read (default train)")
-    loader.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+    loader.add_argument("--workers", type=whole_number, default=os.cpu_count() or 1,
                         help="loader worker processes of each pipeline (default: all %(default)s "
                              "cores)")
-    loader.add_argument("--batches", type=int, default=20,
+    loader.add_argument("--batches", type=positive_int, default=20,
                         help="timed batches per pipeline (default 20)")
-    loader.add_argument("--batch-size", type=int, default=256,
+    loader.add_argument("--batch-size", type=positive_int, default=256,
                         help="images per batch (default 256)")
-    loader.add_argument("--img-size", type=int, default=224,
+    loader.add_argument("--img-size", type=positive_int, default=224,
                         help="side of the random resized crop in px (default 224)")
-    loader.add_argument("--shuffle-buffer", type=int, default=1000,
+    loader.add_argument("--shuffle-buffer", type=whole_number, default=1000,
                         help="samples in each pipeline's shuffle buffer (default 1000)")
-    loader.add_argument("--repeats", type=int, default=1,
+    loader.add_argument("--repeats", type=positive_int, default=1,
                         help="alternate the two pipelines this many times, keep each one's best "
                              "(default 1)")
     loader.add_argument("--decoders", action="store_true",
@@ -253,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--decoder-quality", type=int, default=90,
                         help="their JPEG quality (default: the shards' 90; 98 gives ~100 KB "
                              "at 500x375, ImageNet's average file size)")
-    loader.add_argument("--decoder-count", type=int, default=200,
+    loader.add_argument("--decoder-count", type=positive_int, default=200,
                         help="how many photos (default 200)")
     loader.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -265,14 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--config) with the options below put in.")
     train.add_argument("--model", default="vit_large_patch16_224",
                        help="timm ViT name (default vit_large_patch16_224)")
-    train.add_argument("--batch", type=int, required=True, help="micro-batch per rank")
-    train.add_argument("--image-size", type=int, default=None,
+    train.add_argument("--batch", type=positive_int, required=True, help="micro-batch per rank")
+    train.add_argument("--image-size", type=positive_int, default=None,
                        help="resolution (default: the model's own, 224 for the i21k models)")
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                        help="ZeRO stage (default: the recipe's deepspeed.zero_stage; 1 with "
                             "the default recipe, which sets none)")
     train.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
-                       help="default bf16 (the recipe's); fp32 for quicker CPU runs")
+                       help="train.precision (default: the recipe's, bf16 with the default "
+                            "recipe); fp32 for quicker CPU runs")
     train.add_argument("--compile", action="store_true",
                        help="engine.compile() (torch.compile), as train.compile=true does")
     train.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
@@ -280,17 +291,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recompute the blocks' activations in the backward pass (default: "
                             "the recipe's train.activation_checkpointing; off with the default "
                             "recipe, which sets none)")
-    train.add_argument("--num-classes", type=int, default=None, help="default 21843 (i21k)")
-    train.add_argument("--ranks", type=int, default=1,
+    train.add_argument("--num-classes", type=positive_int, default=None,
+                       help="classes of the head, model.num_classes (default: the recipe's, "
+                            "21843 for ImageNet-21k)")
+    train.add_argument("--ranks", type=positive_int, default=1,
                        help="data-parallel ranks spawned on this machine (one per GPU; "
                             "default 1)")
-    train.add_argument("--steps", type=int, default=10,
+    train.add_argument("--steps", type=positive_int, default=10,
                        help="timed steps after the warmup (default 10)")
-    train.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    train.add_argument("--warmup", type=whole_number, default=3,
+                       help="untimed steps first (default 3)")
     train.add_argument("--shards", default=None,
                        help="feed the real loader from these shards (default: synthetic "
                             "batches on the device, data wait 0 by construction)")
-    train.add_argument("--workers", type=int, default=None,
+    train.add_argument("--workers", type=whole_number, default=None,
                        help="with --shards: loader workers per rank (default: the recipe's "
                             "data.num_workers)")
     train.add_argument("--config", default=None,
@@ -305,12 +319,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--profile", type=Path, default=None, metavar="DIR",
                        help="after the timed steps, run --profile-steps more under torch.profiler: "
                             "DIR/trace_rank<R>.json and a breakdown by kind of work (matmul, attention, "
-                            "norms, optimizer, ...), printed too")
-    train.add_argument("--profile-steps", type=int, default=3, help="steps profiled (default 3)")
+                            "norms, optimizer, ...), printed too (default: no profile)")
+    train.add_argument("--profile-steps", type=positive_int, default=3,
+                       help="steps profiled (default 3)")
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.add_argument("--record", type=Path, default=None, metavar="FILE",
                        help="append the result to FILE (JSON lines) with this command, the "
-                            "commit and the date; `table FILE` makes the README table of them")
+                            "commit and the date; `table FILE` makes the README table of them "
+                            "(default: not kept)")
 
     table = sub.add_parser(
         "table", help="the README table from train --record files",
@@ -330,17 +346,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "times and their ratio.")
     over.add_argument("--model", default="vit_tiny_patch16_224",
                       help="timm ViT name (default vit_tiny_patch16_224)")
-    over.add_argument("--batch", type=int, default=32, help="images per step (default 32)")
-    over.add_argument("--image-size", type=int, default=64, help="resolution in px (default 64)")
-    over.add_argument("--num-classes", type=int, default=1000,
+    over.add_argument("--batch", type=positive_int, default=32, help="images per step (default 32)")
+    over.add_argument("--image-size", type=positive_int, default=64,
+                      help="resolution in px (default 64)")
+    over.add_argument("--num-classes", type=positive_int, default=1000,
                       help="classes of the head (default 1000)")
-    over.add_argument("--steps", type=int, default=3, help="steps per timed block (default 3)")
-    over.add_argument("--repeats", type=int, default=6,
+    over.add_argument("--steps", type=positive_int, default=3,
+                      help="steps per timed block (default 3)")
+    over.add_argument("--repeats", type=positive_int, default=6,
                       help="alternating blocks per side; medians are compared (default 6)")
     # One thread by default: on a CPU shared with other processes, a second OpenMP thread
     # waiting at barriers for a busy core makes step times swing many-fold, which would drown
     # the difference being measured. Both sides always run with the same thread count.
-    over.add_argument("--threads", type=int, default=1,
+    over.add_argument("--threads", type=whole_number, default=1,
                       help="torch CPU threads (default 1; 0: torch's own default)")
     over.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
@@ -349,13 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "photos":
+        from pretrain.data.info import INFO_NAMES
         from pretrain.data.loader_benchmark import make_photos
+        if args.out.exists() and not args.out.is_dir():
+            fail(f"--out {args.out} is a file; name a new or empty folder")
+        if any((args.out / name).exists() for name in INFO_NAMES):
+            fail(f"--out {args.out} already holds a dataset (_info.json), which this would "
+                 f"replace; name a new or empty folder")
         out = make_photos(args.count, args.out, args.shard_size, args.seed)
         print(f"wrote {args.count} photos to {out}")
         return 0
     if args.command == "table":
         return run_table(args)
-    from pretrain.cli import fail, user_errors
+    from pretrain.cli import user_errors
     try:  # a bad model, precision or data: one line, as the launchers say it
         if args.command == "train":
             with _stdout_to_stderr():

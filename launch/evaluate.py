@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "holds an evaluation is refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the evaluation already in --out")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+    p.add_argument("--batch-size", type=cli.positive_int, default=None, metavar="N",
                    help="images per forward pass (default: the run's eval.batch_size, else 100)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=cli.whole_number, default=None, metavar="N",
                    help="data-loader worker processes (default: the run's data.num_workers, at "
                         "most the CPU count; 0 decodes in this process)")
     p.add_argument("--device", default=None,
@@ -77,10 +77,25 @@ class _Lines(logging.Formatter):
         return f"{kind}: {record.getMessage()}"
 
 
+def _check_device(name: str) -> None:
+    """Before the model is loaded: a device torch cannot name, or has not, in one line."""
+    import torch
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        cli.fail(f"--device {name}: not a torch device; use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        cli.fail(f"--device {name}: torch sees no CUDA device here; use --device cpu")
+    if device.type == "cuda" and device.index is not None and \
+            device.index >= torch.cuda.device_count():
+        cli.fail(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                 f"device(s), numbered from 0")
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    if args.batch_size is not None and args.batch_size < 1:
-        cli.fail(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.device is not None:
+        _check_device(args.device)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Lines())
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)

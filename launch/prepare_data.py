@@ -15,6 +15,7 @@ import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import interpreter
+from pretrain.cli import positive_int
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import publish
 from pretrain.data.remote import is_remote
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-size", type=int, metavar="PX",
                    help="resize images whose shorter side is longer than PX down to PX (default: keep the "
                         "original size and, for JPEGs, the original bytes)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, metavar="N",
                    help="processes writing shards in parallel (default: all %(default)s cores)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of the held-out choice and of the shuffle (default %(default)s)")

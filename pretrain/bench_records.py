@@ -20,6 +20,11 @@ BEGIN, END = "<!-- benchmark-table: begin -->", "<!-- benchmark-table: end -->"
 _NOT_MEASURED = {"--json": 0, "--record": 1, "--profile": 1, "--profile-steps": 1}
 
 
+# what every row of the table shows
+_NEEDED = ("command", "commit", "date", "device", "model", "image_size", "batch_per_rank",
+           "ranks", "precision", "zero_stage", "images_per_sec")
+
+
 def provenance(argv: Iterable[str]) -> dict:
     """The command (without the flags that only print or keep results), commit and date."""
     argv, kept = list(argv), []
@@ -63,6 +68,10 @@ def load(path: Path) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}, line {n}: not a JSON record ({e.msg})") from None
+            missing = [k for k in _NEEDED if not isinstance(record, dict) or k not in record]
+            if missing:
+                raise ValueError(f"{path}, line {n}: not a record of `benchmark.py train "
+                                 f"--record` (it lacks {', '.join(missing)})")
             latest[(record.get("command"), record.get("device"))] = record  # keeps its place
     return list(latest.values())
 

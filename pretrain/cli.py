@@ -64,6 +64,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def whole_number(text: str) -> int:
+    """argparse ``type=`` for a count that may be 0 (worker processes, warm-up steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got '{text}'")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse ``type=`` for a fraction in (0, 1], such as an MFU."""
     try:

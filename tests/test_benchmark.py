@@ -52,3 +52,57 @@ def test_loader_benchmark_times_each_jpeg_decoder_and_names_the_one_in_use(tmp_p
     assert all(row["images_per_sec"] is not None or "unavailable" in row["notes"]
                for row in rows.values())
     assert result["decoder_benchmark"]["photo_size"] == "120x90"
+
+
+def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
+    ph = tmp_path / "ph"
+    _run("photos", "--count", "4", "--shard-size", "2", "--out", str(ph))
+    info = (ph / "_info.json").read_text()
+    mine = tmp_path / "a-file"
+    mine.write_text("mine")
+    (tmp_path / "a-folder").mkdir()
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"a": 1}\n')
+    record = dict(command="python launch/benchmark.py train --batch 2", commit="abc", date="d",
+                  device="CPU", model="vit_tiny_patch16_224", image_size=32, batch_per_rank=2,
+                  ranks=1, precision="fp32", zero_stage=1, images_per_sec=1.0)
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text(json.dumps(record) + "\n")
+    cases = [
+        (["photos", "--count", "4", "--out", str(ph)],
+         f"error: --out {ph} already holds a dataset (_info.json), which this would replace; "
+         f"name a new or empty folder"),
+        (["photos", "--out", str(mine)], f"error: --out {mine} is a file; name a new or empty "
+                                         f"folder"),
+        (["loader", "--shards", str(ph), "--split", "nope"],
+         f"error: --split nope: not a split of {ph} (its splits: train)"),
+        (["loader", "--shards", str(ph), "--batches", "0"],
+         "benchmark.py loader: error: argument --batches: expected a whole number of at least 1, "
+         "got '0'"),
+        (["loader", "--shards", str(ph), "--decoders", "--decoder-quality", "500"],
+         "error: --decoder-quality 500: a JPEG quality is 1 to 100"),
+        (["train", "--batch", "2", "--warmup", "-1"],
+         "benchmark.py train: error: argument --warmup: expected a whole number of at least 0, "
+         "got '-1'"),
+        (["train", "--batch", "2", "--record", str(tmp_path / "a-folder")],
+         f"error: --record {tmp_path / 'a-folder'} is a folder; name a .jsonl file (made if "
+         f"missing, appended to if there)"),
+        (["train", "--batch", "2", "--profile", str(mine)],
+         f"error: --profile {mine} is a file; name a folder for the trace (made if missing)"),
+        (["overhead", "--repeats", "0"],
+         "benchmark.py overhead: error: argument --repeats: expected a whole number of at least "
+         "1, got '0'"),
+        (["table", str(odd)], f"error: {odd}, line 1: not a record of `benchmark.py train "
+                              f"--record` (it lacks command, commit, date, device, model, "
+                              f"image_size, batch_per_rank, ranks, precision, zero_stage, "
+                              f"images_per_sec)"),
+        (["table", str(kept), "--readme", str(tmp_path / "NOPE.md")],
+         f"error: --readme {tmp_path / 'NOPE.md'}: No such file or directory; name the README "
+         f"that holds the table's marker lines"),
+    ]
+    for args, line in cases:
+        done = subprocess.run([sys.executable, str(BENCHMARK), *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
+        assert done.stderr.strip().splitlines()[-1] == line, args
+    assert (ph / "_info.json").read_text() == info and mine.read_text() == "mine"

@@ -224,6 +224,10 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
                         "--split", "test", "--no-tracking", timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"error: MODEL '{tmp_path / 'nope'}' not found"]
+    proc = run_launcher("evaluate.py", str(ft.out / "final"), "--data", str(ft.data),
+                        "--split", "test", "--no-tracking", "--device", "gpu0", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --device gpu0: not a torch device; use cpu, cuda or cuda:N"]
 
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "empty").mkdir()

@@ -347,3 +347,15 @@ def test_cli_bad_input_is_one_line_naming_the_fix(i21k, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: synset n00000001 (") and "pass --skip-unknown" in lines[-1]
     assert "Traceback" not in proc.stderr
+    # no worker count below 1 read as 1, no output folder that is a file
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(raw.root), "--out",
+                        str(tmp_path / "z"), "--workers", "0")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: argument --workers: expected a whole number of at least 1, got '0'; see "
+        "prepare_data.py --help")
+    (tmp_path / "a-file").write_text("mine")
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(raw.root), "--out",
+                        str(tmp_path / "a-file"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: the output folder {tmp_path / 'a-file'} is a file; name a new or empty folder"]
+    assert (tmp_path / "a-file").read_text() == "mine"

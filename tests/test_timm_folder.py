@@ -147,5 +147,10 @@ def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     with pytest.raises(InitError, match=r"is a fine-tune's output folder; start from one of its "
                                         r"files: init=.*final.safetensors"):
         load_init(tuned, tmp_path / "ft")
+    # a folder that holds no checkpoint (a folder of images, say): refused by --dry-run too
+    from finetune.weights import check_init
+    (tmp_path / "photos" / "cat").mkdir(parents=True)
+    with pytest.raises(InitError, match=r"holds no checkpoint: expected a pretraining output dir"):
+        check_init(tmp_path / "photos")
     meta = card_metadata(folder)
     assert meta["datasets"] == ["tiny"] and meta["vitscale"]["source"]["step"] == 4

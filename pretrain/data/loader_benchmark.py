@@ -48,18 +48,22 @@ def make_photos(count: int, out: Path, shard_size: int, seed: int = 0) -> Path:
 # loader: ours against the reference pipeline
 # --------------------------------------------------------------------------------------------
 def resolve_shards(spec: str, split: str):
-    from pretrain.data.info import DatasetInfoError
+    from pretrain.data.info import InfoNotRead, read_info
     from pretrain.data.shards import ShardSet
 
     try:
-        return ShardSet.from_info(spec, split)
-    except DatasetInfoError:
+        splits = read_info(spec).splits
+    except InfoNotRead:  # no dataset folder: a shard pattern
         import webdataset as wds
         urls = wds.shardlists.expand_urls(spec)
         if len(urls) == 1 and not os.path.exists(urls[0]) and "://" not in urls[0]:
             raise LoaderError(f"--shards {spec}: neither a directory with _info.json nor a shard "
                               f"pattern that exists; run `benchmark.py photos` to make one")
         return ShardSet.from_urls(urls)
+    if split not in splits:
+        raise LoaderError(f"--split {split}: not a split of {spec} (its splits: "
+                          f"{', '.join(splits)})")
+    return ShardSet.from_info(spec, split)
 
 
 def _time_batches(iterator, warmup: int, batches: int, batch_size: int) -> float:

@@ -272,6 +272,8 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     settings = make_settings(source, src, name=name, shard_size=shard_size, val_count=val_count,
                              max_size=max_size, seed=seed, synsets=synsets, skip_unknown=skip_unknown)
     out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PrepareError(f"the output folder {out_dir} is a file; name a new or empty folder")
     if out_dir.resolve().is_relative_to(Path(src).resolve()):
         # its shards and work files would be scanned as a class folder of the source
         raise PrepareError(f"the output folder {out_dir} is inside --src {src}; write it "
