@@ -199,8 +199,8 @@ def check_init(init: str | os.PathLike) -> str:
         raise InitError(f"init '{text}' is a fine-tune's output folder; start from one of its "
                         f"files: init={path / 'final.safetensors'} or {path / 'best.safetensors'}")
     if path.is_dir():
-        try:  # its layout only: which checkpoint it names, nothing read
-            resolve_checkpoint(path)
+        try:  # its layout only: which checkpoint it names, nothing read (nor warned twice)
+            resolve_checkpoint(path, warn=False)
         except CheckpointError as e:
             raise InitError(f"init '{text}': {e}") from None
         return "deepspeed"

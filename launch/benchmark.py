@@ -125,9 +125,10 @@ def _stdout_to_stderr():
 
 def run_train(args) -> dict:
     # output paths that would fail only after the measurement, losing it
-    if args.record is not None and args.record.is_dir():
-        fail(f"--record {args.record} is a folder; name a .jsonl file (made if missing, "
-             f"appended to if there)")
+    if args.record is not None and (args.record.is_dir() or any(
+            p.exists() and not p.is_dir() for p in args.record.parents)):
+        fail(f"--record {args.record} is a folder or under a file; name a .jsonl file (made "
+             f"if missing, appended to if there)")
     if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
         fail(f"--profile {args.profile} is a file; name a folder for the trace (made if missing)")
     _quiet()
@@ -177,16 +178,19 @@ def run_table(args) -> int:
              f"{args.records}`")
     try:
         table = bench_records.markdown(bench_records.load(args.records))
-        if args.readme is None:
-            print(table)
-        else:
-            bench_records.rewrite_readme(args.readme, table)
-            print(f"rewrote the benchmark table in {args.readme}")
+    except (ValueError, OSError) as e:  # not records; unreadable; not UTF-8
+        fail(f"{args.records}: {e}" if str(args.records) not in str(e) else str(e))
+    if args.readme is None:
+        print(table)
+        return 0
+    try:
+        bench_records.rewrite_readme(args.readme, table)
     except ValueError as e:
         fail(str(e))
     except OSError as e:  # a missing or unwritable --readme
         fail(f"--readme {args.readme}: {e.strerror or e}; name the README that holds the "
              f"table's marker lines")
+    print(f"rewrote the benchmark table in {args.readme}")
     return 0
 
 
@@ -249,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images per batch (default 256)")
     loader.add_argument("--img-size", type=positive_int, default=224,
                         help="side of the random resized crop in px (default 224)")
-    loader.add_argument("--shuffle-buffer", type=whole_number, default=1000,
+    loader.add_argument("--shuffle-buffer", type=positive_int, default=1000,
                         help="samples in each pipeline's shuffle buffer (default 1000)")
     loader.add_argument("--repeats", type=positive_int, default=1,
                         help="alternate the two pipelines this many times, keep each one's best "
@@ -314,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="KEY=VALUE",
                        help="any config override, repeatable; what the training step reads "
                             "takes effect as in the trainer (model, optimizer, train, deepspeed, "
-                            "data augmentation with --shards, mixup/cutmix always), while "
-                            "checkpoint, eval, tracking and log keys do nothing here")
+                            "data augmentation with --shards, mixup/cutmix always; "
+                            "log.peak_tflops, the MFU's denominator), while checkpoint, eval, "
+                            "tracking and other log keys do nothing here")
     train.add_argument("--profile", type=Path, default=None, metavar="DIR",
                        help="after the timed steps, run --profile-steps more under torch.profiler: "
                             "DIR/trace_rank<R>.json and a breakdown by kind of work (matmul, attention, "

@@ -91,9 +91,10 @@ def _is_finetune_dir(d: Path) -> bool:
     return isinstance(saved, dict) and "init" in saved  # a key only the fine-tune has
 
 
-def resolve_checkpoint(path: Union[str, os.PathLike]) -> Path:
+def resolve_checkpoint(path: Union[str, os.PathLike], warn: bool = True) -> Path:
     """A pretraining output dir, its ``checkpoints/`` dir, a plain DeepSpeed save dir with a
-    ``latest`` file, or one checkpoint dir -> the checkpoint dir to read."""
+    ``latest`` file, or one checkpoint dir -> the checkpoint dir to read; ``warn``: say why an
+    incomplete checkpoint was passed over."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint '{p}' not found")
@@ -114,7 +115,8 @@ def resolve_checkpoint(path: Union[str, os.PathLike]) -> Path:
         return p
     for store_root in (p / "checkpoints", p):
         if store_root.is_dir() and any(TAG_RE.match(d.name) for d in store_root.iterdir()):
-            latest = CheckpointStore(store_root).latest()
+            valid = CheckpointStore(store_root).complete(warn=warn)
+            latest = valid[0] if valid else None
             if latest is None:
                 raise CheckpointError(f"no complete checkpoint under '{store_root}' "
                                       f"(every save there was interrupted)")

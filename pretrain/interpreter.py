@@ -91,8 +91,9 @@ def _freeze_heap() -> None:
 @contextlib.contextmanager
 def heap_frozen() -> Iterator[None]:
     """The block runs with the heap as a launched trainer's is from its first step on (what
-    is alive frozen, the collector on), in any process; afterwards the heap is as it was.
-    For benchmarks that time training steps outside the launcher: spawned ranks, tests."""
+    is alive frozen, the collector on), in any process; afterwards the collector is on or off
+    as it was, and the heap unfrozen unless it was frozen before. For benchmarks that time
+    training steps outside the launcher: spawned ranks, tests."""
     was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
     _freeze_heap()
     try:

@@ -85,8 +85,8 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
          "benchmark.py train: error: argument --warmup: expected a whole number of at least 0, "
          "got '-1'"),
         (["train", "--batch", "2", "--record", str(tmp_path / "a-folder")],
-         f"error: --record {tmp_path / 'a-folder'} is a folder; name a .jsonl file (made if "
-         f"missing, appended to if there)"),
+         f"error: --record {tmp_path / 'a-folder'} is a folder or under a file; name a .jsonl "
+         f"file (made if missing, appended to if there)"),
         (["train", "--batch", "2", "--profile", str(mine)],
          f"error: --profile {mine} is a file; name a folder for the trace (made if missing)"),
         (["overhead", "--repeats", "0"],
