@@ -53,26 +53,23 @@ def _describe_keys(schema: Type[Section]) -> str:
     return "\n".join(lines)
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=`` for a count that must be at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got '{text}'")
-    return value
+def _count_of_at_least(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}, "
+                                             f"got '{text}'")
+        return value
+    return parse
 
 
-def whole_number(text: str) -> int:
-    """argparse ``type=`` for a count that may be 0 (worker processes, warm-up steps)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 0, got '{text}'")
-    return value
+# argparse ``type=`` for counts: of things there must be one of at least (ranks, steps,
+# batches), of things that may be none (worker processes, warm-up steps)
+positive_int = _count_of_at_least(1)
+whole_number = _count_of_at_least(0)
 
 
 def fraction(text: str) -> float:
