@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import cli, interpreter
@@ -73,10 +74,17 @@ def main(argv=None) -> None:
                  f"single-file export")
     check_targets(args, folder)
     from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
-    from pretrain.export import timm_kwargs
+    from pretrain.export import resolve_checkpoint, timm_kwargs
     from pretrain.timm_folder import write_timm_folder
 
     try:
+        # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
+        ckpt = resolve_checkpoint(args.checkpoint, warn=False)  # consolidate() warns
+        files = [p for p in ckpt.rglob("*") if p.is_file()]
+        print(f"reading {ckpt} ({len(files)} files, "
+              f"{sum(p.stat().st_size for p in files) / 2 ** 30:.2f} GiB)", file=sys.stderr,
+              flush=True)
+        started = time.monotonic()
         c = consolidate(args.checkpoint)
         full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
         timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
@@ -88,7 +96,8 @@ def main(argv=None) -> None:
     params = sum(v.numel() for v in c.state_dict.values())
     ranks = f"{c.world_size} ranks" if c.world_size else "ranks not recorded"
     print(f"checkpoint {c.source} (step {c.step}, ZeRO-{c.zero_stage}, {ranks}, "
-          f"tracking run {c.tracking_run_id or '-'})")
+          f"tracking run {c.tracking_run_id or '-'}; exported in "
+          f"{time.monotonic() - started:.1f} s)")
     print(f"model {s.name}: {s.img_size}px, patch {s.patch_size}, width {s.embed_dim}, "
           f"depth {s.depth}, pre-logits {s.representation_size or '-'}, "
           f"{s.num_classes} classes, {params / 1e6:.2f} M parameters (fp32)")

@@ -14,16 +14,20 @@ of the weights, we the fp32 masters: equal up to rounding, exact in fp32.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from pretrain.config import ConfigError
+from pretrain.metrics import format_duration
 from pretrain.model_files import ModelFile
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 class EvaluateError(ConfigError):
@@ -57,7 +61,9 @@ class Evaluation:
 # --------------------------------------------------------------------------------------------
 def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] = None,
              workers: Optional[int] = None, device: Optional[str] = None,
-             precision: str = "auto") -> Evaluation:
+             precision: str = "auto", progress_every_s: float = 30.0) -> Evaluation:
+    """``progress_every_s``: a line of images done, rate and ETA that often (a split of 50,000
+    images takes an hour on a CPU; the figures come only at the end)."""
     from pretrain.config import DataConfig
     from pretrain.data.device_batch import normalize
     from pretrain.data.eval_loader import build_eval_loader
@@ -105,14 +111,25 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     # is a wrong dataset, said in one line, not a sample to skip
     loader = build_eval_loader(data, img_size=mf.img_size, batch_size=batch_size, split=split)
 
+    total = info.split(split).num_samples
+
     def batches():
+        seen, start = 0, time.monotonic()
+        last = start
         for batch in loader:
             top = int(batch.labels.max()) if len(batch.labels) else -1
             if top >= mf.num_classes:
                 raise EvaluateError(f"--split '{split}' of {root} has label {top}, beyond the "
                                     f"model's {mf.num_classes} classes; evaluate it on the "
                                     f"dataset it was trained on")
-            yield batch
+            yield batch  # back here once the batch is scored
+            seen += len(batch.labels)
+            now = time.monotonic()
+            if now - last >= progress_every_s and 0 < seen < total:
+                last, rate = now, seen / max(now - start, 1e-9)
+                log.info("%s: %s/%s images (%.1f %%), %.0f images/s, ETA %s", split,
+                         f"{seen:,}", f"{total:,}", 100 * seen / total, rate,
+                         format_duration((total - seen) / rate))
 
     evaluator = ClassificationEvaluator(
         batches, normalize=functools.partial(normalize, mode=mf.normalize), name=split,

@@ -394,6 +394,7 @@ def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: i
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
               "nonfinite_skipped": guard.skipped, "stage": stage.state_dict(),
               "loss_window": gather(list(loss_window), world)}
+    started = time.monotonic()
     try:
         ckpt = store.save(backend, step, client)
     except CheckpointWriteError as e:
@@ -403,6 +404,6 @@ def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: i
             log.warning("%s -- checkpoint.on_write_error=continue: training goes on and tries "
                         "again at step %d", e, min(steps, step + cfg.checkpoint.every_steps))
         return False
-    if backend.rank == 0:
-        log.info("checkpoint %s", ckpt.path)
+    if backend.rank == 0:  # the time: what each save costs the run, and a stop's grace period
+        log.info("checkpoint %s (written in %.1f s)", ckpt.path, time.monotonic() - started)
     return True

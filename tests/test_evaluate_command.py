@@ -142,6 +142,21 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         hidden.rename(ft.out)
 
 
+def test_a_long_split_shows_its_progress_with_a_rate_and_an_eta(ft, caplog):
+    from pretrain import evaluate_model, model_files
+
+    mf = model_files.load_model(ft.out / "final")
+    with caplog.at_level(logging.INFO, logger="pretrain.evaluate_model"):
+        ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0, batch_size=16,
+                                     progress_every_s=0)  # a line after every batch
+    total = ev.samples
+    assert total > 3 * 16  # several batches, so several lines
+    lines = [r.getMessage() for r in caplog.records if r.name == "pretrain.evaluate_model"]
+    assert len(lines) == -(-total // 16) - 1  # none once the split is done: the figures follow
+    assert lines[0].startswith(f"test: 16/{total:,} images (") and " images/s, ETA " in lines[0]
+    assert lines[-1].startswith(f"test: {16 * len(lines)}/{total:,} images (")
+
+
 def test_timm_builds_the_logits_of_our_model_from_the_folder(ft):
     from pretrain.model_files import load_model
 

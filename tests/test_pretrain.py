@@ -2,6 +2,7 @@
 size, and the multi-node launcher path. Kills, failing writes and bad data: test_faults.py."""
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -163,6 +164,8 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
 
     first = launch("train.total_steps=8")
     assert first.returncode == 0, first.stderr[-3000:]
+    assert re.search(rf"checkpoint {out}/checkpoints/step_00000008 \(written in \d+\.\d s\)",
+                     first.stderr), first.stderr[-3000:]
     first_losses = losses(out)
 
     # the same output_dir with another model: refused, nothing touched
