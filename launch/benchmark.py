@@ -185,6 +185,8 @@ def run_table(args) -> int:
         return 0
     try:
         bench_records.rewrite_readme(args.readme, table)
+    except UnicodeDecodeError as e:
+        fail(f"--readme {args.readme}: not UTF-8 text ({e.reason}); name the README")
     except ValueError as e:
         fail(str(e))
     except OSError as e:  # a missing or unwritable --readme

@@ -64,6 +64,14 @@ def check_targets(args, folder: bool) -> None:
             cli.fail(f"'{target}' exists; pass --overwrite to replace it, or name another")
 
 
+def _size(folder) -> str:
+    try:
+        files = [p for p in folder.rglob("*") if p.is_file()]
+        return f" ({len(files)} files, {sum(p.stat().st_size for p in files) / 2 ** 30:.2f} GiB)"
+    except OSError:  # pruned meanwhile, say: consolidate() tells
+        return ""
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     folder = not args.out.endswith(".safetensors")
@@ -79,13 +87,10 @@ def main(argv=None) -> None:
 
     try:
         # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
-        ckpt = resolve_checkpoint(args.checkpoint, warn=False)  # consolidate() warns
-        files = [p for p in ckpt.rglob("*") if p.is_file()]
-        print(f"reading {ckpt} ({len(files)} files, "
-              f"{sum(p.stat().st_size for p in files) / 2 ** 30:.2f} GiB)", file=sys.stderr,
-              flush=True)
+        ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
+        print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        c = consolidate(args.checkpoint)
+        c = consolidate(ckpt)
         full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
         timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
     except CheckpointError as e:

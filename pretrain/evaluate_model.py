@@ -123,7 +123,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                                     f"model's {mf.num_classes} classes; evaluate it on the "
                                     f"dataset it was trained on")
             yield batch  # back here once the batch is scored
-            seen += len(batch.labels)
+            seen += int((batch.labels >= 0).sum())  # not the padding rows (label -1)
             now = time.monotonic()
             if now - last >= progress_every_s and 0 < seen < total:
                 last, rate = now, seen / max(now - start, 1e-9)

@@ -5,6 +5,7 @@ import csv
 import io
 import json
 import logging
+import re
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,19 +143,33 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         hidden.rename(ft.out)
 
 
-def test_a_long_split_shows_its_progress_with_a_rate_and_an_eta(ft, caplog):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_long_split_shows_its_progress_with_a_rate_and_an_eta(ft, caplog, workers):
+    """Images done count the split's images only: with 2 workers the loader pads each worker's
+    batches to the same number (label -1), which are not images done."""
     from pretrain import evaluate_model, model_files
+    from pretrain.config import DataConfig
+    from pretrain.data.eval_loader import build_eval_loader
 
     mf = model_files.load_model(ft.out / "final")
     with caplog.at_level(logging.INFO, logger="pretrain.evaluate_model"):
-        ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0, batch_size=16,
+        ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=workers, batch_size=16,
                                      progress_every_s=0)  # a line after every batch
     total = ev.samples
-    assert total > 3 * 16  # several batches, so several lines
     lines = [r.getMessage() for r in caplog.records if r.name == "pretrain.evaluate_model"]
-    assert len(lines) == -(-total // 16) - 1  # none once the split is done: the figures follow
-    assert lines[0].startswith(f"test: 16/{total:,} images (") and " images/s, ETA " in lines[0]
-    assert lines[-1].startswith(f"test: {16 * len(lines)}/{total:,} images (")
+    assert len(lines) > 3 and " images/s, ETA " in lines[0]
+    shown = [int(re.match(rf"test: ([\d,]+)/{total:,} images \(", line).group(1).replace(",", ""))
+             for line in lines]
+    # the real images of the batches scored so far, from the same loader; none once all are
+    loader = build_eval_loader(DataConfig(root=str(ft.data), val_split="test",
+                                          num_workers=workers), img_size=mf.img_size,
+                               batch_size=16, split="test")
+    done, expected = 0, []
+    for batch in loader:
+        done += int((batch.labels >= 0).sum())
+        if 0 < done < total:
+            expected.append(done)
+    assert shown == expected and done == total
 
 
 def test_timm_builds_the_logits_of_our_model_from_the_folder(ft):
