@@ -100,6 +100,8 @@ def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
     from pretrain.export import consolidate
     from pretrain.timm_folder import write_timm_folder
     out = Path(output_dir)
+    logging.getLogger(__name__).info("exporting the backbone to %s for MLflow (timm layout, "
+                                     "from the newest checkpoint)", out / "backbone")
     try:
         folder = write_timm_folder(consolidate(out), out / "backbone")
     except Exception as e:  # noqa: BLE001 -- training is done and checkpointed: say, go on

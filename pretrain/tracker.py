@@ -221,7 +221,11 @@ class MlflowTracker:
             self.state.stops += 1
         self.state.ended = status
         self._stop.set()
-        self._thread.join(self.close_timeout_s + 60)
+        self._thread.join(2.0)
+        if self._thread.is_alive():  # the server is slow or away: say why the job is not over
+            log.info("tracking: waiting for MLflow to take %d pending records (up to %.0f s)",
+                     len(self._pending) + len(self._outbox), self.close_timeout_s)
+            self._thread.join(self.close_timeout_s + 58)
         self._spool.close()
         self._write_held()  # the disk may have room again: upload_spool.py can send them then
         self._remote.save_state()

@@ -98,6 +98,9 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     text = log_path.read_text()
     assert proc.returncode == 0, text[-3000:]
     assert text.count("unreachable") == 1, text[-3000:]  # one warning, not one per step
+    # the end's export of the backbone is said while it runs, once (rank 0)
+    assert text.count(f"exporting the backbone to {out / 'backbone'} for MLflow") == 1, \
+        text[-3000:]
 
     run = the_run(client, exp)
     rid = run.info.run_id
@@ -220,7 +223,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = load_config(FinetuneConfig, None, [
         f"tracking.uri={dead}", f"tracking.experiment={exp}", "tracking.flush_every_s=0.05",
-        "tracking.close_timeout_s=0.5", "tracking.system_metrics=false", "data.root=cifar10"])
+        "tracking.close_timeout_s=3", "tracking.system_metrics=false", "data.root=cifar10"])
     caplog.set_level(logging.INFO, logger="pretrain.tracking")
     tracker = start_tracking(cfg, "finetune", out, 0, world_size=1, hosts=["node0"],
                              extra_tags=lineage_tags(pre, "/ckpt/step_00000008", 8))
@@ -234,6 +237,9 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     tracker.log_model(write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
                                         head=True, normalize="imagenet"), register_as="late")
     tracker.close()
+    # the job's end waits for the server a while: said, with what it waits for
+    assert re.search(r"tracking: waiting for MLflow to take \d+ pending records \(up to 3 s\)",
+                     caplog.text), caplog.text[-2000:]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("unreachable" in r.getMessage() for r in warnings) == 1
     assert tracker.run_id is None and undelivered(out / "tracking") == 5
