@@ -209,6 +209,7 @@ class CheckpointStore:
                         "universal checkpoint", ckpt.world_size,
                         dist.get_world_size() if dist.is_initialized() else 1, ckpt.path)
             shutil.rmtree(out, ignore_errors=True)
+            started = time.monotonic()
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                    "--input_folder", str(ckpt.path), "--output_folder", str(out)]
             # a stop signal sent to every process of the job (SLURM's --signal) must not kill
@@ -223,6 +224,7 @@ class CheckpointStore:
             _sync_tree(out)
             _fsync_dir(out.parent)
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
+            log.info("converted to %s in %.1f s", out, time.monotonic() - started)
         barrier()
 
 

@@ -259,6 +259,23 @@ def test_eval_loader_covers_split_once_with_equal_batches_per_rank(tmp_path):
     assert padding and all(y == -1 for y in padding)
 
 
+def test_a_corrupt_eval_sample_is_named_at_the_first_evaluation_only(tmp_path, caplog):
+    """The same samples are dropped at every evaluation of a run: said once, not every time.
+    (In this process: the warnings of worker processes do not reach caplog; they get the same
+    flag, pickled with the dataset.)"""
+    write_split(tmp_path, [5, 4], split="validation", corrupt={"validation_001_002": "garbage"})
+    loader = EvalLoader(ShardSet.from_info(str(tmp_path), "validation"), img_size=32,
+                        batch_size=4, num_workers=0)
+    passes = []
+    for _ in range(3):
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            keys = sorted(k for b in loader for k in b.keys if k)
+        passes.append((keys, caplog.text.count("skipping sample validation_001_002")))
+    assert [n for _, n in passes] == [1, 0, 0]
+    assert passes[0][0] == passes[1][0] == passes[2][0] and len(passes[0][0]) == 8
+
+
 def test_draft_decoding_of_a_large_jpeg_keeps_the_quality(tmp_path):
     # A large, detailed photo-like image: decoding it at reduced DCT scale must give nearly
     # the pixels a full decode + high-quality resize gives.

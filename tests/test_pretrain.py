@@ -120,6 +120,9 @@ def test_resume_from_two_ranks_onto_one_skips_a_broken_checkpoint_and_loses_no_s
     assert f"skipping checkpoint {out}/checkpoints/step_00000008: file {lost.name} is missing" \
         in text
     assert f"resumed from {out}/checkpoints/step_00000004 at step 4" in text
+    # the world size changed: converted first, and how long that took is said
+    assert re.search(re.escape(f"converted to {out}/checkpoints/step_00000004_universal in ")
+                     + r"\d+\.\d s", text), text[-3000:]
     assert "different layout" in text  # the loader says how it re-dealt the epoch
     assert f"rolled back to {out}/checkpoints/step_00000008" in text
     assert sorted(losses(out)) == list(range(1, 21))

@@ -23,9 +23,10 @@ from pretrain.data.transforms import EvalTransform
 
 class _EvalDataset(IterableDataset):
     def __init__(self, plan: ShardPlan, rank: int, workers: int, batches: int, batch_size: int,
-                 transform: EvalTransform, num_classes: Optional[int]):
+                 transform: EvalTransform, num_classes: Optional[int], name_skips: bool):
         self.plan, self.rank, self.workers, self.batches = plan, rank, workers, batches
         self.batch_size, self.transform, self.num_classes = batch_size, transform, num_classes
+        self.name_skips = name_skips
 
     def __iter__(self):
         info = get_worker_info()
@@ -48,7 +49,9 @@ class _EvalDataset(IterableDataset):
             for sample in samples:
                 decoded = decode_sample(sample, self.num_classes, self.transform)
                 if isinstance(decoded, Skip):
-                    warn.warning("skipping sample %s: %s", sample.get("__key__"), decoded.reason)
+                    if self.name_skips:
+                        warn.warning("skipping sample %s: %s (said at the first evaluation "
+                                     "only)", sample.get("__key__"), decoded.reason)
                     continue
                 labels[filled], images[filled] = decoded
                 keys[filled] = sample["__key__"]
@@ -63,7 +66,9 @@ class EvalLoader:
 
     Every rank yields the same number of full-size batches, so sharded models (ZeRO-3) never
     wait on a rank that ran out; padding rows have label -1 and key "" -- mask them out.
-    Corrupt samples are dropped (they become padding).
+    Corrupt samples are dropped (they become padding), named in a warning on the first pass
+    only: the same ones are dropped on every pass, which would repeat the warnings at every
+    evaluation of a run.
     """
 
     def __init__(self, shards: ShardSet, *, img_size: int, batch_size: int, rank: int = 0,
@@ -82,13 +87,16 @@ class EvalLoader:
         self.batch_size = batch_size
         self.transform = EvalTransform(img_size, crop_pct)
         self.num_classes = num_classes
+        self.passes = 0
 
     def __len__(self) -> int:
         return self.batches_per_worker * self.workers
 
     def __iter__(self) -> Iterator[Batch]:
         dataset = _EvalDataset(self.plan, self.rank, self.workers, self.batches_per_worker,
-                               self.batch_size, self.transform, self.num_classes)
+                               self.batch_size, self.transform, self.num_classes,
+                               name_skips=self.passes == 0)
+        self.passes += 1
         loader = worker_loader(dataset, self.num_workers)
         for item in iterate_workers(loader):
             raise_failed(item)
