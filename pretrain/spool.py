@@ -231,11 +231,15 @@ class Remote:
                      "with ?workflowType=machine_learning", exp_id, EXPERIMENT_KIND_TAG,
                      one_line(e))
 
-    def upload_artifacts(self) -> int:
+    def pending_artifacts(self) -> list[Path]:
         root = self.dir / ARTIFACTS
         done = set(self.state.uploaded)
-        new = [p for p in sorted(root.rglob("*")) if p.is_file()
-               and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+        return [p for p in sorted(root.rglob("*")) if p.is_file()
+                and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+
+    def upload_artifacts(self) -> int:
+        root = self.dir / ARTIFACTS
+        new = self.pending_artifacts()
         for p in new:
             sub = p.parent.relative_to(root).as_posix()
             self.client.log_artifact(self.state.run_id, str(p),
@@ -354,6 +358,11 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
             try:
                 remote.connect(reopen=False)
                 pending = collections.deque(read_spool(d / SPOOL, read_cursor(d)))
+                files = remote.pending_artifacts()
+                # a model's files can be GBs: what is sent, before the minutes it may take
+                log.info("%s: sending %d records and %d artifact files (%.1f MiB) to run %s",
+                         d, len(pending), len(files),
+                         sum(f.stat().st_size for f in files) / 2 ** 20, state.run_id)
                 n = remote.send(pending)
                 a = remote.upload_artifacts()
                 remote.register_models()

@@ -247,6 +247,9 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
     assert up.returncode == 0, up.stderr[-2000:]
     assert "5 records" in up.stdout
+    # what it sends, said before it sends it (a model's files can take minutes)
+    assert re.search(r"tracking: sending 5 records and [1-9]\d* artifact files \(\d+\.\d "
+                     r"MiB\) to run ", up.stderr), up.stderr[-2000:]
     again = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
     assert again.returncode == 0 and "0 records" in again.stdout  # nothing is sent twice
 
