@@ -129,7 +129,7 @@ def test_a_real_run_starts_with_the_collector_off_and_trains_with_it_on_and_froz
         tmp_path, tiny_data):
     """The launcher and the trainer together: what a rank's collector does, seen from inside
     a real pretraining launch (probes on two functions the trainer calls)."""
-    from conftest import tiny_run_args
+    from conftest import sqlite_store, tiny_run_args
     probe = tmp_path / "probe.py"
     probe.write_text(textwrap.dedent(f"""
         import gc, runpy, sys
@@ -152,8 +152,9 @@ def test_a_real_run_starts_with_the_collector_off_and_trains_with_it_on_and_froz
         runpy.run_path(sys.argv[0], run_name="__main__")
     """))
     out = tmp_path / "run"
+    # (a store whose artifacts stay in tmp_path: MLflow would put them in ./mlruns)
     proc = launch(probe, *tiny_run_args(out, tiny_data, "train.total_steps=4",
-                                        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"))
+                                        f"tracking.uri={sqlite_store(tmp_path)}"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "setting up: enabled=False frozen=0" in proc.stderr
     found = re.search(r"first step: enabled=True frozen=(\d+)", proc.stderr)
