@@ -65,9 +65,9 @@ def check_targets(args, folder: bool) -> None:
 
 
 def _size(folder) -> str:
+    from pretrain.checkpoint import folder_bytes
     try:
-        files = [p for p in folder.rglob("*") if p.is_file()]
-        return f" ({len(files)} files, {sum(p.stat().st_size for p in files) / 2 ** 30:.2f} GiB)"
+        return f" ({folder_bytes(folder) / 2 ** 30:.2f} GiB)"
     except OSError:  # pruned meanwhile, say: consolidate() tells
         return ""
 

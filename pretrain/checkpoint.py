@@ -145,7 +145,7 @@ class CheckpointStore:
         previous = self.complete()
         kept = f"{previous[0].path} is intact" if previous else "there is no earlier checkpoint"
         disk = (f"the disk holding it is full ({free / 2**20:.1f} MiB free)"
-                if previous and free < _size(previous[0].path) or free < 2**20
+                if previous and free < folder_bytes(previous[0].path) or free < 2**20
                 else f"{free / 2**30:.1f} GiB free there")
         more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
         return (f"checkpoint {self.root / tag} could not be written: {errors[0]}{more}; {disk}; "
@@ -303,7 +303,8 @@ def _errors_on_any_rank(error: Optional[str]) -> list[str]:
     return [e for e in out if e]
 
 
-def _size(d: Path) -> int:
+def folder_bytes(d: Path) -> int:
+    """What the files under ``d`` hold (a checkpoint's size)."""
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
 
 
