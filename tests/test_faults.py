@@ -892,12 +892,21 @@ def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
     SIGINT again while the stop checkpoint is: the save finishes, complete, once."""
     out = tmp_path / "run"
     saving = out / "saving"
+
+    def being_saved() -> str:
+        """What the ranks are writing now ("" between saves); each rank writes and removes the
+        marker around its own files, so it may go between a look and a read."""
+        try:
+            return saving.read_text()
+        except FileNotFoundError:
+            return ""
+
     proc = launch(deepspeed_cmd(2, *run_args(out, tiny_data), script=FAULTY), tmp_path / "run.log",
                   env={"FAULTS": json.dumps({"slow_save": 0.5})})
 
     def wait_for_save(step):
         deadline = time.time() + 120
-        while f"step_{step:08d}" not in (saving.read_text() if saving.exists() else ""):
+        while f"step_{step:08d}" not in being_saved():
             assert proc.poll() is None and time.time() < deadline, f"no save of step {step}"
             time.sleep(0.02)
 
@@ -908,7 +917,7 @@ def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
     def during_the_stop_save():
         deadline = time.time() + 120
         while True:  # the next checkpoint being written is the stop checkpoint
-            text = saving.read_text() if saving.exists() else ""
+            text = being_saved()
             found = re.search(r"step_(\d+)", text)
             if found and int(found.group(1)) > EVERY:
                 seen.append(int(found.group(1)))
