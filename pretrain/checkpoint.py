@@ -45,7 +45,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from pretrain.config import ConfigError
-from pretrain.distributed import barrier, rank
+from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
 from pretrain.stopping import ignore_stop_signals
 
@@ -72,15 +72,6 @@ class Checkpoint:
     @property
     def tag(self) -> str:
         return self.path.name
-
-
-
-def _syncs_files() -> bool:
-    """Whether this rank fsyncs the checkpoint's files: one rank per node (local rank 0), and
-    rank 0, which lists them in the manifest. A node's page cache holds the writes of all its
-    ranks, and only that node can flush them: on shared storage (NFS, Lustre) an fsync from
-    another node does not. Without $LOCAL_RANK every rank counts as the first of its node."""
-    return rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 class CheckpointStore:
@@ -113,7 +104,10 @@ class CheckpointStore:
             # ranks that wrote their part wait there, so meet them before agreeing on the outcome.
             barrier()
         files = None
-        if error is None and _syncs_files():
+        # one rank per node (and rank 0, which lists the files in the manifest) fsyncs: a node's
+        # page cache holds the writes of all its ranks, and only that node can flush them (on
+        # NFS or Lustre an fsync from another node does not)
+        if error is None and first_of_node():
             try:
                 files = _sync_tree(path)
                 _fsync_dir(self.root)  # holds the entry of the step directory

@@ -64,6 +64,13 @@ def rank() -> int:
     return rank_world()[0]
 
 
+def first_of_node() -> bool:
+    """Rank 0, or the first rank of its node ($LOCAL_RANK 0): where a node's own facts (its
+    page cache, its installed packages) are acted on or reported once. Without $LOCAL_RANK
+    every rank counts as the first of its node."""
+    return rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def barrier() -> None:
     """Wait for every rank; nothing to wait for outside a process group."""
     if dist.is_available() and dist.is_initialized():

@@ -200,12 +200,21 @@ class StopSignals:
 
     def report_save(self, seconds: float, signame: str) -> None:
         """Say how long the stop checkpoint took; warn when it came close to the grace
-        period after which the scheduler kills the job."""
+        period after which the scheduler kills the job. Collective; rank 0 speaks for all."""
         # from the moment this rank was signalled (another rank may have been, not this one)
-        total = seconds if self.received_at is None else time.monotonic() - self.received_at
-        msg = (f"{signame}: checkpoint written in {seconds:.1f} s, {total:.1f} s after the "
-               f"signal reached this rank")
-        if total > 0.5 * self.grace_period_s:
+        since = seconds if self.received_at is None else time.monotonic() - self.received_at
+        if self._group is not None:  # the kill comes first where the signal came first
+            latest = torch.tensor([since], dtype=torch.float64)
+            try:
+                dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self._group)
+                since = latest.item()
+            except Exception:  # noqa: BLE001 -- a peer left after the checkpoint: own figure
+                pass
+            if dist.get_rank() != 0:
+                return
+        msg = (f"{signame}: checkpoint written in {seconds:.1f} s, {since:.1f} s after the "
+               f"signal reached the first rank")
+        if since > 0.5 * self.grace_period_s:
             log.warning("%s: that is more than half of checkpoint.grace_period_s=%.0f s; "
                         "ask the scheduler for an earlier signal (SLURM: --signal=USR1@180) or "
                         "a longer grace period", msg, self.grace_period_s)

@@ -2,6 +2,7 @@
 reached only one of them, and a rank stuck where no Python handler runs leaves at once on a
 signal when its peer is gone (instead of making the launcher wait to SIGKILL it)."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,11 +15,12 @@ from conftest import REPO, free_port
 pytestmark = pytest.mark.faults
 
 RANK = r'''
-import os, sys, time
+import logging, os, sys, time
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from pretrain.stopping import StopSignals
 mode, out = sys.argv[2], sys.argv[3]
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 stop = StopSignals(["SIGTERM", "SIGUSR1"], grace_period_s=30)
@@ -30,6 +32,8 @@ if mode == "agree":  # step boundaries every 50 ms until the ranks agree to stop
         if name:
             print(f"rank {rank} stops after step {step} on {name}", flush=True)
             stop.ending()
+            time.sleep(rank)  # rank 1 reports 1 s late: its signal is that much older
+            stop.report_save(0.0, name)
             stop.restore()
             dist.destroy_process_group()  # as the trainer does (pretrain.distributed.leave)
             sys.exit(4)
@@ -40,6 +44,15 @@ if mode == "finish":  # the run is over; rank 1 gets there seconds after rank 0
     stop.restore()
     dist.destroy_process_group()
     print(f"rank {rank} finished", flush=True)
+    sys.exit(0)
+if mode == "decoder":  # two ranks of one node build their transforms without simplejpeg
+    os.environ["LOCAL_RANK"] = str(rank)
+    from pretrain.data import transforms
+    transforms.simplejpeg = None
+    transforms.TrainTransform(32)
+    stop.ending()
+    stop.restore()
+    dist.destroy_process_group()
     sys.exit(0)
 # "stuck": rank 1 leaves; rank 0 blocks in a system call that signals restart (as in a
 # collective library's wait), so no Python signal handler runs on its main thread
@@ -81,11 +94,26 @@ def test_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path, started, 
     procs = start_ranks(tmp_path, "agree", started)
     time.sleep(0.5)
     procs[1].send_signal(signal.SIGUSR1)  # only rank 1 hears it
-    outs = [p.communicate(timeout=60)[0] for p in procs]
+    outs, errs = zip(*(p.communicate(timeout=60) for p in procs))
     assert [p.returncode for p in procs] == [4, 4], outs
     steps = {line.split(" after step ")[1].split()[0] for line in outs}
     assert len(steps) == 1 and all(line.endswith("on SIGUSR1\n") for line in outs), outs
+    # rank 0 speaks for both, with the time since the signal reached rank 1 (the only one it
+    # reached, and where the scheduler's kill would come first); rank 1 says nothing
+    reports = re.findall(r"INFO SIGUSR1: checkpoint written in 0.0 s, ([\d.]+) s after the "
+                         r"signal reached the first rank\n", errs[0])
+    assert len(reports) == 1 and float(reports[0]) >= 1.0, errs
+    assert "checkpoint written" not in errs[1], errs
     fault_ledger.record(1, 0)
+
+
+def test_a_missing_jpeg_decoder_is_warned_about_once_per_node(tmp_path, started):
+    """Without simplejpeg every rank decodes with PIL; the first rank of the node says so."""
+    procs = start_ranks(tmp_path, "decoder", started)
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert errs[0].count("WARNING JPEG decoder: PIL") == 1, errs
+    assert "WARNING" not in errs[1] and errs[1].count("INFO JPEG decoder: PIL") == 1, errs
 
 
 def test_ranks_that_finish_seconds_apart_both_exit(tmp_path, started):

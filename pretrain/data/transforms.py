@@ -32,6 +32,7 @@ import torch
 from PIL import Image
 
 from pretrain.config import ConfigError
+from pretrain.distributed import first_of_node
 from torchvision.transforms.v2 import functional as TF
 
 try:
@@ -191,11 +192,13 @@ _announced = set()
 
 def _announce(decoder: PilDecoder) -> None:
     """Log the decoder once per process (transforms are built once per loader, in the parent
-    process; workers receive them pickled)."""
+    process; workers receive them pickled). A missing simplejpeg is a fact of a node's
+    installation: warned about by the first rank of each node, not by all 64 ranks of a job."""
     text = decoder_description(decoder)
     if text not in _announced:
         _announced.add(text)
-        log.log(logging.INFO if simplejpeg is not None else logging.WARNING, "%s", text)
+        warn = simplejpeg is None and first_of_node()
+        log.log(logging.WARNING if warn else logging.INFO, "%s", text)
 
 
 _fallbacks = 0
