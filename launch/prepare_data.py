@@ -27,10 +27,10 @@ SOURCE and what --src points at:
   imagenet21k  a folder of per-synset tars (n01440764.tar holding n01440764_*.JPEG), or the
                outer fall11_whole.tar / winter21_whole.tar.gz itself, read as one stream
                (its images are spilled into DIR/.prepare while the shards are written:
-               that needs free space for about twice the dataset under DIR; the first pass,
-               the "index" bar, starts over when interrupted -- short over per-synset tars,
-               long over the stream: where it may be cut off, extract the outer tar first
-               and pass the folder holding the n*.tar files)
+               that needs free space for about twice the dataset under DIR); the first
+               pass, the "index" bar, saves its progress every minute and a rerun goes on
+               from there (a .tar.gz is decompressed up to there first: it cannot be
+               entered in the middle)
   imagefolder  ROOT/<class>/<image> (jpg, jpeg, jfif, png, webp, bmp, tif, tiff, gif, any
                case; classes sorted by name); ROOT/train/<class> with ROOT/val/<class> (or
                validation/, valid/) and ROOT/test/<class> give train, validation and test

@@ -5,8 +5,9 @@ crash (configs, dataset info, the index cache, exported weights, evaluation outp
 spools), are written under a temporary name in the same folder and then renamed over the final
 name. A rename within a folder is atomic, so a reader sees the old file or the new one, never
 half of one. A write that fails (a full disk, Ctrl-C) removes its temporary file, so it takes no
-room. This does not flush to disk: checkpoints and shards, which must survive a power loss,
-fsync on their own (``pretrain.checkpoint``, ``pretrain.data.shard_writer``).
+room. This does not flush to disk unless asked (``durable=True``: the file's data, then its
+name); checkpoints and shards, which must survive a power loss, fsync on their own
+(``pretrain.checkpoint``, ``pretrain.data.shard_writer``).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from typing import Callable, Union
 
 
 def write_atomic(path: Union[str, os.PathLike],
-                 data: Union[bytes, str, Callable[[Path], None]]) -> Path:
+                 data: Union[bytes, str, Callable[[Path], None]], durable: bool = False) -> Path:
     """Replace ``path`` with ``data``: bytes, text, or a function that writes the file it is
-    given (for writers that take a path, such as safetensors' ``save_file``)."""
+    given (for writers that take a path, such as safetensors' ``save_file``). ``durable``: on
+    disk when this returns, so a power loss leaves the old file or the new one whole."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -29,9 +31,21 @@ def write_atomic(path: Union[str, os.PathLike],
             tmp.write_text(data)
         else:
             tmp.write_bytes(data)
+        if durable:
+            _fsync(tmp)
         os.replace(tmp, path)
+        if durable:
+            _fsync(path.parent)  # the folder holds the new name
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

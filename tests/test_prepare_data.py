@@ -7,7 +7,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -148,6 +152,86 @@ def test_outer_tar_gz_stream_gives_the_same_shards(i21k, tmp_path):
     for f in out.glob("*.tar"):
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes()
     assert not (tmp_path / "out" / ".prepare" / "spill").exists()  # the spilled images are cleaned up
+
+
+# Runs prepare() with the journal saved at every inner tar and kills the process (SIGKILL: no
+# cleanup runs) once the scan has listed KILL_AT images, in the middle of an inner tar.
+KILLED_SCAN = r'''
+import os, signal, sys
+from pretrain.data import scan_journal, sources
+from pretrain.data.shard_writer import prepare
+kind, src, out, kill_at = sys.argv[1:5]
+scan_journal.SAVE_EVERY_S = 0
+listed = getattr(sources, kind).entries
+
+def entries_until_killed(self, journal=None):
+    for n, entry in enumerate(listed(self, journal)):
+        if n == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield entry
+
+setattr(getattr(sources, kind), "entries", entries_until_killed)
+prepare("imagenet21k", src, out, shard_size=16, val_count=20, progress=False)
+'''
+
+
+@pytest.mark.parametrize("layout", ["synset tars", "fall11_whole.tar", "winter21_whole.tar.gz"])
+def test_an_index_pass_killed_midway_goes_on_where_it_was_cut_off(i21k, tmp_path, layout,
+                                                                  fault_ledger):
+    """The first pass over ImageNet-21k takes hours: a rerun after a kill in the middle of an
+    inner tar reads on from the last inner tar it had saved, and writes the same shards."""
+    raw, out, _ = i21k
+    if layout == "synset tars":
+        src, kind = raw.root, "SynsetTars"
+    else:
+        src, kind = synthetic.write_outer_tar(tmp_path / layout, sorted(raw.root.glob("*.tar"))), \
+            "OuterTarStream"
+    killed = subprocess.run([sys.executable, "-c", KILLED_SCAN, kind, str(src),
+                             str(tmp_path / "out"), str(2 * PER_CLASS + 5)],
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    journal = json.loads((tmp_path / "out/.prepare/scan/state.json").read_text())
+    assert len(journal["chunks"]) == 2  # two inner tars listed and saved, the third cut off
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(src), "--out",
+                        str(tmp_path / "out"), "--shard-size", "16", "--val-count", "20")
+    assert proc.returncode == 0, proc.stderr
+    unit = "of 6 tars" if layout == "synset tars" else "of the stream of"
+    assert re.search(rf"index: going on (after 2|at byte \d+) {unit}", proc.stderr), proc.stderr
+    assert ("index: decompressing" in proc.stderr) == layout.endswith(".gz"), proc.stderr
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert read_info(tmp_path / "out").splits == read_info(out).splits
+    assert not (tmp_path / "out/.prepare/scan").exists()  # the journal is gone with the pass
+    fault_ledger.record(1, 0)
+
+
+def test_a_source_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
+    raw, out, _ = i21k
+    src = synthetic.write_outer_tar(tmp_path / "fall11_whole.tar", sorted(raw.root.glob("*.tar")))
+    killed = subprocess.run([sys.executable, "-c", KILLED_SCAN, "OuterTarStream", str(src),
+                             str(tmp_path / "out"), str(2 * PER_CLASS + 5)], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    os.utime(src, ns=(0, 0))  # downloaded again, say
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(src), "--out",
+                        str(tmp_path / "out"), "--shard-size", "16", "--val-count", "20")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{src} changed since the interrupted index pass: scanning it again from the start" \
+        in proc.stderr and "going on" not in proc.stderr
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_the_index_bar_says_how_far_through_the_outer_tar_it_is(i21k, tmp_path):
+    raw, _, _ = i21k
+    src = synthetic.write_outer_tar(tmp_path / "winter21_whole.tar.gz",
+                                    sorted(raw.root.glob("*.tar")))
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(src), "--out",
+                        str(tmp_path / "out"), "--shard-size", "16", "--val-count", "20")
+    assert proc.returncode == 0, proc.stderr
+    # in bytes of the file as stored (compressed): the whole of it, with the images listed
+    images = sum(len(tarfile.open(t).getmembers()) for t in raw.root.glob("*.tar"))
+    assert re.search(rf"index: 100%\|.*\| (\S+)/\1 \[.*, {images} images\]", proc.stderr), \
+        proc.stderr
 
 
 def test_fall11_list_and_unknown_synsets(tmp_path):

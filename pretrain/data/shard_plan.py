@@ -14,12 +14,13 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
+from .scan_journal import ScanJournal
 from .sources import Entry, PrepareError, Source
 
 SPLITS = ("train", "validation", "test")
@@ -38,14 +39,14 @@ def build_index(entries: Iterable[Entry], chunk: int = 1 << 20) -> Index:
     for entry in entries:
         batch.append(entry)
         if len(batch) == chunk:
-            chunks.append(_columns(batch))
+            chunks.append(columns(batch))
             batch = []
     if batch or not chunks:
-        chunks.append(_columns(batch))
+        chunks.append(columns(batch))
     return {c: np.concatenate([ch[c] for ch in chunks]) for c in COLUMNS}
 
 
-def _columns(batch: List[Entry]) -> Index:
+def columns(batch: List[Entry]) -> Index:
     return dict(
         split=np.array([SPLITS.index(e.split) for e in batch], dtype=np.uint8),
         key=np.array([e.key.encode() for e in batch], dtype=bytes),
@@ -67,27 +68,59 @@ def index_entries(index: Index) -> Iterable[Entry]:
         yield Entry(SPLITS[s], k.decode(), l, p, n.decode("utf-8", "surrogateescape"), o, z)
 
 
-def _save_npz(path: Path, index: Index) -> None:
+def save_npz(path: Path, index: Index) -> None:
     with open(path, "wb") as f:  # np.savez given a name without ".npz" would add the suffix
         np.savez(f, **index)
 
 
 def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
-    """The cached index of an interrupted run, or a fresh scan of the source (then cached)."""
+    """The cached index of an interrupted run, or a scan of the source (then cached); a scan
+    that was cut off goes on where its journal says, for the sources that keep one."""
     cache, scan = work / "index.npz", work / "scan.json"
     if cache.is_file() and scan.is_file():
         state = json.loads(scan.read_text())
         source.parts, source.unknown = state["parts"], state["unknown"]
         with np.load(cache) as z:
             return {c: z[c] for c in COLUMNS}
-    shutil.rmtree(work / "spill", ignore_errors=True)
+    journal = ScanJournal(work / "scan", source.src) if source.resumable_scan else None
+    if journal is None or journal.state is None:
+        shutil.rmtree(work / "spill", ignore_errors=True)
+    entries = source.entries(journal) if journal is not None else source.entries()
+    index = build_index(_with_progress(source, entries, progress))
+    write_atomic(cache, lambda tmp: save_npz(tmp, index))
+    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}))
+    if journal is not None:
+        journal.clear()
+    return index
+
+
+def _with_progress(source: Source, entries: Iterable[Entry], progress: bool) -> Iterator[Entry]:
+    """The "index" bar: images listed, and where the source can say, how far through it the
+    pass is (tars, or bytes of an outer tar) with an ETA."""
     from tqdm import tqdm
 
-    entries = tqdm(source.entries(), desc="index", unit="img", disable=not progress, mininterval=1.0)
-    index = build_index(entries)
-    write_atomic(cache, lambda tmp: _save_npz(tmp, index))
-    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}))
-    return index
+    total, unit = source.scan_size()
+    bar, n = None, 0
+
+    def show_where_the_source_is():
+        bar.set_postfix_str(f"{n:,} images", refresh=False)
+        bar.update(source.scan_done - bar.n)
+    try:
+        for n, entry in enumerate(entries, 1):
+            if bar is None:  # a resumed pass has set where it resumes by its first entry
+                bar = tqdm(desc="index", total=total, unit=unit, unit_scale=unit == "B",
+                           unit_divisor=1024, initial=source.scan_done, disable=not progress,
+                           mininterval=1.0)
+            yield entry
+            if total is None:
+                bar.update()
+            elif source.scan_done != bar.n:
+                show_where_the_source_is()
+        if bar is not None and total is not None:
+            show_where_the_source_is()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def key_hash(keys: np.ndarray, seed: int) -> np.ndarray:

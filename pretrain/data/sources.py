@@ -9,18 +9,29 @@ Layouts (README, "Prepare data"), each opened by :func:`open_source`:
 * ``imagenet21k``, read here: a folder of per-synset tars (``n01440764.tar`` holding
   ``n01440764_*.JPEG``), read in place by member offset; or the outer ``fall11_whole.tar`` /
   ``winter21_whole.tar.gz``, read once as a stream whose member bytes are spilled into a few
-  large work files.
+  large work files. Both list one inner tar at a time and keep a journal of the listing, so a
+  cut-off pass goes on where it stopped (:mod:`pretrain.data.scan_journal`).
 * ``imagefolder`` and ``imagenet1k``: class folders, :mod:`pretrain.data.folders`.
 * ``cifar10`` / ``cifar100``: the python pickle version, :mod:`pretrain.data.cifar`.
 """
 from __future__ import annotations
 
+import bz2
+import gzip
 import importlib.util
+import logging
+import lzma
 import os
 import tarfile
 import unicodedata
+import zlib
 from pathlib import Path
-from typing import Iterator, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, BinaryIO, Iterator, List, NamedTuple, Optional, Tuple
+
+if TYPE_CHECKING:
+    from .scan_journal import ScanJournal
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("imagenet21k", "imagefolder", "imagenet1k", "cifar10", "cifar100")
 # What PIL reads and exports commonly hold; each is stored as JPEG (GIF: its first frame).
@@ -98,20 +109,57 @@ def _read_range(path: str, offset: int, size: int) -> bytes:
         return f.read(size)
 
 
+# The compressions tarfile's "r|*" reads, by the magic bytes that start the file.
+_COMPRESSED = ((b"\x1f\x8b", gzip.GzipFile), (b"BZh", bz2.BZ2File),
+               (b"\xfd7zXZ\x00", lzma.LZMAFile))
+
+
+def _open_stream(path: str, position: int) -> Tuple[BinaryIO, BinaryIO]:
+    """(the file, its decompressed stream) with the stream at ``position``. A plain tar is
+    entered there directly; a compressed one has no way in but from its start, so the bytes
+    before ``position`` are decompressed and dropped (no spilling: far quicker than reading
+    them the first time)."""
+    raw = open(path, "rb", buffering=0)  # tarfile reads in records of its own
+    head = raw.read(6)
+    raw.seek(0)
+    stream = next((kind(fileobj=raw) for magic, kind in _COMPRESSED if head.startswith(magic)), raw)
+    if stream is raw:
+        raw.seek(position)
+    elif position:
+        log.info("index: decompressing %s up to byte %d of its stream (a compressed tar has no "
+                 "way in but from its start)", path, position)
+        left = position
+        while left:
+            got = len(stream.read(min(left, 16 << 20)))
+            if not got:
+                raise EOFError(f"the stream ends before byte {position}")
+            left -= got
+    return raw, stream
+
+
 class Source:
     """Base of every layout: ``entries()`` lists the samples, ``read()`` gets one sample's bytes."""
 
     name = "dataset"
     has_validation = False  # the layout brings its own held-out split
+    # The listing takes hours and keeps a journal (pretrain.data.scan_journal): ``entries``
+    # takes one and ``src`` names what it reads.
+    resumable_scan = False
 
     def __init__(self) -> None:
         self.classes: List[str] = []
         self.parts: List[str] = []
         # Classes present in the raw data but left out (``--skip-unknown``), for the report.
         self.unknown: List[str] = []
+        self.scan_done = 0  # how far ``entries`` has got, in the unit of ``scan_size``
 
-    def entries(self) -> Iterator[Entry]:
+    def entries(self, journal: Optional["ScanJournal"] = None) -> Iterator[Entry]:
         raise NotImplementedError
+
+    def scan_size(self) -> Tuple[Optional[int], str]:
+        """(the total of ``scan_done``, its unit) for a progress bar; (None, "img"): unknown,
+        the bar counts images."""
+        return None, "img"
 
     def read(self, entry: Entry) -> bytes:
         raise NotImplementedError
@@ -126,6 +174,7 @@ class _SynsetLabels(Source):
     """Shared by the two ImageNet-21k layouts: a synset list gives each synset its label."""
 
     name = "imagenet21k"
+    resumable_scan = True
 
     def __init__(self, src: str, synsets: str, skip_unknown: bool) -> None:
         super().__init__()
@@ -154,18 +203,34 @@ class _SynsetLabels(Source):
 class SynsetTars(_SynsetLabels):
     """A folder of per-synset tars, read in place: the index records each member's byte range."""
 
-    def entries(self) -> Iterator[Entry]:
+    def _tars(self) -> List[Path]:
         tars = sorted(p for p in Path(self.src).iterdir() if p.name.endswith(".tar"))
         if not tars:
             raise PrepareError(f"no per-synset tars (n01440764.tar ...) in {self.src}; point --src at "
                                f"their folder or at fall11_whole.tar / winter21_whole.tar.gz")
-        for path in tars:
-            label = self.label_of(path.name[:-4], str(path))
-            if label is None:
-                continue
-            self.parts.append(str(path))
-            with tarfile.open(path, "r:") as tar:
-                yield from self._members(tar, label, len(self.parts) - 1)
+        return tars
+
+    def scan_size(self) -> Tuple[Optional[int], str]:
+        return len(self._tars()), "tar"
+
+    def entries(self, journal: Optional["ScanJournal"] = None) -> Iterator[Entry]:
+        tars = self._tars()
+        if journal is not None and journal.state is not None:
+            self.scan_done = journal.state["tars_done"]
+            self.parts, self.unknown = journal.state["parts"], journal.state["unknown"]
+            log.info("index: going on after %d of %d tars, where the interrupted pass left off",
+                     self.scan_done, len(tars))
+            yield from journal.replay()
+        for i in range(self.scan_done, len(tars)):
+            if journal is not None and journal.due():
+                journal.save(tars_done=i, parts=self.parts, unknown=self.unknown)
+            label = self.label_of(tars[i].name[:-4], str(tars[i]))
+            if label is not None:
+                self.parts.append(str(tars[i]))
+                with tarfile.open(tars[i], "r:") as tar:
+                    for entry in self._members(tar, label, len(self.parts) - 1):
+                        yield journal.note(entry) if journal is not None else entry
+            self.scan_done = i + 1
 
     def read(self, entry: Entry) -> bytes:
         return _read_range(self.parts[entry.part], entry.offset, entry.size)
@@ -187,12 +252,36 @@ class OuterTarStream(_SynsetLabels):
         self.spill_dir = spill_dir
         self._where: dict = {}
 
-    def entries(self) -> Iterator[Entry]:
+    def scan_size(self) -> Tuple[Optional[int], str]:
+        return os.path.getsize(self.src), "B"  # of the file as stored (compressed or not)
+
+    def entries(self, journal: Optional["ScanJournal"] = None) -> Iterator[Entry]:
         os.makedirs(self.spill_dir, exist_ok=True)
-        spill = None
+        spill, start = None, 0
+        if journal is not None and journal.state is not None:
+            state = journal.state
+            start, self.parts, self.unknown = state["position"], state["parts"], state["unknown"]
+            self.scan_done = state["read"]
+            log.info("index: going on at byte %d of the stream of %s, where the interrupted pass "
+                     "left off", start, self.src)
+            yield from journal.replay()
+            if self.parts:  # what was spilled after the last save is spilled again
+                spill = open(self.parts[-1], "r+b")
+                spill.truncate(state["spill_bytes"])
+                spill.seek(0, os.SEEK_END)
+        raw = stream = None
         try:
-            with tarfile.open(self.src, "r|*") as outer:
+            raw, stream = _open_stream(self.src, start)
+            with tarfile.open(fileobj=stream, mode="r|") as outer:
                 for inner_info in outer:
+                    if journal is not None and journal.due():  # every earlier member is done
+                        if spill is not None:
+                            spill.flush()
+                            os.fsync(spill.fileno())
+                        journal.save(position=start + inner_info.offset, read=self.scan_done,
+                                     parts=self.parts, unknown=self.unknown,
+                                     spill_bytes=spill.tell() if spill is not None else 0)
+                    self.scan_done = raw.tell()
                     if not (inner_info.isfile() and inner_info.name.endswith(".tar")):
                         continue
                     synset = os.path.basename(inner_info.name)[:-4]
@@ -208,14 +297,17 @@ class OuterTarStream(_SynsetLabels):
                             offset = spill.tell()
                             spill.write(inner.extractfile(member).read())
                             stem = os.path.splitext(os.path.basename(member.name))[0]
-                            yield Entry("train", sample_key(stem), label, len(self.parts) - 1, "",
-                                        offset, member.size)
-        except (tarfile.ReadError, EOFError, OSError) as e:
+                            entry = Entry("train", sample_key(stem), label, len(self.parts) - 1,
+                                          "", offset, member.size)
+                            yield journal.note(entry) if journal is not None else entry
+            self.scan_done = raw.tell()
+        except (tarfile.ReadError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
             raise PrepareError(f"cannot read {self.src} as a tar of per-synset tars ({e}); check the "
                                f"download is complete") from None
         finally:
-            if spill is not None:
-                spill.close()
+            for f in (spill, stream, raw):
+                if f is not None:
+                    f.close()
 
     def _next_spill(self, spill):
         if spill is not None:
