@@ -12,7 +12,6 @@ ends the run with its end tags. See :mod:`pretrain.tracking` for how a job uses 
 from __future__ import annotations
 
 import collections
-import fcntl
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from pretrain.atomic_write import write_atomic
+from pretrain.file_lock import try_lock
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,7 @@ def undelivered(track_dir: Path) -> int:
 def lock(track_dir: Path):
     """Exclusive lock on the tracking directory (a job and the upload command never both send);
     the returned file holds it until closed. None when someone else holds it."""
-    f = open(track_dir / LOCK, "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.close()
-        return None
-    return f
+    return try_lock(track_dir / LOCK)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,10 +13,12 @@ import signal
 import subprocess
 import sys
 import tarfile
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 
@@ -154,20 +156,22 @@ def test_outer_tar_gz_stream_gives_the_same_shards(i21k, tmp_path):
     assert not (tmp_path / "out" / ".prepare" / "spill").exists()  # the spilled images are cleaned up
 
 
-# Runs prepare() with the journal saved at every inner tar and kills the process (SIGKILL: no
-# cleanup runs) once the scan has listed KILL_AT images, in the middle of an inner tar.
+# Runs prepare() with the journal saved at every inner tar and sends the process SIGNAL (KILL:
+# no cleanup runs; STOP: paused, as by Ctrl-Z) once the scan has listed AT images, in the middle
+# of an inner tar.
 KILLED_SCAN = r'''
 import os, signal, sys
 from pretrain.data import scan_journal, sources
 from pretrain.data.shard_writer import prepare
-kind, src, out, kill_at = sys.argv[1:5]
+kind, src, out, at = sys.argv[1:5]
+sig = getattr(signal, "SIG" + (sys.argv[5] if len(sys.argv) > 5 else "KILL"))
 scan_journal.SAVE_EVERY_S = 0
 listed = getattr(sources, kind).entries
 
 def entries_until_killed(self, journal=None):
     for n, entry in enumerate(listed(self, journal)):
-        if n == int(kill_at):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if n == int(at):
+            os.kill(os.getpid(), sig)
         yield entry
 
 setattr(getattr(sources, kind), "entries", entries_until_killed)
@@ -217,6 +221,31 @@ def test_a_source_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_p
     assert proc.returncode == 0, proc.stderr
     assert f"{src} changed since the interrupted index pass: scanning it again from the start" \
         in proc.stderr and "going on" not in proc.stderr
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_second_run_on_the_same_folder_is_refused_while_the_first_works(i21k, tmp_path):
+    raw, out, _ = i21k
+    args = ["imagenet21k", "--src", str(raw.root), "--out", str(tmp_path / "out"),
+            "--shard-size", "16", "--val-count", "20"]
+    first = subprocess.Popen([sys.executable, "-c", KILLED_SCAN, "SynsetTars", str(raw.root),
+                              str(tmp_path / "out"), str(PER_CLASS + 5), "STOP"])
+    try:
+        wait = psutil.Process(first.pid)
+        while wait.status() != psutil.STATUS_STOPPED:  # paused in its index pass, lock held
+            assert first.poll() is None
+            time.sleep(0.05)
+        second = run_launcher("prepare_data.py", *args)
+        assert second.returncode == 2 and second.stderr.strip().splitlines()[-1] == (
+            f"error: another prepare_data.py (pid {first.pid}) is writing {tmp_path / 'out'}; "
+            f"wait for it to finish, or stop it and rerun to resume")
+    finally:
+        first.kill()
+        first.wait()
+    again = run_launcher("prepare_data.py", *args)  # the kernel let go of the killed run's lock
+    assert again.returncode == 0 and "index: going on after 1 of 6 tars" in again.stderr, \
+        again.stderr
     for f in out.glob("*.tar"):
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
 

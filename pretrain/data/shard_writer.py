@@ -2,7 +2,8 @@
 
 The steps of :func:`prepare`:
 
-1. Check ``DIR``: output written with a different configuration is an error, never overwritten.
+1. Check ``DIR``: output written with a different configuration is an error, never overwritten;
+   a lock keeps a second run on the same ``DIR`` out while this one works.
 2. Index every sample of the source as compact numpy columns (key, label, where the bytes are),
    cached in ``DIR/.prepare`` so an interrupted run does not scan the source again
    (:mod:`pretrain.data.shard_plan`, as is step 3).
@@ -24,12 +25,13 @@ import re
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import IO, Dict, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
 
 from pretrain.atomic_write import write_atomic
+from pretrain.file_lock import holder, try_lock
 
 from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
 from .shard_plan import (Index, Shard, hold_out, index_entries, load_or_build_index, plan_shards,
@@ -42,6 +44,7 @@ DEFAULT_SHARD_SIZE = 1000
 DEFAULT_I21K_VAL_COUNT = 50_000
 JPEG_QUALITY = 95
 WORK_DIR = ".prepare"
+CONFIG, LOCK = "config.json", "lock"  # in WORK_DIR
 REPORT_NAME = "_skipped.json"
 
 
@@ -74,31 +77,47 @@ def _option(key: str) -> str:
     return "SOURCE" if key == "source" else "--" + key.replace("_", "-")
 
 
-def check_out_dir(out: Path, settings: dict) -> None:
-    """Refuse a ``DIR`` holding other output; record this run's configuration in it."""
+def claim_out_dir(out: Path, settings: dict) -> IO:
+    """Refuse a ``DIR`` holding other output, or one another run is writing; record this run's
+    configuration in it. Returns the lock that keeps other runs out until this one ends."""
     work = out / WORK_DIR
-    config = work / "config.json"
+    _recorded(out, settings)  # before anything is written into a folder that may not be ours
+    work.mkdir(parents=True, exist_ok=True)
+    lock = try_lock(work / LOCK)
+    if lock is None:
+        raise PrepareError(f"another prepare_data.py (pid {holder(work / LOCK)}) is writing "
+                           f"{out}; wait for it to finish, or stop it and rerun to resume")
+    recorded = _recorded(out, settings)  # again: the other run may have ended in between
+    if recorded is not None and recorded != settings:
+        # Nothing was written yet (say the first try stopped at an unknown synset): start afresh.
+        for p in work.iterdir():
+            if p.name != LOCK:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if not (work / CONFIG).is_file():
+        write_atomic(work / CONFIG, json.dumps(settings, indent=1))
+    return lock
+
+
+def _recorded(out: Path, settings: dict) -> Optional[dict]:
+    """The settings ``out`` was written with (None: a new or empty folder); refuses a folder
+    holding something else, or shards written with other settings."""
+    work = out / WORK_DIR
     recorded = None
     if any((out / n).is_file() for n in INFO_NAMES):
         recorded = read_info(out).extra.get("prepare")
         if recorded is None:
             raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
-    elif config.is_file():
-        recorded = json.loads(config.read_text())
-    elif out.is_dir() and any(out.iterdir()):
+    elif (work / CONFIG).is_file():
+        recorded = json.loads((work / CONFIG).read_text())
+    elif out.is_dir() and any(p.name != WORK_DIR for p in out.iterdir()):
         raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
                            f"choose a new or empty --out")
-    if recorded is not None and recorded != settings:
-        if _shards_started(out):
-            diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
-            what = ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
-            raise PrepareError(f"{out} was written with {what}; rerun with the same options or choose "
-                               f"another --out")
-        # Nothing was written yet (say the first try stopped at an unknown synset): start afresh.
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    if not config.is_file():
-        write_atomic(config, json.dumps(settings, indent=1))
+    if recorded is not None and recorded != settings and _shards_started(out):
+        diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
+        what = ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
+        raise PrepareError(f"{out} was written with {what}; rerun with the same options or choose "
+                           f"another --out")
+    return recorded
 
 
 def _shards_started(out: Path) -> bool:
@@ -282,35 +301,35 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work))
     if raw.has_validation and settings["val_count"]:
         raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
-    check_out_dir(out_dir, settings)
-    done_info = _complete(out_dir, settings)
-    if done_info is not None:
-        log.info("%s is already complete; nothing to do (the source is not read again: a "
-                 "changed source needs a new output folder)", out_dir)
-        return done_info
+    with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
+        done_info = _complete(out_dir, settings)
+        if done_info is not None:
+            log.info("%s is already complete; nothing to do (the source is not read again: a "
+                     "changed source needs a new output folder)", out_dir)
+            return done_info
 
-    index = load_or_build_index(raw, work, progress)
-    if not (index["split"] == 0).any():
-        raise PrepareError(f"no images found in {src}; check --src and SOURCE")
-    if settings["val_count"]:
-        hold_out(index, settings["val_count"], seed)
-    index = sort_by_key(index, raw)
-    shards = plan_shards(index, settings["name"], shard_size, seed)
+        index = load_or_build_index(raw, work, progress)
+        if not (index["split"] == 0).any():
+            raise PrepareError(f"no images found in {src}; check --src and SOURCE")
+        if settings["val_count"]:
+            hold_out(index, settings["val_count"], seed)
+        index = sort_by_key(index, raw)
+        shards = plan_shards(index, settings["name"], shard_size, seed)
 
-    ledger = work / "shards.jsonl"
-    done = _read_ledger(ledger)
-    todo = [s for s in shards if not (s.filename in done and (out_dir / s.filename).is_file())]
-    if len(todo) < len(shards):
-        log.info("resuming: %d of %d shards are complete", len(shards) - len(todo), len(shards))
-    jobs = [(s.filename, s.split, take_rows(index, s.rows)) for s in todo]
-    _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
+        ledger = work / "shards.jsonl"
+        done = _read_ledger(ledger)
+        todo = [s for s in shards if not (s.filename in done and (out_dir / s.filename).is_file())]
+        if len(todo) < len(shards):
+            log.info("resuming: %d of %d shards are complete", len(shards) - len(todo), len(shards))
+        jobs = [(s.filename, s.split, take_rows(index, s.rows)) for s in todo]
+        _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
 
-    done = _read_ledger(ledger)
-    info = _finish(out_dir, settings, raw, shards, done, int(index["label"].max()) + 1)
-    shutil.rmtree(work / "spill", ignore_errors=True)
-    for leftover in ("index.npz", "scan.json"):
-        (work / leftover).unlink(missing_ok=True)
-    return info
+        done = _read_ledger(ledger)
+        info = _finish(out_dir, settings, raw, shards, done, int(index["label"].max()) + 1)
+        shutil.rmtree(work / "spill", ignore_errors=True)
+        for leftover in ("index.npz", "scan.json"):
+            (work / leftover).unlink(missing_ok=True)
+        return info
 
 
 def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
