@@ -209,7 +209,7 @@ def test_an_index_pass_killed_midway_goes_on_where_it_was_cut_off(i21k, tmp_path
     fault_ledger.record(1, 0)
 
 
-def test_a_source_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
+def test_a_source_or_spill_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
     raw, out, _ = i21k
     src = synthetic.write_outer_tar(tmp_path / "fall11_whole.tar", sorted(raw.root.glob("*.tar")))
     killed = subprocess.run([sys.executable, "-c", KILLED_SCAN, "OuterTarStream", str(src),
@@ -223,6 +223,17 @@ def test_a_source_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_p
         in proc.stderr and "going on" not in proc.stderr
     for f in out.glob("*.tar"):
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    # the same when someone cleaned the work folder's spilled images in between
+    killed = subprocess.run([sys.executable, "-c", KILLED_SCAN, "OuterTarStream", str(src),
+                             str(tmp_path / "again"), str(2 * PER_CLASS + 5)], timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    shutil.rmtree(tmp_path / "again/.prepare/spill")
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(src), "--out",
+                        str(tmp_path / "again"), "--shard-size", "16", "--val-count", "20")
+    assert proc.returncode == 0, proc.stderr
+    assert "the spill files of the interrupted index pass are gone" in proc.stderr
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "again" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_a_second_run_on_the_same_folder_is_refused_while_the_first_works(i21k, tmp_path):

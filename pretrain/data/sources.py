@@ -239,6 +239,14 @@ class SynsetTars(_SynsetLabels):
         return f"{self.parts[entry.part]}:{entry.key}"
 
 
+def _spilled(state: dict) -> bool:
+    """Whether the spill files a journal's ``state`` names are all there, the last one at
+    least as long as it says (someone may have cleaned the work folder)."""
+    parts = state["parts"]
+    return all(os.path.isfile(p) for p in parts) and \
+        (not parts or os.path.getsize(parts[-1]) >= state["spill_bytes"])
+
+
 class OuterTarStream(_SynsetLabels):
     """``fall11_whole.tar`` / ``winter21_whole.tar.gz`` read once, front to back, never extracted.
 
@@ -258,8 +266,13 @@ class OuterTarStream(_SynsetLabels):
     def entries(self, journal: Optional["ScanJournal"] = None) -> Iterator[Entry]:
         os.makedirs(self.spill_dir, exist_ok=True)
         spill, start = None, 0
-        if journal is not None and journal.state is not None:
-            state = journal.state
+        state = journal.state if journal is not None else None
+        if state is not None and not _spilled(state):
+            log.warning("the spill files of the interrupted index pass are gone from %s: "
+                        "scanning %s again from the start", self.spill_dir, self.src)
+            journal.clear()
+            state = None
+        if state is not None:
             start, self.parts, self.unknown = state["position"], state["parts"], state["unknown"]
             self.scan_done = state["read"]
             log.info("index: going on at byte %d of the stream of %s, where the interrupted pass "
