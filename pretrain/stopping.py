@@ -38,7 +38,7 @@ import select
 import signal
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,18 @@ def unignore_stop_signals(names: Sequence[str]) -> None:
                           else signal.SIG_DFL)
 
 
+def exit_now(code: int, why: str, last_words: Optional[Callable[[str], None]] = None,
+             within_s: float = 15.0) -> None:
+    """End this process at once with ``code`` (its main thread is stuck: nothing else would),
+    after ``last_words(why)`` -- ending the MLflow run FAILED, say -- has had ``within_s``
+    seconds: it may be stuck too (an unreachable server, a hung filesystem)."""
+    if last_words is not None:
+        words = threading.Thread(target=last_words, args=(why,), name="last-words", daemon=True)
+        words.start()
+        words.join(within_s)
+    os._exit(code)
+
+
 class StoppedBySignal(Exception):
     """The ranks stopped together on a signal after writing a complete checkpoint."""
 
@@ -96,8 +108,10 @@ class StoppedBySignal(Exception):
 class StopSignals:
     """Notes the signals named in ``checkpoint.stop_signals``; the ranks agree on stopping."""
 
-    def __init__(self, names: Sequence[str], grace_period_s: float):
+    def __init__(self, names: Sequence[str], grace_period_s: float,
+                 last_words: Optional[Callable[[str], None]] = None):
         self.grace_period_s = grace_period_s
+        self.last_words = last_words  # for exit_now, when a signal comes while a peer is gone
         self.received: Optional[int] = None  # the first signal this process got
         self.received_at: Optional[float] = None
         self._previous = {}
@@ -156,11 +170,11 @@ class StopSignals:
                 if self.received is None and signum in self.signals:
                     self.received, self.received_at = signum, time.monotonic()
             if self.peer_lost and self.received is not None and not self._ending.is_set():
-                os.write(2, (f"error: {signal.Signals(self.received).name} received while "
-                             f"another rank is gone: no checkpoint can be written; exiting now. "
-                             f"Relaunching resumes from the newest complete checkpoint\n"
-                             ).encode())
-                os._exit(1)
+                why = (f"{signal.Signals(self.received).name} received while another rank is "
+                       f"gone: no checkpoint can be written")
+                os.write(2, f"error: {why}; exiting now. Relaunching resumes from the newest "
+                            f"complete checkpoint\n".encode())
+                exit_now(1, why, self.last_words)
             if left <= 0:
                 return
 

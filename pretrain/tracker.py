@@ -58,6 +58,9 @@ class NoTracking:
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
+    def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
+        pass
+
 
 class MlflowTracker:
     """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers."""
@@ -250,11 +253,15 @@ class MlflowTracker:
                      1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
         self._lock.close()
 
-    def _at_exit(self) -> None:
-        # the training loop raised: send what we have, mark the run failed, do not linger
+    def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
+        """The job is going down (the training loop raised, the rank stalled): send what we
+        have and end the run FAILED with ``tags`` saying why, without lingering."""
         if not self._closed:
             self.close_timeout_s = min(self.close_timeout_s, 10.0)
-            self.close("FAILED")
+            self.close("FAILED", tags)
+
+    def _at_exit(self) -> None:
+        self.fail()
 
     # -- background thread -----------------------------------------------------------------
     def _loop(self) -> None:

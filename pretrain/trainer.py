@@ -186,6 +186,9 @@ def _train(cfg: RunConfig, stage) -> dict:
                                        "train.grad_accum_steps": accum,
                                        **{f"model.{k}": v for k, v in asdict(spec).items()}})
     sink = MultiLogger(build_logger(out, steps, rank), tracker)
+
+    def ended_by(why: str) -> None:  # a rank ended where no exception is raised: a stall, say
+        tracker.fail({"failure": why})
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))
     if rank == 0:
@@ -200,7 +203,7 @@ def _train(cfg: RunConfig, stage) -> dict:
     # loader forks its workers (pretrain/interpreter.py)
     training_starts()
     # from the first batch on, a rank stuck for train.stall_timeout_s shows its stacks and ends
-    watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank).start()
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank, last_words=ended_by).start()
     stream = iter(loader)  # closed at the end: its worker processes go with it
     batches = stream
     if resume is None:  # a picture of what the model sees: the first batch, augmented
@@ -270,7 +273,8 @@ def _train(cfg: RunConfig, stage) -> dict:
 
     # From here a stop signal is only noted, and the ranks act on it together at a step
     # boundary; before, during setup, it ends the process at once (there is nothing to save).
-    stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s)
+    stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s,
+                       last_words=ended_by)
     try:
         while step < steps:
             scheduler.step_update(step)

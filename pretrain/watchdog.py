@@ -26,7 +26,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
+
+from pretrain.stopping import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,10 @@ class StallWatchdog:
     """While started, ends this rank (exit code :data:`EXIT_STALLED`) once :func:`progress`
     was last called ``timeout_s`` ago; ``timeout_s=0`` turns it off."""
 
-    def __init__(self, timeout_s: float, rank: int):
+    def __init__(self, timeout_s: float, rank: int,
+                 last_words: Optional[Callable[[str], None]] = None):
         self.timeout_s, self.rank = timeout_s, rank
+        self.last_words = last_words  # given why, before the end (bounded: see exit_now)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -109,11 +113,11 @@ class StallWatchdog:
                 continue
             report.append(_worker_dump(pid) or b"(no answer within 2 s)\n")
         os.write(sys.stderr.fileno(), b"".join(report))  # one write: not mixed with other ranks'
-        log.error("stalled: rank %d made no progress (no batch read, step finished or "
-                  "checkpoint written) in %.0f s, over train.stall_timeout_s=%g; its stacks are "
-                  "above. Ending it (exit code %d): relaunch the same command to resume from "
-                  "the newest complete checkpoint", self.rank, idle, self.timeout_s,
-                  EXIT_STALLED)
+        why = (f"stalled: rank {self.rank} made no progress (no batch read, step finished or "
+               f"checkpoint written) in {idle:.0f} s, over train.stall_timeout_s="
+               f"{self.timeout_s:g}")
+        log.error("%s; its stacks are above. Ending it (exit code %d): relaunch the same "
+                  "command to resume from the newest complete checkpoint", why, EXIT_STALLED)
         for handler in logging.getLogger().handlers:
             handler.flush()
         for pid in workers:  # one stuck before its start never learnt to die with the rank
@@ -121,7 +125,7 @@ class StallWatchdog:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        os._exit(EXIT_STALLED)  # the main thread is stuck: nothing else would end the process
+        exit_now(EXIT_STALLED, why, self.last_words)
 
 
 def _worker_dump(pid: int, wait_s: float = 2.0) -> bytes:

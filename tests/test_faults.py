@@ -269,12 +269,20 @@ def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch
     assert workers and not [pid for pid in workers if psutil.pid_exists(pid)
                             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [EVERY]
+    # the MLflow run does not show RUNNING for a job that is gone: FAILED, saying why (rank 0's
+    # own stall, or the launcher's SIGTERM after rank 1 ended first on its stall)
+    run = mlflow_run(out)
+    assert run.info.status == "FAILED", run.info
+    assert re.fullmatch(r"stalled: rank 0 made no progress .* over train.stall_timeout_s=5|"
+                        r"SIGTERM received while another rank is gone: no checkpoint can be "
+                        r"written", run.data.tags["failure"]), run.data.tags
 
     for f in held_out:  # the filesystem is back
         f.unlink()
         shutil.move(tmp_path / f.name, f)
     again = faulty(out, data)
     assert resumed_at(again) == [EVERY]
+    assert mlflow_run(out).info.status == "FINISHED"  # the same run, resumed to its end
     samples_lost, metrics_lost = compare_with(reference, out)
     fault_ledger.record(1, 1, samples_lost, metrics_lost)
 
