@@ -12,6 +12,7 @@ name); checkpoints and shards, which must survive a power loss, fsync on their o
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 from typing import Callable, Union
@@ -32,10 +33,10 @@ def write_atomic(path: Union[str, os.PathLike],
         else:
             tmp.write_bytes(data)
         if durable:
-            _fsync(tmp)
+            fsync_path(tmp)
         os.replace(tmp, path)
         if durable:
-            _fsync(path.parent)  # the folder holds the new name
+            fsync_path(path.parent)  # the folder holds the new name
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -43,9 +44,20 @@ def write_atomic(path: Union[str, os.PathLike],
     return path
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_fd(fd: int) -> None:
+    """fsync, where the file system can: some cannot sync directories (EINVAL), and for them
+    there is nothing more to do."""
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+
+
+def fsync_path(path: Union[str, os.PathLike]) -> None:
+    """fsync the file or folder at ``path`` (a folder: the names in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync_fd(fd)
     finally:
         os.close(fd)

@@ -29,7 +29,6 @@ on a new world size converts the checkpoint (``ds_to_universal``) into ``<tag>_u
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -44,6 +43,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.config import ConfigError
 from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
@@ -93,7 +93,7 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
             else:  # on disk too: after a crash the old one must not be back over new files
-                _fsync_dir(path)
+                fsync_path(path)
         barrier()
         error = None
         try:
@@ -110,7 +110,7 @@ class CheckpointStore:
         if error is None and first_of_node():
             try:
                 files = _sync_tree(path)
-                _fsync_dir(self.root)  # holds the entry of the step directory
+                fsync_path(self.root)  # holds the entry of the step directory
             except OSError as e:  # EIO or ENOSPC surface here when the data reach the disk late
                 error = f"rank {rank()}: fsync: {type(e).__name__}: {e}"
         ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage)
@@ -216,7 +216,7 @@ class CheckpointStore:
                                    f"{tail[0]}; run: {' '.join(cmd)}")
             # the manifest says "converted": a crash must not leave it over files not on disk
             _sync_tree(out)
-            _fsync_dir(out.parent)
+            fsync_path(out.parent)
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
             log.info("converted to %s in %.1f s", out, time.monotonic() - started)
         barrier()
@@ -231,24 +231,6 @@ def _raise(e: OSError) -> None:
 
 
 # -- durability ------------------------------------------------------------------------------
-def _fsync(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        # EINVAL: a file system that cannot sync this kind of file (some do not sync
-        # directories); there is nothing more to do for it
-        if e.errno != errno.EINVAL:
-            raise
-
-
-def _fsync_dir(path: os.PathLike | str) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sync_tree(top: Path) -> dict[str, int]:
     """fsync every file and directory under ``top`` (``top`` included); returns the files'
     sizes by their path relative to ``top``, the manifest left out. One walk does both, with
@@ -265,11 +247,11 @@ def _sync_tree(top: Path) -> dict[str, int]:
             f = os.path.join(dirpath, name)
             fd = os.open(f, os.O_RDONLY)
             try:
-                _fsync(fd)
+                fsync_fd(fd)
                 files[os.path.relpath(f, top)] = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-        _fsync_dir(dirpath)
+        fsync_path(dirpath)
     return files
 
 
@@ -279,9 +261,9 @@ def _write_durably(path: Path, text: str) -> None:
     with open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()
-        _fsync(fh.fileno())
+        fsync_fd(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)  # the rename itself
+    fsync_path(path.parent)  # the rename itself
 
 
 class CheckpointWriteError(TrainingStopped):

@@ -8,9 +8,12 @@ a lock file left behind never blocks a rerun.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from pathlib import Path
 from typing import IO, Optional
+
+log = logging.getLogger(__name__)
 
 
 def try_lock(path: Path) -> Optional[IO]:
@@ -19,9 +22,12 @@ def try_lock(path: Path) -> Optional[IO]:
     f = open(path, "a+")  # not "w": that would wipe the holder's pid before we learn it
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         f.close()
         return None
+    except OSError as e:  # a file system without locks (Lustre mounted noflock, some FUSE)
+        log.warning("cannot lock %s (%s): nothing keeps a second process out of %s", path, e,
+                    path.parent)
     f.truncate(0)
     f.write(f"{os.getpid()}\n")
     f.flush()
@@ -29,8 +35,16 @@ def try_lock(path: Path) -> Optional[IO]:
 
 
 def holder(path: Path) -> str:
-    """The pid written by the lock's holder, as text ("?" when it has not written it yet)."""
+    """Who holds the lock: "pid N", and when that process has ended, that its children (forked
+    workers, which inherit the lock) are still finishing."""
     try:
-        return Path(path).read_text().strip() or "?"
-    except OSError:
-        return "?"
+        pid = int(Path(path).read_text())
+    except (OSError, ValueError):
+        return "pid ?"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"pid {pid}, which has ended: its worker processes are still finishing"
+    except PermissionError:  # another user's process: alive
+        pass
+    return f"pid {pid}"

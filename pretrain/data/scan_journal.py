@@ -12,11 +12,13 @@ state never names data that is not there, after a kill or a power loss alike; wh
 listed after the last state is listed again.
 
 A rerun replays the saved entries, cuts the last spill file back to its saved length and reads on
-from the next inner tar. The state also records the size and modification time of ``--src``:
-a source that changed since is scanned again from the start, with a warning.
+from the next inner tar. The state also records the size and modification time of ``--src``
+(of each file in it, for a folder): a source that changed since is scanned again from the
+start, with a warning.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,9 +39,18 @@ SAVE_EVERY_S = 60.0  # a cut-off pass loses at most this much work (plus one inn
 STATE = "state.json"
 
 
-def _fingerprint(src: str) -> List[int]:
-    stat = os.stat(src)
-    return [stat.st_size, stat.st_mtime_ns]
+def _fingerprint(src: str) -> str:
+    """Size and modification time of ``src``; of a folder, of every file in it (a tar
+    rewritten in place, by ``rsync --inplace`` say, leaves the folder's own time alone)."""
+    if not os.path.isdir(src):
+        stat = os.stat(src)
+        return f"{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256()
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        stat = entry.stat()
+        digest.update(f"{entry.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode(
+            "utf-8", "surrogateescape"))
+    return digest.hexdigest()
 
 
 class ScanJournal:
@@ -51,10 +62,11 @@ class ScanJournal:
         self._chunks: List[str] = []
         self._saved_at = time.monotonic()
         self.state: Optional[dict] = None  # where a resumed pass goes on from; None: the start
+        self._src_was = [src, _fingerprint(src)]
         path = self.folder / STATE
         if path.is_file():
             state = json.loads(path.read_text())
-            if state.get("src") == [src, *_fingerprint(src)]:
+            if state.get("src") == self._src_was:
                 self.state, self._chunks = state, list(state["chunks"])
             else:
                 log.warning("%s changed since the interrupted index pass: scanning it again from "
@@ -88,7 +100,7 @@ class ScanJournal:
             write_atomic(self.folder / name, lambda tmp: save_npz(tmp, index), durable=True)
             self._chunks.append(name)
             self._buffer = []
-        state = dict(state, src=[self.src, *_fingerprint(self.src)], chunks=self._chunks)
+        state = dict(state, src=self._src_was, chunks=self._chunks)
         write_atomic(self.folder / STATE, json.dumps(state), durable=True)
         self._saved_at = time.monotonic()
 

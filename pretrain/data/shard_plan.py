@@ -87,8 +87,10 @@ def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
         shutil.rmtree(work / "spill", ignore_errors=True)
     entries = source.entries(journal) if journal is not None else source.entries()
     index = build_index(_with_progress(source, entries, progress))
-    write_atomic(cache, lambda tmp: save_npz(tmp, index))
-    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}))
+    # on disk before the journal that stands for them goes
+    write_atomic(cache, lambda tmp: save_npz(tmp, index), durable=journal is not None)
+    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}),
+                 durable=journal is not None)
     if journal is not None:
         journal.clear()
     return index
@@ -97,6 +99,9 @@ def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
 def _with_progress(source: Source, entries: Iterable[Entry], progress: bool) -> Iterator[Entry]:
     """The "index" bar: images listed, and where the source can say, how far through it the
     pass is (tars, or bytes of an outer tar) with an ETA."""
+    if not progress:
+        yield from entries
+        return
     from tqdm import tqdm
 
     total, unit = source.scan_size()
@@ -109,8 +114,7 @@ def _with_progress(source: Source, entries: Iterable[Entry], progress: bool) -> 
         for n, entry in enumerate(entries, 1):
             if bar is None:  # a resumed pass has set where it resumes by its first entry
                 bar = tqdm(desc="index", total=total, unit=unit, unit_scale=unit == "B",
-                           unit_divisor=1024, initial=source.scan_done, disable=not progress,
-                           mininterval=1.0)
+                           unit_divisor=1024, initial=source.scan_done, mininterval=1.0)
             yield entry
             if total is None:
                 bar.update()

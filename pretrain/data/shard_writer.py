@@ -85,16 +85,21 @@ def claim_out_dir(out: Path, settings: dict) -> IO:
     work.mkdir(parents=True, exist_ok=True)
     lock = try_lock(work / LOCK)
     if lock is None:
-        raise PrepareError(f"another prepare_data.py (pid {holder(work / LOCK)}) is writing "
+        raise PrepareError(f"another prepare_data.py ({holder(work / LOCK)}) is writing "
                            f"{out}; wait for it to finish, or stop it and rerun to resume")
-    recorded = _recorded(out, settings)  # again: the other run may have ended in between
-    if recorded is not None and recorded != settings:
-        # Nothing was written yet (say the first try stopped at an unknown synset): start afresh.
-        for p in work.iterdir():
-            if p.name != LOCK:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if not (work / CONFIG).is_file():
-        write_atomic(work / CONFIG, json.dumps(settings, indent=1))
+    try:
+        recorded = _recorded(out, settings)  # again: the other run may have ended in between
+        if recorded is not None and recorded != settings:
+            # Nothing was written yet (say the first try stopped at an unknown synset): start
+            # afresh.
+            for p in work.iterdir():
+                if p.name != LOCK:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if not (work / CONFIG).is_file():
+            write_atomic(work / CONFIG, json.dumps(settings, indent=1))
+    except BaseException:
+        lock.close()  # not left to the traceback: a retry in this process would be refused
+        raise
     return lock
 
 
@@ -301,12 +306,12 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
     raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work))
     if raw.has_validation and settings["val_count"]:
         raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
+    done_info = _complete(out_dir, settings)  # read only: a finished folder may be read-only
+    if done_info is not None:
+        log.info("%s is already complete; nothing to do (the source is not read again: a "
+                 "changed source needs a new output folder)", out_dir)
+        return done_info
     with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
-        done_info = _complete(out_dir, settings)
-        if done_info is not None:
-            log.info("%s is already complete; nothing to do (the source is not read again: a "
-                     "changed source needs a new output folder)", out_dir)
-            return done_info
 
         index = load_or_build_index(raw, work, progress)
         if not (index["split"] == 0).any():

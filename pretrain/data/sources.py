@@ -17,6 +17,7 @@ Layouts (README, "Prepare data"), each opened by :func:`open_source`:
 from __future__ import annotations
 
 import bz2
+import errno
 import gzip
 import importlib.util
 import logging
@@ -27,6 +28,8 @@ import unicodedata
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Iterator, List, NamedTuple, Optional, Tuple
+
+from pretrain.atomic_write import fsync_path
 
 if TYPE_CHECKING:
     from .scan_journal import ScanJournal
@@ -120,20 +123,25 @@ def _open_stream(path: str, position: int) -> Tuple[BinaryIO, BinaryIO]:
     before ``position`` are decompressed and dropped (no spilling: far quicker than reading
     them the first time)."""
     raw = open(path, "rb", buffering=0)  # tarfile reads in records of its own
-    head = raw.read(6)
-    raw.seek(0)
-    stream = next((kind(fileobj=raw) for magic, kind in _COMPRESSED if head.startswith(magic)), raw)
-    if stream is raw:
-        raw.seek(position)
-    elif position:
-        log.info("index: decompressing %s up to byte %d of its stream (a compressed tar has no "
-                 "way in but from its start)", path, position)
-        left = position
-        while left:
-            got = len(stream.read(min(left, 16 << 20)))
-            if not got:
-                raise EOFError(f"the stream ends before byte {position}")
-            left -= got
+    try:
+        head = raw.read(6)
+        raw.seek(0)
+        stream = next((kind(fileobj=raw) for magic, kind in _COMPRESSED if head.startswith(magic)),
+                      raw)
+        if stream is raw:
+            raw.seek(position)
+        elif position:
+            log.info("index: decompressing %s up to byte %d of its stream (a compressed tar has "
+                     "no way in but from its start)", path, position)
+            left = position
+            while left:
+                got = len(stream.read(min(left, 16 << 20)))
+                if not got:
+                    raise EOFError(f"the stream ends before byte {position}")
+                left -= got
+    except BaseException:
+        raw.close()
+        raise
     return raw, stream
 
 
@@ -315,6 +323,8 @@ class OuterTarStream(_SynsetLabels):
                             yield journal.note(entry) if journal is not None else entry
             self.scan_done = raw.tell()
         except (tarfile.ReadError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # writing the spill files, not reading the tar
             raise PrepareError(f"cannot read {self.src} as a tar of per-synset tars ({e}); check the "
                                f"download is complete") from None
         finally:
@@ -323,8 +333,12 @@ class OuterTarStream(_SynsetLabels):
                     f.close()
 
     def _next_spill(self, spill):
-        if spill is not None:
+        if spill is not None:  # on disk before a journal's state counts on it
+            spill.flush()
+            os.fsync(spill.fileno())
             spill.close()
+            if len(self.parts) == 1:
+                fsync_path(self.spill_dir)  # holds the names of this file and the next ones
         self.parts.append(os.path.join(self.spill_dir, f"spill-{len(self.parts):05d}.bin"))
         return open(self.parts[-1], "wb")
 
