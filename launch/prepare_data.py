@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resize images whose shorter side is longer than PX down to PX (default: keep the "
                         "original size and, for JPEGs, the original bytes)")
     p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, metavar="N",
-                   help="processes writing shards in parallel (default: all %(default)s cores)")
+                   help="processes writing shards in parallel, and reading the headers of "
+                        "per-synset tars in the index pass (default: all %(default)s cores)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of the held-out choice and of the shuffle (default %(default)s)")
     p.add_argument("--synsets", default="goog", metavar="goog|fall11|PATH",

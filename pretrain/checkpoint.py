@@ -47,7 +47,7 @@ from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.config import ConfigError
 from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
-from pretrain.stopping import ignore_stop_signals
+from pretrain.helper_processes import ignore_stop_signals
 
 log = logging.getLogger(__name__)
 

@@ -53,21 +53,6 @@ EXIT_STOPPED = 4
 HEARTBEAT_S = 2.0  # how often the ranks check on each other
 
 
-def ignore_stop_signals(*_) -> None:
-    """For the helper processes of a rank (data-loader workers, a checkpoint conversion):
-    SLURM signals every process of a job step, and those must not die of it before the rank
-    has stopped at its step boundary; the rank ends them itself -- and should the rank die
-    first, the kernel ends them with it (Linux: PR_SET_PDEATHSIG), so a launcher waiting for the
-    rank's whole process tree is not kept waiting by them."""
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the worker notices within seconds anyway
-        pass
-
-
 def unignore_stop_signals(names: Sequence[str]) -> None:
     """Give an inherited "ignore" of the stop signals back its default. A batch script's
     ``trap '' USR1 TERM`` (launch/slurm_job.sh: the shell must live on to requeue) passes through

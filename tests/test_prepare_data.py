@@ -164,8 +164,8 @@ KILLED_SCAN = r'''
 import os, signal, sys
 from pretrain.data import scan_journal, sources
 from pretrain.data.shard_writer import prepare
-kind, src, out, at = sys.argv[1:5]
-sig = getattr(signal, "SIG" + (sys.argv[5] if len(sys.argv) > 5 else "KILL"))
+kind, src, out, at, signame, workers = (sys.argv[1:] + ["KILL", "1"][len(sys.argv) - 5:])[:6]
+sig = getattr(signal, "SIG" + signame)
 scan_journal.SAVE_EVERY_S = 0
 sources.SPILL_FILE_BYTES = 40_000  # a few spill files, as 1 GiB ones over ImageNet-21k
 listed = getattr(sources, kind).entries
@@ -177,7 +177,8 @@ def entries_until_killed(self, journal=None):
         yield entry
 
 setattr(getattr(sources, kind), "entries", entries_until_killed)
-prepare("imagenet21k", src, out, shard_size=16, val_count=20, progress=False)
+prepare("imagenet21k", src, out, shard_size=16, val_count=20, progress=False,
+        workers=int(workers))
 '''
 
 
@@ -211,6 +212,29 @@ def test_an_index_pass_killed_midway_goes_on_where_it_was_cut_off(i21k, tmp_path
     assert read_info(tmp_path / "out").splits == read_info(out).splits
     assert not (tmp_path / "out/.prepare/scan").exists()  # the journal is gone with the pass
     fault_ledger.record(1, 0)
+
+
+def test_a_killed_run_leaves_no_worker_process_behind(tmp_path):
+    """Pool workers outlived a SIGKILL of their parent, finishing their tasks (holding the
+    output folder's lock meanwhile: a rerun was refused) and then printing a BrokenPipeError
+    traceback each. They now die with it, in the listing pool (here) and the writing pool alike
+    (the same start-up)."""
+    # listings more than a pipe holds: the workers are still sending when their parent dies
+    raw = synthetic.write_synset_tars(tmp_path / "raw", GOOG[:40], 200, size=(8, 8))
+    killed = subprocess.run([sys.executable, "-c", KILLED_SCAN, "SynsetTars", str(raw.root),
+                             str(tmp_path / "out"), "45", "KILL", "2"],
+                            capture_output=True, text=True, timeout=120)
+    # the output ends when every holder of the pipe is gone: the workers too
+    assert killed.returncode == -signal.SIGKILL and "Traceback" not in killed.stderr, \
+        killed.stderr
+    args = ["imagenet21k", "--src", str(raw.root), "--shard-size", "16", "--val-count", "20",
+            "--workers", "2"]
+    again = run_launcher("prepare_data.py", *args, "--out", str(tmp_path / "out"))
+    assert again.returncode == 0, again.stderr
+    whole = run_launcher("prepare_data.py", *args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    for f in (tmp_path / "whole").glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_a_source_or_spill_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from pretrain.data.fork_guard import stuck_in_fork  # (importing it installs the fork hook)
 from pretrain.data.shards import LoaderError
-from pretrain.stopping import ignore_stop_signals
+from pretrain.helper_processes import ignore_stop_signals
 from pretrain.watchdog import dump_stacks_on_sigquit, progress
 
 log = logging.getLogger(__name__)

@@ -32,6 +32,7 @@ from PIL import Image
 
 from pretrain.atomic_write import write_atomic
 from pretrain.file_lock import holder, try_lock
+from pretrain.helper_processes import pool_worker_starts
 
 from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
 from .shard_plan import (Index, Shard, hold_out, index_entries, load_or_build_index, plan_shards,
@@ -198,6 +199,11 @@ def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
     _WORKER.update(source=source, out=out, max_size=max_size)
 
 
+def _init_pool_worker(*args) -> None:
+    pool_worker_starts()
+    _init_worker(*args)
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     # Fixed metadata (mtime 0, no owner) makes a shard's bytes depend on its samples only.
     info = tarfile.TarInfo(name)
@@ -266,7 +272,8 @@ def _run(jobs: List[Tuple[str, str, Index]], source: Source, out: Path, max_size
             results = map(write_shard, jobs)
             pool = None
         else:
-            pool = multiprocessing.get_context().Pool(workers, initializer=_init_worker, initargs=args)
+            pool = multiprocessing.get_context().Pool(workers, initializer=_init_pool_worker,
+                                                      initargs=args)
             results = pool.imap_unordered(write_shard, jobs)
         try:
             sizes = {filename: len(rows["key"]) for filename, _, rows in jobs}
@@ -303,7 +310,8 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         raise PrepareError(f"the output folder {out_dir} is inside --src {src}; write it "
                            f"elsewhere")
     work = out_dir / WORK_DIR
-    raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work))
+    raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work),
+                      workers=workers)
     if raw.has_validation and settings["val_count"]:
         raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
     done_info = _complete(out_dir, settings)  # read only: a finished folder may be read-only
