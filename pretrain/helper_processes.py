@@ -5,7 +5,13 @@ Kept apart from :mod:`pretrain.stopping` so that processes without torch can use
 """
 from __future__ import annotations
 
+import collections
+import itertools
+import multiprocessing
 import signal
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, Iterable, Iterator, Optional
 
 
 def die_with_parent() -> None:
@@ -37,3 +43,46 @@ def pool_worker_starts() -> None:
     worker; SIGTERM keeps its default, which is how the parent ends the pool."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+
+
+class WorkerDied(OSError):
+    """A worker process of a pool was killed (the OOM killer, a signal) or crashed."""
+
+
+def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered: bool = True,
+             initializer: Optional[Callable] = None, initargs: tuple = ()) -> Iterator:
+    """``fn`` over ``items`` in ``workers`` processes that start with :func:`pool_worker_starts`
+    (then ``initializer(*initargs)``): the results in the order of ``items``, or as they come
+    (``ordered=False``), with at most ``ahead`` tasks given out before their results are taken.
+
+    Unlike ``multiprocessing.Pool``, a worker that dies mid-task raises :class:`WorkerDied`
+    here instead of leaving its task unanswered forever; and unlike ``Pool.imap``, results do
+    not pile up without bound while the caller is slower than the workers.
+    """
+    items = iter(items)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
+                               initializer=_start_worker, initargs=(initializer, initargs))
+    pending = collections.deque(pool.submit(fn, item) for item in itertools.islice(items, ahead))
+    try:
+        while pending:
+            if ordered:
+                done = pending.popleft()
+            else:
+                done = next(iter(wait(pending, return_when=FIRST_COMPLETED)[0]))
+                pending.remove(done)
+            try:
+                result = done.result()
+            except BrokenProcessPool:
+                raise WorkerDied(f"a worker process of {workers} died (the OOM killer, or a "
+                                 f"signal)") from None
+            for item in itertools.islice(items, 1):
+                pending.append(pool.submit(fn, item))
+            yield result
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
+    pool_worker_starts()
+    if initializer is not None:
+        initializer(*initargs)

@@ -68,11 +68,17 @@ def unignore_stop_signals(names: Sequence[str]) -> None:
                           else signal.SIG_DFL)
 
 
+_exiting = threading.Lock()  # held by the thread that ends this process with exit_now
+
+
 def exit_now(code: int, why: str, last_words: Optional[Callable[[str], None]] = None,
              within_s: float = 15.0) -> None:
     """End this process at once with ``code`` (its main thread is stuck: nothing else would),
     after ``last_words(why)`` -- ending the MLflow run FAILED, say -- has had ``within_s``
     seconds: it may be stuck too (an unreachable server, a hung filesystem)."""
+    if not _exiting.acquire(blocking=False):  # another thread of ours is ending the process
+        while True:  # (the watchdog and the signal watcher may both get here): its os._exit
+            time.sleep(60)  # ends this thread too, and its last words are not cut short
     if last_words is not None:
         words = threading.Thread(target=last_words, args=(why,), name="last-words", daemon=True)
         words.start()

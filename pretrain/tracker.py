@@ -96,6 +96,7 @@ class MlflowTracker:
         self._down = False
         self._monitor = None
         self._closed = False
+        self._close_done = threading.Event()
         self.seconds_in_log = 0.0  # training-thread time inside log(), for the closing note
         self.seconds_setup = 0.0  # ... and in start_tracking / log_sample_grid (once per job)
         self.log_calls = 0
@@ -219,6 +220,12 @@ class MlflowTracker:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._close(status, tags)
+        finally:
+            self._close_done.set()
+
+    def _close(self, status: str, tags: Optional[Mapping[str, str]]) -> None:
         self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
         if status == "KILLED":
             self.state.stops += 1
@@ -259,6 +266,8 @@ class MlflowTracker:
         if not self._closed:
             self.close_timeout_s = min(self.close_timeout_s, 10.0)
             self.close("FAILED", tags)
+        else:  # the main thread is closing (a crash): its close is all there is to wait for
+            self._close_done.wait(self.close_timeout_s + 60)
 
     def _at_exit(self) -> None:
         self.fail()

@@ -237,6 +237,49 @@ def test_a_killed_run_leaves_no_worker_process_behind(tmp_path):
         assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+# prepare() with 2 workers, one of which is killed (the OOM killer, say) on its task for the
+# third tar of the listing, or for the fourth train shard of the writing
+DYING_WORKER = r'''
+import os, signal, sys
+from pretrain.data import shard_writer, sources
+src, out, stage = sys.argv[1:4]
+parent = os.getpid()
+module, name = (sources, "_list_tar") if stage == "list" else (shard_writer, "write_shard")
+task = getattr(module, name)
+
+def dies(item):
+    chosen = (os.path.basename(item) == sorted(os.listdir(src))[2] if stage == "list"
+              else item[0].endswith("-train-000003.tar"))
+    if os.getpid() != parent and chosen:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return task(item)
+
+setattr(module, name, dies)
+shard_writer.prepare("imagenet21k", src, out, shard_size=16, val_count=20, workers=2,
+                     progress=False)
+'''
+
+
+@pytest.mark.parametrize("stage", ["list", "write"])
+def test_a_worker_killed_mid_task_is_an_error_not_a_hang(i21k, tmp_path, stage, fault_ledger):
+    """multiprocessing.Pool waits forever for the task of a worker that died; now the run
+    ends with an error naming it, and the rerun resumes."""
+    raw, out, _ = i21k
+    dead = subprocess.run([sys.executable, "-c", DYING_WORKER, str(raw.root),
+                           str(tmp_path / "out"), stage], capture_output=True, text=True,
+                          timeout=120)
+    assert dead.returncode == 1, dead.stderr
+    assert dead.stderr.strip().splitlines()[-1] == ("pretrain.helper_processes.WorkerDied: a "
+                                                    "worker process of 2 died (the OOM killer, "
+                                                    "or a signal)"), dead.stderr
+    again = run_launcher("prepare_data.py", "imagenet21k", "--src", str(raw.root), "--out",
+                         str(tmp_path / "out"), "--shard-size", "16", "--val-count", "20")
+    assert again.returncode == 0, again.stderr
+    for f in out.glob("*.tar"):
+        assert (tmp_path / "out" / f.name).read_bytes() == f.read_bytes(), f.name
+    fault_ledger.record(1, 0)
+
+
 def test_a_source_or_spill_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
     raw, out, _ = i21k
     src = synthetic.write_outer_tar(tmp_path / "fall11_whole.tar", sorted(raw.root.glob("*.tar")))

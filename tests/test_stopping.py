@@ -137,3 +137,27 @@ def test_a_stuck_rank_whose_peer_is_gone_leaves_at_once_on_a_signal(tmp_path, st
     assert "SIGTERM received while another rank is gone: no checkpoint can be written" in err
     print(f"\nthe stuck rank left {took:.1f} s after SIGTERM (heartbeat every 2 s)")
     fault_ledger.record(2, 0)
+
+
+TWO_ENDINGS = r'''
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from pretrain.stopping import exit_now
+def words(why):  # ending the MLflow run, say: it takes a moment
+    time.sleep(1)
+    open(sys.argv[2], "w").write(why)
+threading.Thread(target=exit_now, args=(5, "stalled", words)).start()
+time.sleep(0.2)
+exit_now(1, "a signal while a peer is gone", lambda why: None)
+'''
+
+
+def test_a_second_ending_does_not_cut_the_first_ones_last_words_short(tmp_path):
+    """The stall watchdog and the signal watcher can both end a rank within a second (a stall
+    on every rank: one ends first, its launcher signals the others); the first to start ends
+    the process, after its last words (the MLflow run ended FAILED, saying why)."""
+    words = tmp_path / "words"
+    proc = subprocess.run([sys.executable, "-c", TWO_ENDINGS, str(REPO), str(words)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr
+    assert words.read_text() == "stalled"

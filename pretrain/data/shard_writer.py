@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import multiprocessing
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ from PIL import Image
 
 from pretrain.atomic_write import write_atomic
 from pretrain.file_lock import holder, try_lock
-from pretrain.helper_processes import pool_worker_starts
+from pretrain.helper_processes import pool_map
 
 from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
 from .shard_plan import (Index, Shard, hold_out, index_entries, load_or_build_index, plan_shards,
@@ -199,10 +198,6 @@ def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
     _WORKER.update(source=source, out=out, max_size=max_size)
 
 
-def _init_pool_worker(*args) -> None:
-    pool_worker_starts()
-    _init_worker(*args)
-
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     # Fixed metadata (mtime 0, no owner) makes a shard's bytes depend on its samples only.
@@ -270,11 +265,9 @@ def _run(jobs: List[Tuple[str, str, Index]], source: Source, out: Path, max_size
         if workers <= 1:
             _init_worker(*args)
             results = map(write_shard, jobs)
-            pool = None
         else:
-            pool = multiprocessing.get_context().Pool(workers, initializer=_init_pool_worker,
-                                                      initargs=args)
-            results = pool.imap_unordered(write_shard, jobs)
+            results = pool_map(write_shard, jobs, workers, ahead=2 * workers, ordered=False,
+                               initializer=_init_worker, initargs=args)
         try:
             sizes = {filename: len(rows["key"]) for filename, _, rows in jobs}
             for filename, count, skipped in results:
@@ -282,9 +275,8 @@ def _run(jobs: List[Tuple[str, str, Index]], source: Source, out: Path, max_size
                 book.flush()
                 bar.update(sizes[filename])
         finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
+            if workers > 1:
+                results.close()  # now, not when the traceback goes: ends the pool's work
             bar.close()
 
 

@@ -17,23 +17,20 @@ Layouts (README, "Prepare data"), each opened by :func:`open_source`:
 from __future__ import annotations
 
 import bz2
-import collections
 import errno
 import gzip
 import importlib.util
-import itertools
 import logging
 import lzma
-import multiprocessing
 import os
 import tarfile
 import unicodedata
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, BinaryIO, Iterator, List, NamedTuple, Optional, Tuple
 
 from pretrain.atomic_write import fsync_path
-from pretrain.helper_processes import pool_worker_starts
+from pretrain.helper_processes import pool_map
 
 if TYPE_CHECKING:
     from .scan_journal import ScanJournal
@@ -214,21 +211,6 @@ def _list_tar(path: str) -> List[Tuple[str, int, int]]:
                 for m in tar if m.isfile() and is_image(m.name)]
 
 
-def _in_order(pool, fn: Callable, items: List, ahead: int) -> Iterator:
-    """``fn`` over ``items`` in ``pool``, results in order, at most ``ahead`` tasks ahead of the
-    caller: ``pool.imap`` runs ahead without bound, and 32 workers listing tars faster than one
-    process takes their entries would pile up most of the index as Python objects (gigabytes
-    for ImageNet-21k)."""
-    items = iter(items)
-    pending = collections.deque(pool.apply_async(fn, (item,)) for item in
-                                itertools.islice(items, ahead))
-    while pending:
-        result = pending.popleft().get()
-        for item in itertools.islice(items, 1):
-            pending.append(pool.apply_async(fn, (item,)))
-        yield result
-
-
 class SynsetTars(_SynsetLabels):
     """A folder of per-synset tars, read in place: the index records each member's byte range.
 
@@ -262,12 +244,10 @@ class SynsetTars(_SynsetLabels):
                      self.scan_done, len(tars))
             yield from journal.replay()
         todo = [i for i in range(self.scan_done, len(tars)) if labels[i] is not None]
-        pool = multiprocessing.get_context().Pool(self.workers, initializer=pool_worker_starts) \
-            if self.workers > 1 and len(todo) > 1 else None
+        paths = [str(tars[i]) for i in todo]
+        listed = pool_map(_list_tar, paths, self.workers, ahead=4 * self.workers) \
+            if self.workers > 1 and len(todo) > 1 else map(_list_tar, paths)
         try:
-            paths = [str(tars[i]) for i in todo]
-            listed = _in_order(pool, _list_tar, paths, ahead=4 * self.workers) if pool is not None \
-                else map(_list_tar, paths)
             for i, members in zip(todo, listed):
                 if journal is not None and journal.due():
                     journal.save(tars_done=i, parts=self.parts, unknown=self.unknown)
@@ -278,9 +258,8 @@ class SynsetTars(_SynsetLabels):
                 self.scan_done = i + 1
             self.scan_done = len(tars)
         finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
+            if hasattr(listed, "close"):  # the pool's generator: its workers stop now
+                listed.close()
 
     def read(self, entry: Entry) -> bytes:
         return _read_range(self.parts[entry.part], entry.offset, entry.size)
