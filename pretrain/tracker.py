@@ -137,6 +137,8 @@ class MlflowTracker:
 
     # -- training thread -------------------------------------------------------------------
     def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if self._closed:  # ended by a stall's last words while the main thread went on a bit
+            return
         t0 = time.perf_counter()
         self._record({"step": int(step), "time": int(time.time() * 1000),
                       "metrics": {k: float(v.item() if hasattr(v, "item") else v)
