@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import itertools
 import multiprocessing
+import os
 import signal
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -23,7 +24,10 @@ def die_with_parent() -> None:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the worker notices within seconds anyway
-        pass
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl above
+        os._exit(1)
 
 
 def ignore_stop_signals(*_) -> None:
@@ -62,22 +66,22 @@ def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered
     items = iter(items)
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                initializer=_start_worker, initargs=(initializer, initargs))
-    pending = collections.deque(pool.submit(fn, item) for item in itertools.islice(items, ahead))
+    pending = collections.deque()
     try:
+        pending.extend(pool.submit(fn, item) for item in itertools.islice(items, ahead))
         while pending:
             if ordered:
                 done = pending.popleft()
             else:
                 done = next(iter(wait(pending, return_when=FIRST_COMPLETED)[0]))
                 pending.remove(done)
-            try:
-                result = done.result()
-            except BrokenProcessPool:
-                raise WorkerDied(f"a worker process of {workers} died (the OOM killer, or a "
-                                 f"signal)") from None
+            result = done.result()
             for item in itertools.islice(items, 1):
-                pending.append(pool.submit(fn, item))
+                pending.append(pool.submit(fn, item))  # raises too once a worker has died
             yield result
+    except BrokenProcessPool:
+        raise WorkerDied(f"a worker process of {workers} died (the OOM killer, or a "
+                         f"signal)") from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
