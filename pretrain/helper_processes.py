@@ -17,9 +17,9 @@ from typing import Callable, Iterable, Iterator, Optional
 
 def die_with_parent() -> None:
     """Have the kernel end this process when its parent dies (Linux: PR_SET_PDEATHSIG). A
-    multiprocessing pool's workers otherwise live on after a SIGKILL of their parent, each
-    waiting on a task pipe that the others keep open -- holding what they inherited, such as
-    the lock of ``prepare_data.py``'s output folder."""
+    pool's workers otherwise live on after a SIGKILL of their parent until their task is done
+    (a shard: seconds), holding what they inherited, such as the lock of ``prepare_data.py``'s
+    output folder, and then print a BrokenPipeError traceback each."""
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
@@ -41,22 +41,14 @@ def ignore_stop_signals(*_) -> None:
     die_with_parent()
 
 
-def pool_worker_starts() -> None:
-    """For the pools of ``prepare_data.py``: a Ctrl-C reaches the whole foreground process
-    group, and only the parent acts on it (it ends the pool) -- not a traceback from every
-    worker; SIGTERM keeps its default, which is how the parent ends the pool."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-
-
 class WorkerDied(OSError):
     """A worker process of a pool was killed (the OOM killer, a signal) or crashed."""
 
 
 def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered: bool = True,
              initializer: Optional[Callable] = None, initargs: tuple = ()) -> Iterator:
-    """``fn`` over ``items`` in ``workers`` processes that start with :func:`pool_worker_starts`
-    (then ``initializer(*initargs)``): the results in the order of ``items``, or as they come
+    """``fn`` over ``items`` in ``workers`` processes that die with this one (then run
+    ``initializer(*initargs)``): the results in the order of ``items``, or as they come
     (``ordered=False``), with at most ``ahead`` tasks given out before their results are taken.
 
     Unlike ``multiprocessing.Pool``, a worker that dies mid-task raises :class:`WorkerDied`
@@ -87,6 +79,10 @@ def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered
 
 
 def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
-    pool_worker_starts()
+    # A Ctrl-C reaches the whole foreground process group; only the parent acts on it (it ends
+    # the pool), instead of every worker printing a traceback. SIGTERM keeps its default: it is
+    # how the pool's workers are ended.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
     if initializer is not None:
         initializer(*initargs)

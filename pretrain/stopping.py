@@ -209,10 +209,10 @@ class StopSignals:
         # from the moment this rank was signalled (another rank may have been, not this one)
         since = seconds if self.received_at is None else time.monotonic() - self.received_at
         if self._group is not None:  # the kill comes first where the signal came first
-            latest = torch.tensor([since], dtype=torch.float64)
+            longest = torch.tensor([since], dtype=torch.float64)
             try:
-                dist.all_reduce(latest, op=dist.ReduceOp.MAX, group=self._group)
-                since = latest.item()
+                dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self._group)
+                since = longest.item()
             except Exception:  # noqa: BLE001 -- a peer left after the checkpoint: own figure
                 pass
             if dist.get_rank() != 0:

@@ -312,7 +312,6 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
                  "changed source needs a new output folder)", out_dir)
         return done_info
     with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
-
         index = load_or_build_index(raw, work, progress)
         if not (index["split"] == 0).any():
             raise PrepareError(f"no images found in {src}; check --src and SOURCE")

@@ -250,7 +250,7 @@ class SynsetTars(_SynsetLabels):
         try:
             for i, members in zip(todo, listed):
                 if journal is not None and journal.due():
-                    journal.save(tars_done=i, parts=self.parts, unknown=self.unknown)
+                    journal.save(tars_done=i, parts=self.parts)  # unknown: from the names
                 self.parts.append(str(tars[i]))
                 for key, offset, size in members:
                     entry = Entry("train", key, labels[i], len(self.parts) - 1, "", offset, size)
