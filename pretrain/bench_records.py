@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Iterable
@@ -46,7 +47,9 @@ def _commit() -> str:
     from pretrain.run_info import git_info
     info = git_info(REPO_ROOT)
     if not info:
-        return "unknown (not a git checkout)"
+        # a copy of a checkout shipped to a GPU node without its .git names its commit here
+        # (benchmarks/gpu_suite.sh documents it)
+        return os.environ.get("VITSCALE_COMMIT") or "unknown (not a git checkout)"
     return info["git.commit"][:10] + ("+dirty" if info["git.dirty"] == "true" else "")
 
 

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The Performance section's GPU measurements in one go, for a one-GPU node (H100/H200) that may
+# be lent for minutes only: each measurement runs under its own time limit, the most important
+# first, and the whole stays within BUDGET_S seconds, so a short lease still brings back the
+# figures that matter most. Every result is appended to OUT/train.jsonl (`benchmark.py train
+# --record`; `benchmark.py table OUT/train.jsonl` makes the README table of them), the printed
+# tables and errors go to OUT/suite.log, and the profiler traces to OUT/trace_*.json.gz.
+#
+#   benchmarks/gpu_suite.sh OUT                 # on the GPU node, from the checkout's root
+#   SMOKE=1 benchmarks/gpu_suite.sh /tmp/smoke  # the same steps with a tiny model on the CPU,
+#                                               # to check the script before spending GPU time
+#
+# A node without internet access needs the wheels of the README's Performance section in
+# wheels/ (installed into /tmp/site here when present). A copy of the checkout without its .git
+# names its commit in VITSCALE_COMMIT, which the records then carry.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+budget=${BUDGET_S:-540}
+records=$out/train.jsonl
+log=$out/suite.log
+export PYTHONUNBUFFERED=1
+start=$SECONDS
+
+say() { echo "$@" | tee -a "$log"; }
+
+if [ -d wheels ] && ls wheels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site wheels/*.whl >>"$log" 2>&1 || { say "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 - <<'EOF' 2>&1 | tee -a "$log" || exit 1
+import deepspeed, pydantic, simplejpeg, timm, torch, webdataset  # noqa: F401
+print("torch", torch.__version__, "cuda", torch.version.cuda, "| deepspeed", deepspeed.__version__,
+      "| timm", timm.__version__, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available()
+      else "no GPU")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit \
+    --format=csv,noheader 2>&1 | tee -a "$log"
+
+if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures nothing
+    L=(--model vit_tiny_patch16_224 --image-size 32 --precision fp32 --num-classes 10)
+    H=("${L[@]}"); LB=8; HB=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
+    STEPS=(--steps 2 --warmup 1 --profile-steps 1)
+else
+    L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
+    LB=256; HB=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
+    STEPS=(--steps 20 --warmup 5 --profile-steps 2)
+fi
+
+bench=(python3 launch/benchmark.py)
+# step NAME LIMIT_S ARGS...: one `benchmark.py` command under its own limit, cut to what is left
+step() {
+    local name=$1 limit=$2; shift 2
+    local left=$((budget - (SECONDS - start)))
+    if ((left < 40)); then say "== $name: not run (the ${budget} s budget is spent)"; return; fi
+    ((limit > left)) && limit=$left
+    say "== $name (limit ${limit} s): benchmark.py $*"
+    local t0=$SECONDS
+    timeout -k 10 "$limit" "${bench[@]}" "$@" >"$out/step.out" 2>"$out/step.err"
+    local rc=$?
+    cat "$out/step.out" >>"$log"; cat "$out/step.out"
+    if ((rc != 0)); then
+        say "   failed: exit $rc$( ((rc == 124)) && echo ' (time limit)')"
+        tail -n 25 "$out/step.err" | tee -a "$log"
+    fi
+    say "   ($((SECONDS - t0)) s)"
+    rm -f "$out/step.out" "$out/step.err"
+}
+keep_trace() {  # keep_trace PROFILE_DIR NAME: the trace, gzipped, beside the records
+    [ -f "$1/trace_rank0.json" ] && gzip -c "$1/trace_rank0.json" >"$out/trace_$2.json.gz"
+}
+
+# the shards for the end-to-end step are written while the first model compiles
+"${bench[@]}" photos --count "$PHOTOS" --shard-size "$SHARD" --out /tmp/gpu-suite-photos \
+    >>"$log" 2>&1 &
+photos=$!
+
+step l16 240 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
+    --profile /tmp/gpu-suite-prof-l16 --record "$records"
+keep_trace /tmp/gpu-suite-prof-l16 l16
+wait "$photos" || say "photos failed (see above)"
+step l16-shards 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
+    --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
+step h14 200 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
+    "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
+keep_trace /tmp/gpu-suite-prof-h14 h14
+# ZeRO-3 uncompiled: DeepSpeed's parameter hooks break the graph at every module anyway
+step h14-zero3 120 train "${H[@]}" --batch "$HB" --zero 3 --no-activation-checkpointing \
+    "${STEPS[@]}" --record "$records"
+step l16-ds-checks 100 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
+    --set deepspeed.one_pass_grad_checks=false --record "$records"
+step h14-ckpt 200 train "${H[@]}" --batch "$HB2" --activation-checkpointing \
+    --set train.checkpointed_blocks="$CKB" "${COMPILE[@]}" "${STEPS[@]}" --record "$records"
+say "suite done in $((SECONDS - start)) s"
