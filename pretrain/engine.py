@@ -113,13 +113,15 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
 def initialize(cfg: PretrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                ds_config: dict):
     """``deepspeed.initialize``; with ``deepspeed.one_pass_grad_checks``, ZeRO-1/2 check and
-    measure the gradients in one pass each (:mod:`pretrain.grad_checks`)."""
+    measure the gradients in one pass each (:mod:`pretrain.grad_checks`); ZeRO-1/2 point the
+    weights at the flat buffer after an update only where they are not (:mod:`pretrain.zero_views`)."""
     import deepspeed
 
-    from pretrain import grad_checks
+    from pretrain import grad_checks, zero_views
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if cfg.deepspeed.one_pass_grad_checks:
         grad_checks.install(engine.optimizer)
+    zero_views.install(engine.optimizer)
     return engine
 
 
