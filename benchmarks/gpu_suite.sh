@@ -11,8 +11,8 @@
 #                                               # to check the script before spending GPU time
 #
 # A node without internet access needs the wheels of the README's Performance section in
-# wheels/ (installed into /tmp/site here when present). A copy of the checkout without its .git
-# names its commit in VITSCALE_COMMIT, which the records then carry.
+# wheels/ (installed into /tmp/site here when present). A copy of the checkout whose .git is
+# missing or not the commit's names its commit in VITSCALE_COMMIT, which the records then carry.
 set -uo pipefail
 out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR}
 mkdir -p "$out"
@@ -42,11 +42,11 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 
 if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures nothing
     L=(--model vit_tiny_patch16_224 --image-size 32 --precision fp32 --num-classes 10)
-    H=("${L[@]}"); LB=8; HB=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
+    H=("${L[@]}"); LB=8; HB=8; HZ3=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
     STEPS=(--steps 2 --warmup 1 --profile-steps 1)
 else
     L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
-    LB=256; HB=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
+    LB=256; HB=128; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
     STEPS=(--steps 20 --warmup 5 --profile-steps 2)
 fi
 
@@ -88,7 +88,7 @@ step h14 200 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMP
     "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
 keep_trace /tmp/gpu-suite-prof-h14 h14
 # ZeRO-3 uncompiled: DeepSpeed's parameter hooks break the graph at every module anyway
-step h14-zero3 120 train "${H[@]}" --batch "$HB" --zero 3 --no-activation-checkpointing \
+step h14-zero3 120 train "${H[@]}" --batch "$HZ3" --zero 3 --no-activation-checkpointing \
     "${STEPS[@]}" --record "$records"
 step l16-ds-checks 100 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
     --set deepspeed.one_pass_grad_checks=false --record "$records"

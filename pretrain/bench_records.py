@@ -45,11 +45,13 @@ def provenance(argv: Iterable[str]) -> dict:
 def _commit() -> str:
     from pretrain.cli import REPO_ROOT
     from pretrain.run_info import git_info
+    # a copy of a checkout shipped to a GPU node names its commit here: its .git may be
+    # missing, or another commit's (benchmarks/gpu_suite.sh)
+    if os.environ.get("VITSCALE_COMMIT"):
+        return os.environ["VITSCALE_COMMIT"]
     info = git_info(REPO_ROOT)
     if not info:
-        # a copy of a checkout shipped to a GPU node without its .git names its commit here
-        # (benchmarks/gpu_suite.sh documents it)
-        return os.environ.get("VITSCALE_COMMIT") or "unknown (not a git checkout)"
+        return "unknown (not a git checkout)"
     return info["git.commit"][:10] + ("+dirty" if info["git.dirty"] == "true" else "")
 
 

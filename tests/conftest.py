@@ -25,6 +25,24 @@ def repo() -> Path:
 from pretrain.distributed import free_port  # noqa: E402  (re-exported for the tests)
 
 
+def spawn_ranks(worker, world: int, *args, timeout: float = 300) -> dict:
+    """``worker(rank, world, port, *args, queue)`` in ``world`` spawned processes, the ranks of
+    one machine's process group; what each put on the queue as ``(rank, result)``, by rank."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    return results
+
+
 def deepspeed_cmd(nprocs: int, *args: str, script: Path = REPO / "launch" / "pretrain.py"
                   ) -> list[str]:
     """``deepspeed --num_gpus N launch/pretrain.py args`` (N CPU ranks on gloo here)."""

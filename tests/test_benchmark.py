@@ -106,3 +106,14 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
         assert done.stderr.strip().splitlines()[-1] == line, args
     assert (ph / "_info.json").read_text() == info and mine.read_text() == "mine"
+
+
+def test_a_record_names_the_commit_a_shipped_copy_says(monkeypatch):
+    # a copy of the checkout sent to a GPU node may carry another commit's .git, or none
+    from pretrain import bench_records
+    monkeypatch.setenv("VITSCALE_COMMIT", "5de917dc3f")
+    kept = bench_records.provenance(["train", "--batch", "2", "--record", "r.jsonl"])
+    assert kept["commit"] == "5de917dc3f"
+    assert kept["command"] == "python launch/benchmark.py train --batch 2"
+    monkeypatch.delenv("VITSCALE_COMMIT")
+    assert bench_records.provenance(["train"])["commit"] != "5de917dc3f"

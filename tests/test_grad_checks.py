@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, spawn_ranks
 
 STEPS, NAN_STEP = 5, 2  # the third step's update must be dropped
 
@@ -122,20 +122,7 @@ def _worker(rank: int, world: int, port: int, zero: int, classes: int, queue) ->
 @pytest.mark.parametrize("zero, world, classes", [(1, 2, 10), (2, 2, 10), (1, 1, 11)])
 def test_one_pass_checks_train_exactly_as_deepspeeds_own_and_drop_the_same_update(
         zero, world, classes):
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, zero, classes, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = spawn_ranks(_worker, world, zero, classes)
     # the NaN's parameter lies in one rank's partition at least, whose check saw it
     assert any(found[True]["verdicts"][NAN_STEP][0][0] for found in results.values())
     for rank, found in results.items():

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, run_deepspeed, run_launcher, tiny_run_args
+from conftest import REPO, run_deepspeed, run_launcher, spawn_ranks, tiny_run_args
 from pretrain.checkpoint import CheckpointStore
 from pretrain.metrics import read_jsonl
 
@@ -66,19 +66,7 @@ def _zero3_init_worker(rank, world, port, queue):
 
 
 def test_zero3_initialisation_really_happens():
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_zero3_init_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = spawn_ranks(_zero3_init_worker, 2, timeout=120)
     assert results[0] == results[1] | {"local": results[0]["local"]}  # same weights everywhere
     stats = results[0]
     assert stats["local"] < stats["pos_numel"]  # really partitioned

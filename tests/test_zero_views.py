@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, spawn_ranks
 
 STEPS = 4
 
@@ -78,20 +78,7 @@ def _worker(rank: int, world: int, port: int, zero: int, queue) -> None:
 
 @pytest.mark.parametrize("zero, world", [(1, 1), (2, 2)])
 def test_weights_stay_views_of_the_flat_buffer_without_per_tensor_work(zero, world):
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, zero, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = spawn_ranks(_worker, world, zero)
     for rank, found in results.items():
         fast, own = found[True], found[False]
         assert fast["installed"]
