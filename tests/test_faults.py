@@ -227,6 +227,18 @@ def test_a_failing_write_with_on_write_error_continue_trains_on_and_saves_later(
 # --------------------------------------------------------------------------------------------
 # 4. Bad data: garbage, empty and mislabelled samples, a truncated and a missing shard
 # --------------------------------------------------------------------------------------------
+def _descendants(pid: int) -> list:
+    """(process, parent pid, command line) of each process below ``pid`` still there."""
+    import psutil
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out.append((p, p.ppid(), p.cmdline()))
+        except psutil.Error:  # ended meanwhile
+            pass
+    return out
+
+
 def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch_resumes(
         tmp_path, tiny_data, reference, fault_ledger):
     """The held-out shards hang when opened (FIFOs nobody writes: a hung NFS mount or object
@@ -247,8 +259,11 @@ def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch
         try:
             wait_until(lambda: 2 * EVERY in last_values(out) if (out / "metrics.jsonl").exists()
                        else False, proc, "step 10, whose held-out evaluation hangs")
-            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)  # not its
-                     if "--local_rank=0" in p.cmdline() and p.name() != "pt_data_worker"]  # workers
+            # rank 0, not a process it forked: a loader worker has its command line too, and
+            # its own name only once it has started (the held-out loader forks at this step)
+            found = [(p, ppid) for p, ppid, cmd in _descendants(proc.pid)
+                     if "--local_rank=0" in cmd]
+            ranks = [p for p, ppid in found if ppid not in {q.pid for q, _ in found}]
             assert len(ranks) == 1, [p.cmdline() for p in ranks]
             ranks[0].send_signal(signal.SIGQUIT)
             proc.wait(timeout=120)
