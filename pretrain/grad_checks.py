@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-1/2's two checks of the gradients before an update, each in one pass.
+"""DeepSpeed ZeRO-1/2's two checks of the gradients before an update, each in one pass, and
+the clipping after them without waiting for the device.
 
 Before each update, DeepSpeed's ZeRO-1/2 optimizer looks at the gradients twice, one tensor at
 a time: whether any holds a NaN or an infinity (about seven small operations per tensor, then
@@ -14,7 +15,18 @@ holds a NaN or an infinity (a finite value squares to at most ~1.2e77: the sum c
 float64), so the overflow check reads its verdict off the norms, and the norm DeepSpeed asks for
 next reuses them instead of reading the gradients again. On the CPU the norms agree with
 DeepSpeed's bit for bit (a test checks it); on a GPU the multi-tensor kernel sums in another
-order, so the last float64 bits may differ. The all-reduces and the host read stay DeepSpeed's.
+order, so the last float64 bits may differ. The all-reduces stay DeepSpeed's.
+
+Neither the norm nor the clipping after it reads anything on the host. On a GPU each such read
+(``.item()``, ``bool()`` of a tensor, a ``torch.tensor`` made on the device from a Python
+number) waits until the device has run everything queued; while the host waits and then
+queues the next kernels one by one, the device idles. DeepSpeed's own norm masks a NaN with a
+``torch.tensor(-1.0, device=...)`` (two waits per parameter group) and its clipping asks
+``bool()`` whether the norm is valid (one more per group), although its step asked just
+before: here the same masking and the same clip factor are computed on the device, with the
+same values. What is left per update are DeepSpeed's two reads that decide whether to drop it:
+the overflow flag and whether the norm is finite (``launch/benchmark.py train --profile``
+counts them, as "host reads in DeepSpeed's step" on a CPU and "host waits" on a GPU).
 
 Only the plain data-parallel case is taken over: no model, pipeline or expert parallelism, no
 optimizer offload, no sparse gradients, a device with float64. Anything else keeps DeepSpeed's
@@ -36,7 +48,8 @@ def install(optimizer) -> bool:
     if not isinstance(optimizer, DeepSpeedZeroOptimizer):
         return False
     needed = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "averaged_gradients",
-              "bit16_groups", "dp_process_group", "mpu", "cpu_offload", "has_moe_layers")
+              "bit16_groups", "dp_process_group", "mpu", "cpu_offload", "has_moe_layers",
+              "unscale_and_clip_grads", "clip_grad", "loss_scale")
     if not all(hasattr(optimizer, name) for name in needed):
         return False
     if optimizer.mpu is not None or optimizer.cpu_offload or optimizer.has_moe_layers or \
@@ -45,6 +58,7 @@ def install(optimizer) -> bool:
     optimizer._one_pass_norms = []  # (weak refs to gradients, their norms): last check's
     optimizer.has_overflow_partitioned_grads_serial = types.MethodType(_any_nonfinite, optimizer)
     optimizer.get_grad_norm_direct = types.MethodType(_grad_norm, optimizer)
+    optimizer.unscale_and_clip_grads = types.MethodType(_unscale_and_clip, optimizer)
     return True
 
 
@@ -91,7 +105,6 @@ def _grad_norm(self, gradients, params, norm_type=2):
         return type(self).get_grad_norm_direct(self, gradients, params, norm_type)
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
     device = get_accelerator().current_device_name()
     norms = _take_kept_norms(self, grads)
     if norms is None and grads:
@@ -102,8 +115,26 @@ def _grad_norm(self, gradients, params, norm_type=2):
         total = torch.tensor(0.0, dtype=torch.float32, device=device)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     total = total.pow(0.5)
-    mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    # DeepSpeed's mask_nan_or_inf_with_val_inplace, without its tensor made from -1.0
+    total.masked_fill_(~torch.isfinite(total), -1.0)
     return total
+
+
+def _unscale_and_clip(self, grad_groups_flat, total_norm):
+    """DeepSpeed's ``unscale_and_clip_grads`` with its validity check of the norm on the device:
+    an invalid norm (not finite, or DeepSpeed's -1) clips with an infinite one, as there."""
+    if not torch.is_tensor(total_norm) or (self.clip_grad == 0.0 and self.loss_scale == 1.0):
+        return type(self).unscale_and_clip_grads(self, grad_groups_flat, total_norm)
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.:
+        valid = torch.isfinite(total_norm) & (total_norm >= 0)
+        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
+        # the norm is the norm times the loss scale
+        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
+        combined_scale = clip * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1. / combined_scale)
 
 
 def _take_kept_norms(self, grads):

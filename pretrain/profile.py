@@ -84,6 +84,9 @@ NO_KERNEL = frozenset("aten::" + name for name in (
 # CUDA runtime calls in which the host waits for the device (``.item()``, ``.cpu()``, events):
 # while it waits it queues nothing, so the device runs dry unless enough was queued before.
 HOST_SYNC = re.compile(r"^cuda(Stream|Event|Device)Synchronize$")
+# On a CPU the same waits, by operator: a value read on the host (``.item()``, ``bool()``) or a
+# tensor made from Python data (``torch.tensor(x, device=...)``: on a GPU, a blocking copy).
+HOST_READS = frozenset({"aten::_local_scalar_dense", "aten::lift_fresh"})
 
 
 def _phase(event) -> Optional[str]:
@@ -106,7 +109,7 @@ def summarize(prof, on_device: bool) -> Dict[str, float]:
     the rest is sorted by name. Also how many kernels DeepSpeed's step launched (on a CPU: how
     many operators it called, each a launch or more on a GPU); on a GPU the host's waits for the
     device, and the host time spent inside DeepSpeed's step (the device idles through it unless
-    enough was queued)."""
+    enough was queued); on a CPU the reads in DeepSpeed's step that would be such waits."""
     from torch.autograd import DeviceType
 
     totals: Dict[str, float] = {}
@@ -140,15 +143,19 @@ def summarize(prof, on_device: bool) -> Dict[str, float]:
                  "engine_step_host_ms": round(sum(e.cpu_time_total for e in host
                                                   if e.name == ENGINE_STEP) / 1e3, 3)}
     else:
-        launches = 0
+        launches = reads = 0
         for e in host:
             phase = _phase(e)
             add(phase or kind_of(e.name), e.self_cpu_time_total)
+            # the optimizer's own are left out: on a CPU its step counter lives on the host,
+            # on a GPU the fused AdamW keeps it on the device and reads nothing
+            reads += phase == BOOKKEEPING and e.name in HOST_READS
             # an operator called from Python (not from inside another) that computes
             # something: on a GPU each one launches a kernel or more
             launches += bool(phase and e.name.startswith("aten::") and e.name not in NO_KERNEL
                              and not (e.cpu_parent is not None and
                                       e.cpu_parent.name.startswith("aten::")))
+        extra["engine_step_host_reads"] = reads
     extra["engine_step_launches"] = launches
     busy = sum(totals.values()) or 1.0
     order = sorted(totals.items(), key=lambda kv: -kv[1])
@@ -169,6 +176,9 @@ def format_breakdown(b: Dict, steps: int, step_ms: float) -> str:
     if "host_syncs" in b:
         lines.append(f"  host waits for the device: {b['host_syncs'] / steps:.1f} per step, "
                      f"{b['host_sync_ms'] / steps:.2f} ms")
+    if "engine_step_host_reads" in b:
+        lines.append(f"  host reads in DeepSpeed's step (a wait each on a GPU): "
+                     f"{b['engine_step_host_reads'] / steps:.1f} per step")
     if "engine_step_host_ms" in b:
         lines.append(f"  host time in DeepSpeed's step: {b['engine_step_host_ms'] / steps:.2f} ms "
                      f"per step")

@@ -1,7 +1,7 @@
 """ZeRO-1/2's gradient checks in one pass (pretrain/grad_checks.py) against DeepSpeed's own
 per-tensor loops, on two real DeepSpeed ranks (gloo) under bf16: the same losses, gradient
 norms and weights bit for bit, the same dropped update when one rank's gradient holds a NaN
-(with a finite loss), and far fewer operators in DeepSpeed's step."""
+(with a finite loss), and far fewer operators and host reads in DeepSpeed's step."""
 from __future__ import annotations
 
 import hashlib
@@ -93,7 +93,8 @@ def _worker(rank: int, world: int, port: int, zero: int, classes: int, queue) ->
             if step == STEPS - 1:
                 with torch.profiler.profile() as prof:
                     loss = train_micro_batch(engine, images, targets, cfg)
-                launches = summarize(prof, on_device=False)["engine_step_launches"]
+                counts = summarize(prof, on_device=False)
+                launches, reads = counts["engine_step_launches"], counts["engine_step_host_reads"]
             else:
                 loss = train_micro_batch(engine, images, targets, cfg)
             losses.append(loss.float().item())
@@ -104,7 +105,7 @@ def _worker(rank: int, world: int, port: int, zero: int, classes: int, queue) ->
         tensors = sum(len(group) for group in engine.optimizer.params_in_partition)
         found[one_pass] = dict(installed=grad_checks.installed(engine.optimizer), losses=losses,
                                tensors=tensors, verdicts=verdicts, fell_back=len(fell_back),
-                               norms=norms, applied=applied, launches=launches,
+                               norms=norms, applied=applied, launches=launches, reads=reads,
                                weights=hashlib.sha256(weights.numpy().tobytes()).hexdigest(),
                                finite=bool(torch.isfinite(weights).all()))
     queue.put((rank, found))
@@ -140,6 +141,12 @@ def test_one_pass_checks_train_exactly_as_deepspeeds_own_and_drop_the_same_updat
         assert own["norms"][NAN_STEP] == fast["norms"][NAN_STEP] == float("inf")
         assert fast["losses"] == own["losses"] and fast["norms"] == own["norms"], (rank, fast, own)
         assert fast["weights"] == own["weights"] and fast["finite"]
+        # ...with the gradients clipped (the recipe's grad_clip 1.0) in some updates, so the
+        # clipping done on the device was used and scaled as DeepSpeed's own
+        assert any(n > 1.0 for s, n in enumerate(fast["norms"]) if s != NAN_STEP), fast["norms"]
+        # the update waits for the device twice (the overflow flag, the norm's validity), not
+        # also for every group's norm masking and clipping
+        assert fast["reads"] == 2 and own["reads"] > fast["reads"], (fast["reads"], own["reads"])
         # DeepSpeed's loops call ~10 computing operators (kernel launches on a GPU) per
         # gradient tensor; in one pass their number does not grow with the tensors
         assert own["launches"] - fast["launches"] >= 5 * fast["tensors"] > 0, \
