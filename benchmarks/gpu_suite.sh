@@ -43,11 +43,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures nothing
     L=(--model vit_tiny_patch16_224 --image-size 32 --precision fp32 --num-classes 10)
     H=("${L[@]}"); LB=8; HB=8; HZ3=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
-    STEPS=(--steps 2 --warmup 1 --profile-steps 1)
+    STEPS=(--steps 2 --warmup 1 --profile-steps 1); ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
+    AUTOTUNE=()  # nothing compiles here: the mode would be refused without train.compile
 else
     L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
     LB=256; HB=128; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
-    STEPS=(--steps 20 --warmup 5 --profile-steps 2)
+    STEPS=(--steps 20 --warmup 5 --profile-steps 2); ACCUM=4; ACCUM_STEPS=(--steps 6 --warmup 2)
+    AUTOTUNE=(--set train.compile_mode=max-autotune-no-cudagraphs)
 fi
 
 bench=(python3 launch/benchmark.py)
@@ -81,15 +83,23 @@ photos=$!
 step l16 240 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
     --profile /tmp/gpu-suite-prof-l16 --record "$records"
 keep_trace /tmp/gpu-suite-prof-l16 l16
-wait "$photos" || say "photos failed (see above)"
-step l16-shards 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
-    --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
 step h14 200 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
     "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
 keep_trace /tmp/gpu-suite-prof-h14 h14
+# a real run at batch 4096 on one GPU: 16 micro-batches per update (here 4: the update's share
+# is what changes, and 4 of them fit the step's limit)
+step l16-accum 150 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
+    "${ACCUM_STEPS[@]}" --record "$records"
+wait "$photos" || say "photos failed (see above)"
+step l16-shards 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
+    --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
 # ZeRO-3 uncompiled: DeepSpeed's parameter hooks break the graph at every module anyway
 step h14-zero3 120 train "${H[@]}" --batch "$HZ3" --zero 3 --no-activation-checkpointing \
     "${STEPS[@]}" --record "$records"
+# Inductor's Triton matmul templates timed against cuBLAS, GELU fused into a winner: compiles
+# for minutes, so last
+step l16-autotune 300 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
+    "${AUTOTUNE[@]}" --record "$records"
 step l16-ds-checks 100 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
     --set deepspeed.one_pass_grad_checks=false --record "$records"
 step h14-ckpt 200 train "${H[@]}" --batch "$HB2" --activation-checkpointing \

@@ -24,7 +24,8 @@ from torch import nn
 
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
-from pretrain.engine import apply_train_options, build_optimizer, classification_loss
+from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
+                             compile_options)
 
 
 def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
@@ -112,7 +113,7 @@ class AccelerateBackend:
             # in place, as DeepSpeed's engine.compile() does for pretraining: the state dict
             # keeps its keys (Accelerate's dynamo_backend would prefix them with _orig_mod.,
             # into checkpoints and exports)
-            model.compile()
+            model.compile(**compile_options(cfg))
         optimizer = build_optimizer(model, cfg)
         from accelerate.utils import DistributedType
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED

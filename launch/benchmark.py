@@ -138,7 +138,7 @@ def run_train(args) -> dict:
         args.model, args.batch, image_size=args.image_size, zero=args.zero,
         precision=args.precision, ranks=args.ranks,
         activation_checkpointing=args.activation_checkpointing, num_classes=args.num_classes,
-        recipe=args.config, compile=args.compile, overrides=args.overrides)
+        recipe=args.config, compile=args.compile, accum=args.accum, overrides=args.overrides)
     return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
                          shards=args.shards, workers=args.workers,
                          profile=str(args.profile) if args.profile else None,
@@ -149,9 +149,13 @@ def print_train_table(r: dict) -> None:
     mfu = "relative only (no peak known)" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
     rows = [("device", r["device"]),
             ("model", f"{r['model']} @ {r['image_size']} px"),
-            ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"),
+            ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"
+             + (f", {r['grad_accum_steps']} micro-batches per update"
+                if r.get("grad_accum_steps", 1) > 1 else "")),
             ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
-             + (" / compiled" if r["compile"] else "")),
+             + (" / compiled" if r["compile"] else "")
+             + (f" ({r['compile_mode']})" if r.get("compile_mode") not in (None, "default")
+                else "")),
             ("non-finite check", r["nonfinite_check"].replace("_", " ")),
             ("gradient checks", "one pass (deepspeed.one_pass_grad_checks)"
              if r["one_pass_grad_checks"] else "DeepSpeed's own"),
@@ -282,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", default="vit_large_patch16_224",
                        help="timm ViT name (default vit_large_patch16_224)")
     train.add_argument("--batch", type=positive_int, required=True, help="micro-batch per rank")
+    train.add_argument("--accum", type=positive_int, default=1, metavar="N",
+                       help="micro-batches per optimizer update (train.grad_accum_steps; "
+                            "default 1: an update per micro-batch, the least favourable case). "
+                            "A real run at batch 4096 on few GPUs accumulates, which spreads "
+                            "DeepSpeed's per-update work over N micro-batches; a timed step is "
+                            "then one update"),
     train.add_argument("--image-size", type=positive_int, default=None,
                        help="resolution (default: the model's own, 224 for the i21k models)")
     train.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
@@ -291,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train.precision (default: the recipe's, bf16 with the default "
                             "recipe); fp32 for quicker CPU runs")
     train.add_argument("--compile", action="store_true",
-                       help="engine.compile() (torch.compile), as train.compile=true does")
+                       help="engine.compile() (torch.compile), as train.compile=true does; "
+                            "--set train.compile_mode=max-autotune-no-cudagraphs autotunes "
+                            "the matmuls too")
     train.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="recompute the blocks' activations in the backward pass (default: "

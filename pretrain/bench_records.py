@@ -84,7 +84,10 @@ def load(path: Path) -> list[dict]:
 def _options(r: dict) -> str:
     opts = [r["precision"], f"ZeRO-{r['zero_stage']}"]
     if r.get("compile"):
-        opts.append("compiled")
+        mode = r.get("compile_mode") or "default"
+        opts.append("compiled" + ("" if mode == "default" else f" ({mode})"))
+    if r.get("grad_accum_steps", 1) > 1:
+        opts.append(f"{r['grad_accum_steps']} micro-batches per update")
     if r.get("activation_checkpointing"):
         opts.append("act. ckpt" + (f" of {r['checkpointed_blocks']} blocks"
                                    if r.get("checkpointed_blocks") else ""))

@@ -48,15 +48,17 @@ def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
                  zero: Optional[int] = None, precision: Optional[str] = None, ranks: int = 1,
                  activation_checkpointing: Optional[bool] = None,
                  num_classes: Optional[int] = None, recipe: Optional[os.PathLike | str] = None,
-                 compile: bool = False, overrides: Sequence[str] = ()) -> PretrainConfig:
+                 compile: bool = False, accum: int = 1,
+                 overrides: Sequence[str] = ()) -> PretrainConfig:
     """The run config to measure: a pretraining recipe (default: the ViT-L/16 i21k one, so
     head, loss, drop-path and optimizer are those of the real run) with the model, per-rank
-    batch and the other given settings put in (``compile``: train.compile on, whatever the
-    recipe says). ``overrides`` are the usual ``key=value``."""
+    micro-batch and the other given settings put in (``compile``: train.compile on, whatever
+    the recipe says; ``accum``: micro-batches per update). ``overrides`` are the usual
+    ``key=value``."""
     from pretrain.model import _timm_arch
 
     sets = [f"model.name={model}", f"train.micro_batch_size={batch}",
-            f"train.global_batch_size={batch * ranks}", "train.grad_accum_steps=1",
+            f"train.global_batch_size={batch * ranks * accum}", f"train.grad_accum_steps={accum}",
             "train.total_steps=1000000", "data.val_split=null"]
     if recipe is None:
         recipe = DEFAULT_RECIPE
@@ -115,6 +117,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
             world: int = 1, profile: Optional[str] = None, profile_steps: int = 3) -> dict:
     """Train ``warmup + steps`` steps on this rank (distributed already set up), as the trainer
     does for ``cfg`` (train.compile, data.mixup_alpha...); the figures of the last ``steps``.
+    A step is one update: ``train.grad_accum_steps`` micro-batches, as in the trainer.
     With ``profile`` (a folder), ``profile_steps`` more steps run under torch.profiler
     afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out of the figures.
     Collective: every rank of the world must call it."""
@@ -130,11 +133,12 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     torch.manual_seed(cfg.seed)
     engine, optimizer, ds_config = build_engine(cfg, world)
     if cfg.train.compile:
-        engine.compile()  # torch.compile of the module, the way DeepSpeed supports it
+        # torch.compile of the module, the way DeepSpeed supports it
+        engine.compile(compile_kwargs=eng.compile_options(cfg))
     device = engine.device
     dtype = input_dtype(cfg.train.precision)
     spec = engine.module.spec
-    micro = cfg.train.micro_batch_size
+    micro, accum = cfg.train.micro_batch_size, ds_config["gradient_accumulation_steps"]
     scheduler = eng.build_scheduler(optimizer, cfg, cfg.train.total_steps)
     mixup = build_mixup(cfg.data, spec.num_classes)  # on the device, timed with the step
 
@@ -166,12 +170,14 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         def one_step(step: int):
             start = time.perf_counter()
             scheduler.step_update(step)
-            images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, mixup,
-                                            dtype)
-            timer.data_ready()
-            loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
+            for done in range(accum):  # DeepSpeed updates after the last
+                images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, mixup,
+                                                dtype)
+                if done == 0:
+                    timer.data_ready()
+                loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
             guard.settle()  # a deferred check is read after the update, as the trainer reads it
-            timer.step_done(images=micro * world)
+            timer.step_done(images=micro * accum * world)
             step_times.append(time.perf_counter() - start)
             return loss
 
@@ -181,6 +187,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
                 timer.exclude_elapsed()
             loss = one_step(step)
         perf = timer.summary()
+        updates = engine.global_steps  # DeepSpeed's count of optimizer updates made
         profiled_ms = None
         with profiled(profile, rank, device) as breakdown:
             if profile:
@@ -193,8 +200,9 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
-        "ranks": world, "zero_stage": eng.zero_stage(ds_config),
+        "grad_accum_steps": accum, "updates": updates, "ranks": world, "zero_stage": eng.zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
+        "compile_mode": cfg.train.compile_mode if engine.is_compiled else None,
         "nonfinite_check": "after_update" if defer else "before_backward",
         "one_pass_grad_checks": grad_checks.installed(engine.optimizer),
         "activation_checkpointing": cfg.train.activation_checkpointing,

@@ -190,6 +190,14 @@ class TrainConfig(Section):
     # (launch/benchmark.py train --compile); the first steps pay the compilation.
     compile: bool = Field(False, description="torch.compile the model (pays off on GPUs; the "
                           "first steps compile)")
+    # Inductor's mode. max-autotune-no-cudagraphs also times Triton matmul templates against
+    # cuBLAS for each matmul shape, and where a template wins it can take the bias and GELU
+    # after it into the same kernel (GELU is ~10 % of a ViT-L/16 step on an H100); compiling
+    # takes minutes longer. The modes with CUDA graphs are not offered: DeepSpeed's gradient
+    # hooks run Python during the backward pass.
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="with train.compile: Inductor's mode; max-autotune-no-cudagraphs "
+        "autotunes the matmuls (GPU; compiles for minutes)")
     # A micro-batch with a non-finite loss is dropped on every rank and counted (pretrain/guard.py);
     # this many in a row mean the weights have gone bad: roll back to the newest checkpoint
     # (going on with the data after the bad stretch) or stop.
@@ -222,6 +230,8 @@ class TrainConfig(Section):
             raise ValueError("set exactly one of train.total_steps and train.epochs")
         if self.checkpointed_blocks is not None and not self.activation_checkpointing:
             raise ValueError("train.checkpointed_blocks needs train.activation_checkpointing=true")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"train.compile_mode={self.compile_mode} needs train.compile=true")
         return self
 
     def batch_layout(self, world_size: int) -> Tuple[int, int]:

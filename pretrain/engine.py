@@ -326,6 +326,12 @@ def drops_nonfinite_updates(optimizer) -> bool:
         bool(getattr(optimizer, "check_grad_overflow", False))
 
 
+def compile_options(cfg: RunConfig) -> dict:
+    """torch.compile's keyword arguments for ``train.compile_mode`` (both stages)."""
+    mode = cfg.train.compile_mode
+    return {} if mode == "default" else {"mode": mode}
+
+
 def input_dtype(precision: str) -> torch.dtype:
     """The dtype DeepSpeed's engine expects its inputs in for ``train.precision``."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
@@ -359,7 +365,7 @@ class DeepSpeedBackend:
         self.optimizer = build_optimizer(model, cfg)
         self.engine = initialize(cfg, model, self.optimizer, self.ds_config)
         if cfg.train.compile:
-            self.engine.compile()
+            self.engine.compile(compile_kwargs=compile_options(cfg))
         self.device = self.engine.device
         self.dtype = input_dtype(cfg.train.precision)
         self.zero_stage = zero_stage(self.ds_config)

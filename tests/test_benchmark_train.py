@@ -32,6 +32,7 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     dates.add(today())  # a run across midnight (UTC) is dated either day
     assert r["model"] == "vit_tiny_patch16_224" and r["image_size"] == 32
     assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
+    assert (r["grad_accum_steps"], r["updates"]) == (1, 3)  # an update per step
     assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
     # TFLOP/s is images/s x the model's FLOPs per image (one rank)
     expected = r["images_per_sec"] * r["train_flops_per_image"] / 1e12
@@ -88,13 +89,16 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     assert done.stderr.startswith("error: ") and "benchmark-table: begin" in done.stderr
 
 
-def test_train_two_ranks_fed_by_the_real_loader(tiny_data):
+def test_train_two_ranks_fed_by_the_real_loader_accumulating(tiny_data):
     r = _json("train", "--model", "vit_tiny_patch16_224", "--image-size", "16",
               "--num-classes", "8", "--batch", "4", "--precision", "fp32", "--ranks", "2",
-              "--steps", "2", "--warmup", "1", "--shards", str(tiny_data), "--workers", "1")
+              "--steps", "2", "--warmup", "1", "--shards", str(tiny_data), "--workers", "1",
+              "--accum", "2")
     assert r["ranks"] == 2 and r["data"] == "loader" and r["zero_stage"] == 1
     assert r["loader_workers"] == 1
     assert r["images_per_sec"] > 0 and 0 <= r["data_wait_frac"] <= 1
+    # a step is one update of two micro-batches: 3 updates for the 6 micro-batches
+    assert (r["batch_per_rank"], r["grad_accum_steps"], r["updates"]) == (4, 2, 3)
     # per-device TFLOP/s: the global images/s shared by the two ranks
     expected = r["images_per_sec"] * r["train_flops_per_image"] / 2 / 1e12
     assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected
@@ -118,9 +122,12 @@ def test_train_times_the_step_the_trainer_would_run_for_the_same_config():
     assert mixed["final_loss"] != plain["final_loss"]
     assert not plain["compile"]
     compiled = run_launcher("benchmark.py", *base, "--set", "train.compile=true",
+                            "--set", "train.compile_mode=max-autotune-no-cudagraphs",
                             env={"TORCHDYNAMO_DISABLE": "1"})
     assert compiled.returncode == 0, compiled.stderr[-3000:]
-    assert json.loads(compiled.stdout)["compile"] is True
+    result = json.loads(compiled.stdout)
+    assert (result["compile"], result["compile_mode"]) == (True, "max-autotune-no-cudagraphs")
+    assert plain["compile_mode"] is None
 
 
 def test_overhead_compares_both_loops_from_the_same_start():

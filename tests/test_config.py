@@ -226,6 +226,9 @@ def test_a_bad_config_is_one_line_from_every_rank_of_a_real_launch_before_any_wo
     # MLflow would refuse every metric of each step that logs it
     (["eval.val_name=in21k+val"], r"eval.val_name='in21k\+val' cannot be part of an MLflow "
                                   r"metric name; use letters, digits"),
+    # a mode for a model that is not compiled would do nothing
+    (["train.compile_mode=max-autotune-no-cudagraphs"],
+     "train.compile_mode=max-autotune-no-cudagraphs needs train.compile=true"),
 ])
 def test_training_configs_refuse_what_cannot_train(overrides, message):
     for schema in (PretrainConfig, FinetuneConfig):

@@ -253,9 +253,10 @@ def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tin
     from finetune.config import FinetuneConfig
     from pretrain.config_files import load_config
 
-    def built(compile: bool):
+    def built(compile: bool, *sets: str):
         cfg = load_config(FinetuneConfig, REPO / "configs/finetune/demo.yaml", [
-            *finetune_args(tmp_path / "ft", tiny_cifar, "null"), f"train.compile={compile}"])
+            *finetune_args(tmp_path / "ft", tiny_cifar, "null"), f"train.compile={compile}",
+            *sets])
         backend = AccelerateBackend(cfg)
         backend.build(cfg, micro=8, accum=1, resume=None, store=None)
         return backend
@@ -263,5 +264,9 @@ def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tin
     compiled, plain = built(True), built(False)
     assert compiled.module._compiled_call_impl is not None
     assert plain.module._compiled_call_impl is None
+    # train.compile_mode reaches Inductor (its matmul autotuning on or off)
+    tuned = built(True, "train.compile_mode=max-autotune-no-cudagraphs")
+    assert tuned.module._compiled_call_impl.get_compiler_config()["max_autotune"] is True
+    assert compiled.module._compiled_call_impl.get_compiler_config()["max_autotune"] is False
     assert list(compiled.accelerator.get_state_dict(compiled.model)) == \
         list(plain.accelerator.get_state_dict(plain.model))

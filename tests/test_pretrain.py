@@ -76,6 +76,35 @@ def test_zero3_initialisation_really_happens():
     assert stats["head_absmax"] == 0.0 and stats["head_bias"] == pytest.approx(-10.0)
 
 
+COMPILE_SETS = {"eager": [], "compiled": ["train.compile=true"],
+                "autotuned": ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]}
+
+
+def _compiled_worker(rank, world, port, queue):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.engine import DeepSpeedBackend
+
+    found = {}
+    for name, sets in COMPILE_SETS.items():
+        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", sets)
+        backend = DeepSpeedBackend(cfg)
+        backend.build(cfg, micro=4, accum=1, resume=None, store=None)
+        compiled = backend.engine.module._compiled_call_impl
+        found[name] = None if compiled is None else \
+            compiled.get_compiler_config()["max_autotune"]
+    queue.put((rank, found))
+
+
+def test_train_compile_and_its_mode_reach_the_pretraining_engine():
+    """The trainer's DeepSpeed engine is compiled, with Inductor's matmul autotuning when
+    train.compile_mode asks for it (compiling itself happens at the first forward, not run)."""
+    found = spawn_ranks(_compiled_worker, 1, timeout=120)[0]
+    assert found == {"eager": None, "compiled": False, "autotuned": True}
+
+
 def _all_keys(shards):
     import tarfile
 
