@@ -112,8 +112,9 @@ def _grad_norm(self, gradients, params, norm_type=2):
     if grads:
         total = norms.pow(2).sum().float()
     else:
-        total = torch.tensor(0.0, dtype=torch.float32, device=device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        total = torch.zeros((), dtype=torch.float32, device=device)  # no copy from the host
+    if dist.get_world_size(group=self.dp_process_group) > 1:  # one GPU: a launch for nothing
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     total = total.pow(0.5)
     # DeepSpeed's mask_nan_or_inf_with_val_inplace, without its tensor made from -1.0
     total.masked_fill_(~torch.isfinite(total), -1.0)
