@@ -200,7 +200,8 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
-        "grad_accum_steps": accum, "updates": updates, "ranks": world, "zero_stage": eng.zero_stage(ds_config),
+        "grad_accum_steps": accum, "updates": updates, "ranks": world,
+        "zero_stage": eng.zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
         "compile_mode": cfg.train.compile_mode if engine.is_compiled else None,
         "nonfinite_check": "after_update" if defer else "before_backward",
