@@ -103,6 +103,11 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
     )
     if cfg.optimizer.grad_clip:
         out["gradient_clipping"] = cfg.optimizer.grad_clip
+    # DeepSpeed's throughput timer waits for the device at every forward and after every step
+    # (get_accelerator().synchronize()) for figures it prints only every steps_per_print: the
+    # GPU runs dry at each micro-batch while the host starts the next. pretrain.throughput
+    # measures instead. A DeepSpeed file that configures the timer keeps its setting.
+    out.setdefault("timers", {}).setdefault("throughput", {"enabled": False})
     precision = cfg.train.precision
     out["bf16"] = {"enabled": precision == "bf16"}
     # loss_scale 0 = dynamic loss scaling

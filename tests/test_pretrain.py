@@ -105,6 +105,46 @@ def test_train_compile_and_its_mode_reach_the_pretraining_engine():
     assert found == {"eager": None, "compiled": False, "autotuned": True}
 
 
+def _device_waits_worker(rank, world, port, runs, queue):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from deepspeed.accelerator import get_accelerator
+
+    from pretrain.benchmark import build_engine, synthetic_batches
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.data.device_batch import prepare_batch
+    from pretrain.distributed import init_distributed
+    from pretrain.engine import train_micro_batch
+
+    init_distributed()
+    accelerator, waits = get_accelerator(), []
+    own = accelerator.synchronize
+    accelerator.synchronize = lambda *a, **k: (waits.append(1), own(*a, **k))[1]
+    found = []
+    for sets in runs:
+        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml",
+                          ["train.micro_batch_size=4", "train.global_batch_size=4", *sets])
+        engine = build_engine(cfg)[0]
+        waits.clear()
+        for batch in synthetic_batches(4, 32, cfg.model.num_classes, engine.device, count=5):
+            train_micro_batch(engine, *prepare_batch(batch, engine.device), cfg)
+        found.append(len(waits))
+    queue.put((rank, found))
+
+
+def test_deepspeed_waits_for_the_device_for_no_timer_of_its_own(tmp_path):
+    """DeepSpeed's throughput timer would wait for the device at every forward and step, for
+    figures it never prints here; off, unless a DeepSpeed file turns it on."""
+    own = tmp_path / "timed.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1},
+                               "timers": {"throughput": {"enabled": True}}}))
+    waits = spawn_ranks(_device_waits_worker, 1, [[], [f"deepspeed.config={own}"]],
+                        timeout=120)[0]
+    # 5 steps: none; with the file's timer, two per step from the third step on
+    assert waits == [0, 6]
+
+
 def _all_keys(shards):
     import tarfile
 
