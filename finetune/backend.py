@@ -25,7 +25,7 @@ from torch import nn
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
-                             compile_options)
+                             compile_options, without_throughput_timer)
 
 
 def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
@@ -35,7 +35,8 @@ def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
     else is refused: DeepSpeed would step, divide the loss, clip and compute by those numbers,
     not the run's. Accelerate itself puts gradient_accumulation_steps=1 where a JSON file has
     none, and bf16/fp16 from train.precision where the file says "auto" or nothing; a fixed
-    bf16.enabled or fp16.enabled it keeps, silently, whatever train.precision says."""
+    bf16.enabled or fp16.enabled it keeps, silently, whatever train.precision says. DeepSpeed's
+    throughput timer goes off unless the config sets it, as in pretraining."""
     from pretrain.config import ConfigError
 
     # as in pretraining's DeepSpeed file (pretrain/engine.py): ours, from this config
@@ -64,6 +65,7 @@ def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
             raise ConfigError(f"Accelerate's DeepSpeed config has {key}={given} (from its "
                               f"file or Accelerate's default), but this run's {ours} gives "
                               f"{value}; set {key} to \"auto\" in that config")
+    without_throughput_timer(ds_config)
 
 
 class AccelerateBackend:

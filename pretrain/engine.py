@@ -103,16 +103,21 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
     )
     if cfg.optimizer.grad_clip:
         out["gradient_clipping"] = cfg.optimizer.grad_clip
-    # DeepSpeed's throughput timer waits for the device at every forward and after every step
-    # (get_accelerator().synchronize()) for figures it prints only every steps_per_print: the
-    # GPU runs dry at each micro-batch while the host starts the next. pretrain.throughput
-    # measures instead. A DeepSpeed file that configures the timer keeps its setting.
-    out.setdefault("timers", {}).setdefault("throughput", {"enabled": False})
+    without_throughput_timer(out)
     precision = cfg.train.precision
     out["bf16"] = {"enabled": precision == "bf16"}
     # loss_scale 0 = dynamic loss scaling
     out["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16}
     return out
+
+
+def without_throughput_timer(ds_config: dict) -> None:
+    """Turn DeepSpeed's throughput timer off (in place) unless the config sets it. The timer
+    waits for the device at every forward and after every step (``get_accelerator()
+    .synchronize()``) for figures it prints only every ``steps_per_print``: the GPU runs dry at
+    each micro-batch while the host starts the next. ``pretrain.throughput`` measures instead.
+    Both stages' DeepSpeed configs go through here."""
+    ds_config.setdefault("timers", {}).setdefault("throughput", {"enabled": False})
 
 
 def initialize(cfg: PretrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,

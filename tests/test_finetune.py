@@ -177,12 +177,15 @@ def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping
     assert ds == {"train_batch_size": 512, "train_micro_batch_size_per_gpu": 16,
                   "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
                   "bf16": {"enabled": False}, "fp16": {"enabled": False},
-                  "zero_optimization": {"stage": 2}}
+                  "zero_optimization": {"stage": 2},
+                  # it would wait for the GPU at every forward and step
+                  "timers": {"throughput": {"enabled": False}}}
     # the same again: accepted
     fill_deepspeed_values(ds, micro=16, accum=4, world=8, grad_clip=1.0, precision="fp32")
-    ds = {"zero_optimization": {"stage": 2}}
+    ds = {"zero_optimization": {"stage": 2}, "timers": {"throughput": {"enabled": True}}}
     fill_deepspeed_values(ds, micro=16, accum=1, world=2, grad_clip=None, precision="fp32")
     assert ds["gradient_clipping"] == 0.0  # optimizer.grad_clip=null: DeepSpeed does not clip
+    assert ds["timers"] == {"throughput": {"enabled": True}}  # the file's own choice
     # what `accelerate config` writes by default, under a run that accumulates 4 micro-batches
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 2}}
