@@ -36,6 +36,7 @@ import gc
 import os
 import sys
 import threading
+import traceback
 from typing import Iterator
 
 _in_launcher = False  # launcher() manages this process's collector
@@ -112,7 +113,15 @@ def exit_without_teardown(code: int) -> None:
     if shutdown is None:  # an interpreter without it: its own exit then
         _usual_exit()
         sys.exit(code)
-    shutdown()
+    try:
+        shutdown()  # joins the threads; runs what concurrent.futures & co. registered for then
+    except Exception as e:
+        # as Python's exit: reported, and the exit goes on with its code (3.11's process pool
+        # can find its wake-up pipe closed here, an error of no consequence that would
+        # otherwise turn a finished prepare_data.py into exit code 1)
+        with contextlib.suppress(Exception):
+            print(f"Exception ignored in: {threading!r}", file=sys.stderr)
+            traceback.print_exception(e)
     atexit._run_exitfuncs()
     for name in ("stdout", "stderr"):
         try:

@@ -119,6 +119,34 @@ def test_output_that_cannot_be_written_at_exit_is_reported_with_pythons_code(scr
     assert "Exception ignored on flushing sys.stdout: OSError(28, " in proc.stderr
 
 
+def test_an_error_in_a_thread_shutdown_hook_is_reported_and_the_exit_goes_on(tmp_path):
+    """As in Python's own exit: an exception from what runs when the threads are shut down
+    (where concurrent.futures' process pool wakes its manager, and 3.11's can find the pipe
+    for it closed) is printed, and the process still exits with its code, atexit handlers and
+    output."""
+    tool = tmp_path / "tool.py"
+    tool.write_text(textwrap.dedent(f"""
+        import atexit, sys, threading
+        sys.path.insert(0, {str(REPO)!r})
+        from pretrain import interpreter
+
+        def wake_up():
+            raise OSError(9, "Bad file descriptor")
+
+        threading._register_atexit(wake_up)
+        atexit.register(lambda: print(" atexit", end=""))
+        with interpreter.launcher(pause_collector=False):
+            print("done", end="")
+            sys.exit(int(sys.argv[1]))
+    """))
+    for code in (0, 3):
+        proc = launch(tool, code)
+        assert proc.returncode == code, proc.stderr
+        assert proc.stdout == "done atexit"
+        assert proc.stderr.startswith("Exception ignored in: <module 'threading'")
+        assert proc.stderr.strip().endswith("OSError: [Errno 9] Bad file descriptor")
+
+
 def test_under_a_profiler_the_exit_is_pythons_and_the_profile_is_written(script, tmp_path):
     proc = launch("-m", "cProfile", "-o", tmp_path / "run.prof", script, "return")
     assert proc.returncode == 0, proc.stderr
