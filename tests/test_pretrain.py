@@ -76,73 +76,65 @@ def test_zero3_initialisation_really_happens():
     assert stats["head_absmax"] == 0.0 and stats["head_bias"] == pytest.approx(-10.0)
 
 
-COMPILE_SETS = {"eager": [], "compiled": ["train.compile=true"],
-                "autotuned": ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"]}
-
-
-def _compiled_worker(rank, world, port, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from pretrain.config import PretrainConfig
-    from pretrain.config_files import load_config
-    from pretrain.engine import DeepSpeedBackend
-
-    found = {}
-    for name, sets in COMPILE_SETS.items():
-        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", sets)
-        backend = DeepSpeedBackend(cfg)
-        backend.build(cfg, micro=4, accum=1, resume=None, store=None)
-        compiled = backend.engine.module._compiled_call_impl
-        found[name] = None if compiled is None else \
-            compiled.get_compiler_config()["max_autotune"]
-    queue.put((rank, found))
-
-
-def test_train_compile_and_its_mode_reach_the_pretraining_engine():
-    """The trainer's DeepSpeed engine is compiled, with Inductor's matmul autotuning when
-    train.compile_mode asks for it (compiling itself happens at the first forward, not run)."""
-    found = spawn_ranks(_compiled_worker, 1, timeout=120)[0]
-    assert found == {"eager": None, "compiled": False, "autotuned": True}
-
-
-def _device_waits_worker(rank, world, port, runs, queue):
+def _engine_worker(rank, world, port, timed_file, queue):
+    """The trainer's DeepSpeed backend built for a few configs: whether (and how) its module is
+    compiled, and how often DeepSpeed waited for the device in 5 steps."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from deepspeed.accelerator import get_accelerator
 
-    from pretrain.benchmark import build_engine, synthetic_batches
+    from pretrain.benchmark import synthetic_batches
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
     from pretrain.data.device_batch import prepare_batch
-    from pretrain.distributed import init_distributed
-    from pretrain.engine import train_micro_batch
+    from pretrain.engine import DeepSpeedBackend
 
-    init_distributed()
     accelerator, waits = get_accelerator(), []
     own = accelerator.synchronize
     accelerator.synchronize = lambda *a, **k: (waits.append(1), own(*a, **k))[1]
-    found = []
-    for sets in runs:
-        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml",
-                          ["train.micro_batch_size=4", "train.global_batch_size=4", *sets])
-        engine = build_engine(cfg)[0]
+
+    def backend(*sets):
+        cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", sets)
+        made = DeepSpeedBackend(cfg)
+        made.build(cfg, micro=4, accum=1, resume=None, store=None)
+        return made, cfg
+
+    found = {}
+    for name, sets in {"eager": [], "compiled": ["train.compile=true"],
+                       "autotuned": ["train.compile=true",
+                                     "train.compile_mode=max-autotune-no-cudagraphs"]}.items():
+        compiled = backend(*sets)[0].engine.module._compiled_call_impl
+        found[name] = None if compiled is None else \
+            compiled.get_compiler_config()["max_autotune"]
+    for name, sets in {"waits": [], "waits_timed": [f"deepspeed.config={timed_file}"]}.items():
+        made, cfg = backend(*sets)
         waits.clear()
-        for batch in synthetic_batches(4, 32, cfg.model.num_classes, engine.device, count=5):
-            train_micro_batch(engine, *prepare_batch(batch, engine.device), cfg)
-        found.append(len(waits))
+        for batch in synthetic_batches(4, 32, cfg.model.num_classes, made.device, count=5):
+            made.train_micro_batch(*prepare_batch(batch, made.device), cfg, None, last=True)
+        found[name] = len(waits)
     queue.put((rank, found))
 
 
-def test_deepspeed_waits_for_the_device_for_no_timer_of_its_own(tmp_path):
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    timed = tmp_path_factory.mktemp("ds") / "timed.json"
+    timed.write_text(json.dumps({"zero_optimization": {"stage": 1},
+                                 "timers": {"throughput": {"enabled": True}}}))
+    return spawn_ranks(_engine_worker, 1, str(timed), timeout=180)[0]
+
+
+def test_train_compile_and_its_mode_reach_the_pretraining_engine(engines):
+    """The trainer's DeepSpeed engine is compiled, with Inductor's matmul autotuning when
+    train.compile_mode asks for it (compiling itself happens at the first forward, not run)."""
+    assert {k: engines[k] for k in ("eager", "compiled", "autotuned")} == \
+        {"eager": None, "compiled": False, "autotuned": True}
+
+
+def test_deepspeed_waits_for_the_device_for_no_timer_of_its_own(engines):
     """DeepSpeed's throughput timer would wait for the device at every forward and step, for
-    figures it never prints here; off, unless a DeepSpeed file turns it on."""
-    own = tmp_path / "timed.json"
-    own.write_text(json.dumps({"zero_optimization": {"stage": 1},
-                               "timers": {"throughput": {"enabled": True}}}))
-    waits = spawn_ranks(_device_waits_worker, 1, [[], [f"deepspeed.config={own}"]],
-                        timeout=120)[0]
-    # 5 steps: none; with the file's timer, two per step from the third step on
-    assert waits == [0, 6]
+    figures it never prints here; off, unless a DeepSpeed file turns it on (then two waits per
+    step from its third on)."""
+    assert (engines["waits"], engines["waits_timed"]) == (0, 6)
 
 
 def _all_keys(shards):
