@@ -124,15 +124,14 @@ def _grad_norm(self, gradients, params, norm_type=2):
 def _unscale_and_clip(self, grad_groups_flat, total_norm):
     """DeepSpeed's ``unscale_and_clip_grads`` with its validity check of the norm on the device:
     an invalid norm (not finite, or DeepSpeed's -1) clips with an infinite one, as there."""
-    if not torch.is_tensor(total_norm) or (self.clip_grad == 0.0 and self.loss_scale == 1.0):
+    if not torch.is_tensor(total_norm) or self.clip_grad <= 0.:
+        # no clipping: DeepSpeed's own reads nothing either
         return type(self).unscale_and_clip_grads(self, grad_groups_flat, total_norm)
-    combined_scale = self.loss_scale
-    if self.clip_grad > 0.:
-        valid = torch.isfinite(total_norm) & (total_norm >= 0)
-        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
-        # the norm is the norm times the loss scale
-        clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
-        combined_scale = clip * self.loss_scale
+    valid = torch.isfinite(total_norm) & (total_norm >= 0)
+    clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
+    # the norm is the norm times the loss scale
+    clip = torch.clamp(((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad, min=1.0)
+    combined_scale = clip * self.loss_scale
     for grad in grad_groups_flat:
         for g in grad if isinstance(grad, list) else [grad]:
             g.data.mul_(1. / combined_scale)
