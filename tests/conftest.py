@@ -201,14 +201,15 @@ def _tracking_store_outside_the_repo(tmp_path_factory):
 # --------------------------------------------------------------------------------------------
 # The fault suite's ledger: what was injected and what came back, summed up at the end
 # --------------------------------------------------------------------------------------------
+# The tests run in several worker processes (pytest-xdist), so a test's record travels with its
+# report (user_properties) and the process that prints the summary adds them up.
+_RECORD = "fault_ledger"
+
+
 class FaultLedger:
     def __init__(self):
         self.rows: list[tuple] = []
         self.seconds = 0.0
-
-    def record(self, injected: int, recovered: int, samples_lost: int = 0,
-               metrics_lost: int = 0) -> None:
-        self.rows.append((injected, recovered, samples_lost, metrics_lost))
 
     def summary(self) -> str:
         i, r, s, m = (sum(col) for col in zip(*self.rows))
@@ -216,25 +217,53 @@ class FaultLedger:
                 f"{m} metrics lost ({len(self.rows)} tests, {self.seconds:.0f} s)")
 
 
-_LEDGER = pytest.StashKey[FaultLedger]()
+class FaultRecorder:
+    """What a fault test hands in: ``record(injected, recovered, samples_lost, metrics_lost)``."""
+
+    def __init__(self, item):
+        self.item = item
+
+    def record(self, injected: int, recovered: int, samples_lost: int = 0,
+               metrics_lost: int = 0) -> None:
+        self.item.user_properties.append(
+            (_RECORD, (injected, recovered, samples_lost, metrics_lost)))
 
 
-def pytest_configure(config):
-    config.stash[_LEDGER] = FaultLedger()
+_LEDGER = FaultLedger()  # this process's: the one that prints the summary adds up all reports
 
 
 @pytest.fixture
-def fault_ledger(request) -> FaultLedger:
-    return request.config.stash[_LEDGER]
+def fault_ledger(request) -> FaultRecorder:
+    return FaultRecorder(request.node)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_makereport(item, call):
-    if item.get_closest_marker("faults"):  # setup + call + teardown of the suite's tests
-        item.config.stash[_LEDGER].seconds += call.duration
+def pytest_runtest_logreport(report):
+    """Runs where the summary is printed, for each phase of every test (a worker's too)."""
+    if "faults" not in report.keywords:
+        return
+    _LEDGER.seconds += report.duration  # setup + call + teardown of the suite's tests
+    if report.when == "teardown":  # its properties are final by then, and counted once
+        _LEDGER.rows += [row for name, row in report.user_properties if name == _RECORD]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    ledger = config.stash[_LEDGER]
-    if ledger.rows:
-        terminalreporter.write_sep("=", ledger.summary())
+    if _LEDGER.rows:
+        terminalreporter.write_sep("=", _LEDGER.summary())
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default, pyproject.toml): one test process per CPU this machine gives us
+    (its affinity and cgroup quota: in a container psutil counts the host's cores), at most 8,
+    since most tests start two ranks of their own. ``-n 0`` runs the tests in this process."""
+    import math
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cpus = min(cpus, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(cpus, 8))
