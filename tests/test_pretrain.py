@@ -22,14 +22,10 @@ def keys(out, rank):
     return (out / "keys" / f"rank{rank}.txt").read_text().split()
 
 
-# ZeRO-1 and ZeRO-3 are slow variants: the default command trains both on two ranks through
-# the launcher anyway (ZeRO-1 in the fault suite's reference run, whose checkpoints and
-# manifests it checks; ZeRO-3 in test_weights' run, whose consolidated checkpoint says stage 3
-# on 2 ranks, and in the fault suite's SIGTERM test)
 @pytest.mark.parametrize("stage,how", [
-    pytest.param(1, "deepspeed.zero_stage=1", marks=pytest.mark.slow),
+    (1, "deepspeed.zero_stage=1"),
     (2, "deepspeed.config=zero2.json"),  # the shipped files in configs/deepspeed/
-    pytest.param(3, "deepspeed.config=zero3.json", marks=pytest.mark.slow),
+    (3, "deepspeed.config=zero3.json"),
 ])
 def test_zero_stage_trains_on_two_ranks(stage, how, tmp_path, tiny_data):
     out = tmp_path / "run"
