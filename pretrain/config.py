@@ -192,12 +192,13 @@ class TrainConfig(Section):
                           "first steps compile)")
     # Inductor's mode. max-autotune-no-cudagraphs also times Triton matmul templates against
     # cuBLAS for each matmul shape, and where a template wins it can take the bias and GELU
-    # after it into the same kernel (GELU is ~10 % of a ViT-L/16 step on an H100); compiling
-    # takes minutes longer. The modes with CUDA graphs are not offered: DeepSpeed's gradient
-    # hooks run Python during the backward pass.
+    # after it into the same kernel (GELU is ~10 % of a ViT-L/16 step on an H100). Compiling
+    # takes minutes longer (ViT-L/16 on an H100 had not finished after 240 s), and each restart
+    # of a job on a node whose Inductor cache is gone pays it again. The modes with CUDA graphs
+    # are not offered: DeepSpeed's gradient hooks run Python during the backward pass.
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = Field(
         "default", description="with train.compile: Inductor's mode; max-autotune-no-cudagraphs "
-        "autotunes the matmuls (GPU; compiles for minutes)")
+        "autotunes the matmuls (GPU; compiles for minutes, over 4 for ViT-L/16 on an H100)")
     # A micro-batch with a non-finite loss is dropped on every rank and counted (pretrain/guard.py);
     # this many in a row mean the weights have gone bad: roll back to the newest checkpoint
     # (going on with the data after the bad stretch) or stop.
