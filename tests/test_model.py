@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.model import count_parameters, create_model, measure_train_flops, resolve_spec
+from pretrain.model import (PatchConv2d, count_parameters, create_model, measure_train_flops,
+                            resolve_spec)
 
 L16, H14 = "vit_large_patch16_224", "vit_huge_patch14_224"
 
@@ -51,6 +52,41 @@ def test_flop_formula_agrees_with_the_counter_for_vit_large_on_meta():
     model = meta(L16, representation_size=1024, num_classes=21843)
     assert model.spec.train_flops_per_image() == pytest.approx(
         measure_train_flops(model, img_size=224), rel=0.03)
+
+
+@pytest.mark.parametrize("patch, img", [(16, 64), (14, 56)])
+def test_patch_embedding_trains_as_a_matmul_with_timms_parameters(patch, img):
+    """Training runs the patch embedding as a matmul (faster than cuDNN's convolution on an
+    H100) with timm's parameters: the same function and gradients as timm's model, to rounding;
+    in eval mode it is timm's convolution, bit for bit."""
+    import timm
+
+    arch = dict(img_size=img, patch_size=patch, embed_dim=64, depth=2, num_heads=2)
+    ours = create_model(ModelConfig(name="vit_tiny_patch16_224", num_classes=0,
+                                    drop_path_rate=0.0, **arch))
+    proj = ours.backbone.patch_embed.proj
+    assert type(proj) is PatchConv2d
+    stock = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0,
+                              global_pool="token", **arch)
+    stock.load_state_dict(ours.backbone.state_dict())  # strict: the same keys and shapes
+    x = torch.randn(3, 3, img, img)
+    trained = proj(x)  # training mode: the matmul
+    conv = stock.patch_embed.proj(x)
+    assert not torch.equal(trained, conv)  # not the convolution, yet the same to rounding
+    torch.testing.assert_close(trained, conv, rtol=1e-4, atol=1e-5)
+    feats, ref = ours.backbone(x), stock(x)  # training mode, no dropout or drop path
+    torch.testing.assert_close(feats, ref, rtol=1e-4, atol=1e-5)
+    feats.square().sum().backward()
+    ref.square().sum().backward()
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(proj, name).grad,
+                                   getattr(stock.patch_embed.proj, name).grad,
+                                   rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(ours.backbone.eval()(x), stock.eval()(x))
+        # a size the patches do not tile goes through the convolution (timm refuses it first)
+        odd = torch.randn(1, 3, img + 3, img)
+        assert torch.equal(proj.train()(odd), stock.patch_embed.proj(odd))
 
 
 def tiny(**kw):
