@@ -43,12 +43,12 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures nothing
     L=(--model vit_tiny_patch16_224 --image-size 32 --precision fp32 --num-classes 10)
     H=("${L[@]}"); LB=8; HB=8; HZ3=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
-    STEPS=(--steps 2 --warmup 1 --profile-steps 1); ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
+    STEPS=(--steps 2 --warmup 1 --profile-steps 1); TIMED=(--steps 2 --warmup 1); ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
     AUTOTUNE=()  # nothing compiles here: the mode would be refused without train.compile
 else
     L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
     LB=256; HB=128; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
-    STEPS=(--steps 20 --warmup 5 --profile-steps 2); ACCUM=4; ACCUM_STEPS=(--steps 6 --warmup 2)
+    STEPS=(--steps 20 --warmup 5 --profile-steps 2); TIMED=(--steps 20 --warmup 5); ACCUM=4; ACCUM_STEPS=(--steps 6 --warmup 2)
     AUTOTUNE=(--set train.compile_mode=max-autotune-no-cudagraphs)
 fi
 
@@ -56,12 +56,17 @@ bench=(python3 launch/benchmark.py)
 # step NAME LIMIT_S ARGS...: one `benchmark.py` command under its own limit, cut to what is left
 step() {
     local name=$1 limit=$2; shift 2
+    run "$name" "$limit" "${bench[@]}" "$@"
+}
+# run NAME LIMIT_S COMMAND...: any command so
+run() {
+    local name=$1 limit=$2; shift 2
     local left=$((budget - (SECONDS - start)))
     if ((left < 40)); then say "== $name: not run (the ${budget} s budget is spent)"; return; fi
     ((limit > left)) && limit=$left
-    say "== $name (limit ${limit} s): benchmark.py $*"
+    say "== $name (limit ${limit} s): $*"
     local t0=$SECONDS
-    timeout -k 10 "$limit" "${bench[@]}" "$@" >"$out/step.out" 2>"$out/step.err"
+    timeout -k 10 "$limit" "$@" >"$out/step.out" 2>"$out/step.err"
     local rc=$?
     cat "$out/step.out" >>"$log"; cat "$out/step.out"
     if ((rc != 0)); then
@@ -80,6 +85,9 @@ keep_trace() {  # keep_trace PROFILE_DIR NAME: the trace, gzipped, beside the re
     >>"$log" 2>&1 &
 photos=$!
 
+# pretrain/block_kernels.py's kernels against compiled PyTorch, checked and timed (no compile
+# of a model: seconds)
+[ -z "${SMOKE:-}" ] && run kernels 60 python3 benchmarks/block_kernels.py
 step l16 200 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
     --profile /tmp/gpu-suite-prof-l16 --record "$records"
 keep_trace /tmp/gpu-suite-prof-l16 l16
@@ -90,6 +98,9 @@ step l16-accum 120 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}
 step h14 150 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
     "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
 keep_trace /tmp/gpu-suite-prof-h14 h14
+# the same as row l16 with timm's own backward in the blocks: what the kernels gave
+step l16-timm-backward 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
+    --set train.block_kernels=false --record "$records"
 step h14-accum 100 train "${H[@]}" --batch "$HB" --accum "$ACCUM" --no-activation-checkpointing \
     "${COMPILE[@]}" "${ACCUM_STEPS[@]}" --record "$records"
 wait "$photos" || say "photos failed (see above)"

@@ -122,6 +122,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     afterwards (:mod:`pretrain.profile`), so the profiler's own cost stays out of the figures.
     Collective: every rank of the world must call it."""
     from pretrain import engine as eng
+    from pretrain.block_kernels import kernels_run_on
     from pretrain import grad_checks
     from pretrain.profile import profiled
     from pretrain.data.device_batch import build_mixup, prepare_batch
@@ -208,6 +209,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         "one_pass_grad_checks": grad_checks.installed(engine.optimizer),
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "checkpointed_blocks": cfg.train.checkpointed_blocks,  # None: all of them
+        "block_kernels": cfg.train.block_kernels and kernels_run_on(device),  # what ran
         "mixup": mixup is not None,  # data.mixup_alpha / cutmix_alpha, applied on the device
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,
         "images_per_sec": perf["perf/images_per_sec"],

@@ -171,6 +171,9 @@ def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
 def apply_train_options(model: ViTClassifier, cfg: RunConfig) -> None:
     """What ``train.*`` changes in the model itself, for both stages' backends."""
     t = cfg.train
+    if t.block_kernels:
+        from pretrain.block_kernels import adopt_block_kernels
+        adopt_block_kernels(model.backbone)
     if not t.activation_checkpointing:
         return
     blocks = model.backbone.blocks

@@ -1,0 +1,78 @@
+"""pretrain/block_kernels.py's two backward kernels against what they replace, at ViT-L/16's
+shapes (batch 256: 50,432 tokens, width 1024, MLP 4096, 16 heads of 64) and ViT-H/14's (batch
+128: 32,896 tokens, width 1280, MLP 5120, 16 heads of 80), bf16 on a CUDA GPU:
+
+- fc1: GELU's gradient and the fc1 bias gradient, ours in one kernel; the reference is the
+  same two results through torch.compile (the step's compiled backward makes them in two
+  passes: a pointwise kernel and a reduction);
+- qkv: dQ, dK, dV from a real SDPA backward (the layout the attention kernel gives them)
+  into the qkv layout plus the qkv bias gradient; the reference is torch.compile's copy and
+  sum, again two kernels.
+
+Each pair is first checked to agree, then timed (Triton's do_bench, median). Prints ms per
+layer and per step (x 24 or 32 layers).
+
+    python benchmarks/block_kernels.py
+"""
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pretrain import block_kernels  # noqa: E402,F401  (registers the vitscale:: ops)
+
+
+def gelu_reference(dg, h):
+    dh = torch.ops.aten.gelu_backward(dg, h)
+    return dh, dh.sum(0)
+
+
+def qkv_reference(dq, dk, dv):
+    b, nh, t, d = dq.shape
+    out = torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(b * t, 3 * nh * d)
+    return out, out.sum(0)
+
+
+def check(ours, ref, what):
+    assert torch.equal(ours[0], ref[0]) or what == "fc1", f"{what}: gradients differ"
+    err = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(ours, ref)]
+    assert max(err) < 1e-2, f"{what}: relative errors {err}"
+    return err
+
+
+def main():
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    gelu_compiled = torch.compile(gelu_reference)
+    qkv_compiled = torch.compile(qkv_reference)
+    for name, (b, t, width, mlp, heads, depth) in {
+            "ViT-L/16 b256": (256, 197, 1024, 4096, 16, 24),
+            "ViT-H/14 b128": (128, 257, 1280, 5120, 16, 32)}.items():
+        m, hd = b * t, width // heads
+        h = torch.randn(m, mlp, device=dev, dtype=bf)
+        dg = torch.randn(m, mlp, device=dev, dtype=bf)
+        qkv = torch.randn(b, t, 3, heads, hd, device=dev, dtype=bf, requires_grad=True)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        cases = {
+            "fc1 GELU grad + bias grad": (lambda: torch.ops.vitscale.gelu_grad_and_bias_grad(dg, h),
+                                          lambda: gelu_compiled(dg, h), "fc1"),
+            "qkv layout + bias grad": (lambda: torch.ops.vitscale.qkv_grad_and_bias_grad(dq, dk, dv),
+                                       lambda: qkv_compiled(dq, dk, dv), "qkv"),
+        }
+        print(f"{name}: dQ strides {tuple(dq.stride())} (batch, heads, tokens, dim)")
+        for what, (ours, ref, key) in cases.items():
+            err = check(ours(), ref(), key)
+            t_ours = do_bench(ours, warmup=25, rep=200, return_mode="median")
+            t_ref = do_bench(ref, warmup=25, rep=200, return_mode="median")
+            print(f"  {what:27} ours {t_ours:6.3f} ms, compiled PyTorch {t_ref:6.3f} ms per "
+                  f"layer; x{depth}: {t_ours * depth:5.1f} vs {t_ref * depth:5.1f} ms a step "
+                  f"(relative differences {err[0]:.1e}, {err[1]:.1e})")
+
+
+if __name__ == "__main__":
+    main()
