@@ -91,8 +91,8 @@ def _options(r: dict) -> str:
     if r.get("activation_checkpointing"):
         opts.append("act. ckpt" + (f" of {r['checkpointed_blocks']} blocks"
                                    if r.get("checkpointed_blocks") else ""))
-    if r.get("block_kernels"):
-        opts.append("block kernels")
+    if r.get("block_kernels") is not None:  # older records lack it
+        opts.append("block kernels" if r["block_kernels"] else "timm's block backward")
     if r.get("mixup"):
         opts.append("mixup/cutmix")
     if r.get("nonfinite_check") == "before_backward":

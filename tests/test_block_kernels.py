@@ -14,7 +14,8 @@ import pytest
 CHECKS = Path(__file__).with_name("interpreted_block_kernels.py")
 
 
-@pytest.mark.parametrize("check", ["kernels", "training", "zero3_marked", "compiled"])
+@pytest.mark.parametrize("check", ["kernels", "training", "autocast", "checkpointed",
+                                   "zero3_marked", "compiled"])
 def test_block_kernels_under_the_triton_interpreter(check):
     proc = subprocess.run([sys.executable, str(CHECKS), check], capture_output=True, text=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
