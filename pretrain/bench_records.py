@@ -91,7 +91,7 @@ def _options(r: dict) -> str:
     if r.get("activation_checkpointing"):
         opts.append("act. ckpt" + (f" of {r['checkpointed_blocks']} blocks"
                                    if r.get("checkpointed_blocks") else ""))
-    if r.get("block_kernels") is not None:  # older records lack it
+    if r.get("block_kernels") is not None:  # older records and CPUs: not applicable
         opts.append("block kernels" if r["block_kernels"] else "timm's block backward")
     if r.get("mixup"):
         opts.append("mixup/cutmix")

@@ -209,7 +209,8 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         "one_pass_grad_checks": grad_checks.installed(engine.optimizer),
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "checkpointed_blocks": cfg.train.checkpointed_blocks,  # None: all of them
-        "block_kernels": cfg.train.block_kernels and kernels_run_on(device),  # what ran
+        # what ran: None where Triton cannot run them (a CPU), the config's choice elsewhere
+        "block_kernels": cfg.train.block_kernels if kernels_run_on(device) else None,
         "mixup": mixup is not None,  # data.mixup_alpha / cutmix_alpha, applied on the device
         "device": device_name(device), "steps": steps, "warmup_steps": warmup,
         "images_per_sec": perf["perf/images_per_sec"],

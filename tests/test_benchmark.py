@@ -117,3 +117,14 @@ def test_a_record_names_the_commit_a_shipped_copy_says(monkeypatch):
     assert kept["command"] == "python launch/benchmark.py train --batch 2"
     monkeypatch.delenv("VITSCALE_COMMIT")
     assert bench_records.provenance(["train"])["commit"] != "5de917dc3f"
+
+
+def test_the_table_says_which_block_backward_a_gpu_row_ran():
+    # rows 2 and 11 of the README differ only in train.block_kernels; a CPU, where the kernels
+    # cannot run, and records from before the option say nothing
+    from pretrain.bench_records import _options
+    base = dict(precision="bf16", zero_stage=1, compile=True)
+    assert _options({**base, "block_kernels": True}) == "bf16, ZeRO-1, compiled, block kernels"
+    assert _options({**base, "block_kernels": False}) == \
+        "bf16, ZeRO-1, compiled, timm's block backward"
+    assert _options({**base, "block_kernels": None}) == _options(base) == "bf16, ZeRO-1, compiled"
