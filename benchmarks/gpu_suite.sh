@@ -43,12 +43,14 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,c
 if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures nothing
     L=(--model vit_tiny_patch16_224 --image-size 32 --precision fp32 --num-classes 10)
     H=("${L[@]}"); LB=8; HB=8; HZ3=8; HB2=8; CKB=6; PHOTOS=256; SHARD=64; WORKERS=2; COMPILE=()
-    STEPS=(--steps 2 --warmup 1 --profile-steps 1); TIMED=(--steps 2 --warmup 1); ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
+    STEPS=(--steps 2 --warmup 1 --profile-steps 1); TIMED=(--steps 2 --warmup 1)
+    ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
     AUTOTUNE=()  # nothing compiles here: the mode would be refused without train.compile
 else
     L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
     LB=256; HB=128; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
-    STEPS=(--steps 20 --warmup 5 --profile-steps 2); TIMED=(--steps 20 --warmup 5); ACCUM=4; ACCUM_STEPS=(--steps 6 --warmup 2)
+    STEPS=(--steps 20 --warmup 5 --profile-steps 2); TIMED=(--steps 20 --warmup 5)
+    ACCUM=4; ACCUM_STEPS=(--steps 6 --warmup 2)
     AUTOTUNE=(--set train.compile_mode=max-autotune-no-cudagraphs)
 fi
 
@@ -58,7 +60,7 @@ step() {
     local name=$1 limit=$2; shift 2
     run "$name" "$limit" "${bench[@]}" "$@"
 }
-# run NAME LIMIT_S COMMAND...: any command so
+# run NAME LIMIT_S COMMAND...: any command under its own limit, cut to what is left
 run() {
     local name=$1 limit=$2; shift 2
     local left=$((budget - (SECONDS - start)))
