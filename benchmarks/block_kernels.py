@@ -37,7 +37,8 @@ def qkv_reference(dq, dk, dv):
 
 
 def check(ours, ref, what):
-    assert torch.equal(ours[0], ref[0]) or what == "fc1", f"{what}: gradients differ"
+    if what == "qkv":  # a copy: exact (the GELU gradient's erf may differ in the last bit)
+        assert torch.equal(ours[0], ref[0]), f"{what}: gradients differ"
     err = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(ours, ref)]
     assert max(err) < 1e-2, f"{what}: relative errors {err}"
     return err
