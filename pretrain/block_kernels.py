@@ -19,6 +19,7 @@ tests use); anywhere else, in eval mode, under ZeRO-3 (whose hooks gather a weig
 module is called) and for any layout these do not cover, timm's own forward runs.
 """
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -32,7 +33,23 @@ except ImportError:  # torch builds without Triton: timm's forward everywhere
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's own switch: kernels on the CPU
-BLOCK_M, BLOCK_N = 64, 128  # a tile of 64 tokens x 128 features; its column sums go to a row
+
+
+class Tile(NamedTuple):
+    """How a kernel cuts its (tokens, features) gradient: each program takes ``cols`` features
+    of ``rows x blocks`` tokens, a block of ``rows`` at a time, adds the blocks' column sums in
+    registers in order and writes them as one row of partial sums. Fixed here, not autotuned:
+    the bias gradient's order of summation follows the tile, so a tile chosen per process by
+    timing would make it vary from run to run. ``benchmarks/block_kernels.py --sweep`` times
+    the candidates."""
+    rows: int
+    cols: int
+    blocks: int
+    warps: int
+
+
+GELU_TILE = Tile(rows=32, cols=128, blocks=1, warps=4)
+QKV_TILE = Tile(rows=128, cols=128, blocks=1, warps=8)
 
 
 def kernels_run_on(device: torch.device) -> bool:
@@ -42,45 +59,57 @@ def kernels_run_on(device: torch.device) -> bool:
 if triton is not None:
     @triton.jit
     def _gelu_grad_kernel(dg_ptr, h_ptr, dh_ptr, part_ptr, M, N,
-                          BM: tl.constexpr, BN: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, LOOP: tl.constexpr):
         """dh = dg * GELU'(h) (the exact, erf form: timm's nn.GELU) and dh's column sums."""
         pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
-        dh = dg * (cdf + h * pdf)
-        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(part_ptr + pm * N + cols, tl.sum(dh, axis=0), mask=cols < N)
+        sums = tl.zeros([BN], dtype=tl.float32)
+        for i in range(LOOP):
+            rows = (pm * LOOP + i) * BM + tl.arange(0, BM)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+            dg = tl.load(dg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            cdf = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * h * h) * 0.3989422804014327
+            dh = dg * (cdf + h * pdf)
+            tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+            sums += tl.sum(dh, axis=0)
+        tl.store(part_ptr + pm * N + cols, sums, mask=cols < N)
 
     @triton.jit
     def _heads_to_rows_kernel(src_ptr, out_ptr, part_ptr, M, T, HD, D,
                               s_b, s_h, s_t, s_d, out_stride, part_stride,
-                              BM: tl.constexpr, BN: tl.constexpr):
+                              BM: tl.constexpr, BN: tl.constexpr, LOOP: tl.constexpr):
         """One of dQ, dK, dV, (batch, heads, tokens, head dim) with any strides, written as rows
         of (heads x head dim) into its third of the qkv gradient, and its column sums."""
         pm, pn = tl.program_id(0), tl.program_id(1)
-        rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
         cols = (pn * BN + tl.arange(0, BN)).to(tl.int64)
-        mask = (rows[:, None] < M) & (cols[None, :] < HD)
-        src = ((rows // T) * s_b + (rows % T) * s_t)[:, None] + ((cols // D) * s_h
-                                                                 + (cols % D) * s_d)[None, :]
-        g = tl.load(src_ptr + src, mask=mask, other=0.0)
-        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], g, mask=mask)
-        tl.store(part_ptr + pm * part_stride + cols, tl.sum(g.to(tl.float32), axis=0),
-                 mask=cols < HD)
+        col_offs = (cols // D) * s_h + (cols % D) * s_d
+        sums = tl.zeros([BN], dtype=tl.float32)
+        for i in range(LOOP):
+            rows = ((pm * LOOP + i) * BM + tl.arange(0, BM)).to(tl.int64)
+            mask = (rows[:, None] < M) & (cols[None, :] < HD)
+            src = ((rows // T) * s_b + (rows % T) * s_t)[:, None] + col_offs[None, :]
+            g = tl.load(src_ptr + src, mask=mask, other=0.0)
+            tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], g, mask=mask)
+            sums += tl.sum(g.to(tl.float32), axis=0)
+        tl.store(part_ptr + pm * part_stride + cols, sums, mask=cols < HD)
 
 
-def _launch(kernel, grid, device, *args):
+def _launch(kernel, tile: Tile, spans: int, n_cols: int, device, *args):
+    """The kernel over (``spans`` spans of rows) x (``n_cols`` columns in tiles)."""
+    grid = (spans, triton.cdiv(n_cols, tile.cols))
+    consts = dict(BM=tile.rows, BN=tile.cols, LOOP=tile.blocks)
     if device.type == "cuda":
         with torch.cuda.device(device):
-            kernel[grid](*args, BM=BLOCK_M, BN=BLOCK_N, num_warps=8)
+            kernel[grid](*args, **consts, num_warps=tile.warps)
     else:
-        kernel[grid](*args, BM=BLOCK_M, BN=BLOCK_N)
+        kernel[grid](*args, **consts)
+
+
+def _row_spans(m: int, tile: Tile) -> int:
+    return triton.cdiv(m, tile.rows * tile.blocks)
 
 
 @torch.library.custom_op("vitscale::gelu_grad_and_bias_grad", mutates_args=())
@@ -89,10 +118,10 @@ def gelu_grad_and_bias_grad(dg: torch.Tensor, h: torch.Tensor) -> tuple[torch.Te
     """For ``g = gelu(h)``, ``h = x @ W.T + b`` as (tokens, features): dL/dh and dL/db."""
     dg, h = dg.contiguous(), h.contiguous()
     m, n = h.shape
+    tile, spans = GELU_TILE, _row_spans(m, GELU_TILE)
     dh = torch.empty_like(h)
-    part = torch.empty(triton.cdiv(m, BLOCK_M), n, device=h.device, dtype=torch.float32)
-    _launch(_gelu_grad_kernel, (part.shape[0], triton.cdiv(n, BLOCK_N)), h.device,
-            dg, h, dh, part, m, n)
+    part = torch.empty(spans, n, device=h.device, dtype=torch.float32)
+    _launch(_gelu_grad_kernel, tile, spans, n, h.device, dg, h, dh, part, m, n)
     return dh, part.sum(0).to(h.dtype)
 
 
@@ -108,12 +137,12 @@ def qkv_grad_and_bias_grad(dq: torch.Tensor, dk: torch.Tensor,
     as (batch x tokens, 3 x heads x head dim), timm's layout, and its bias gradient."""
     b, nh, t, d = dq.shape
     m, hd = b * t, nh * d
+    tile, spans = QKV_TILE, _row_spans(m, QKV_TILE)
     out = torch.empty(m, 3 * hd, device=dq.device, dtype=dq.dtype)
-    part = torch.empty(triton.cdiv(m, BLOCK_M), 3 * hd, device=dq.device, dtype=torch.float32)
+    part = torch.empty(spans, 3 * hd, device=dq.device, dtype=torch.float32)
     for i, g in enumerate((dq, dk, dv)):
-        _launch(_heads_to_rows_kernel, (part.shape[0], triton.cdiv(hd, BLOCK_N)), dq.device,
-                g, out[:, i * hd:], part[:, i * hd:], m, t, hd, d, *g.stride(), out.stride(0),
-                part.stride(0))
+        _launch(_heads_to_rows_kernel, tile, spans, hd, dq.device, g, out[:, i * hd:],
+                part[:, i * hd:], m, t, hd, d, *g.stride(), out.stride(0), part.stride(0))
     return out, part.sum(0).to(dq.dtype)
 
 

@@ -29,7 +29,16 @@ ARCH = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=2)
 
 def kernels():
     """Both kernels against PyTorch, on shapes that leave partial tiles in both directions and
-    on dQ/dK/dV laid out as (batch, tokens, heads, dim) and as (batch, heads, tokens, dim)."""
+    on dQ/dK/dV laid out as (batch, tokens, heads, dim) and as (batch, heads, tokens, dim);
+    with the tiles in use and with a tile whose programs each take three blocks of rows."""
+    in_use = block_kernels.GELU_TILE, block_kernels.QKV_TILE
+    for tiles in (in_use, (block_kernels.Tile(16, 64, 3, 4),) * 2):
+        block_kernels.GELU_TILE, block_kernels.QKV_TILE = tiles
+        _kernels_against_pytorch()
+    block_kernels.GELU_TILE, block_kernels.QKV_TILE = in_use
+
+
+def _kernels_against_pytorch():
     torch.manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         h = torch.randn(130, 200, dtype=dtype) * 3
@@ -40,7 +49,7 @@ def kernels():
         torch.testing.assert_close(db.float(), ref.sum(0), rtol=tol, atol=tol * 20)
         assert (dh.dtype, db.dtype, db.shape) == (dtype, dtype, (200,))
 
-        b, nh, t, d = 3, 5, 17, 24  # 5 x 24 = 120 features: under one tile of 128
+        b, nh, t, d = 3, 5, 17, 24  # 5 x 24 = 120 features: a partial tile of columns
         by_token = [torch.randn(b, t, nh, d, dtype=dtype).transpose(1, 2) for _ in range(3)]
         by_head = [torch.randn(b, nh, t, d, dtype=dtype) for _ in range(3)]
         for dq, dk, dv in (by_token, by_head, (by_token[0], by_head[1], by_token[2])):
