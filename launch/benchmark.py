@@ -146,7 +146,9 @@ def run_train(args) -> dict:
 
 
 def print_train_table(r: dict) -> None:
+    from pretrain.bench_records import mfu_at_median
     mfu = "relative only (no peak known)" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
+    at_median = mfu_at_median(r)
     rows = [("device", r["device"]),
             ("model", f"{r['model']} @ {r['image_size']} px"),
             ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"
@@ -162,7 +164,8 @@ def print_train_table(r: dict) -> None:
             ("images/s", f"{r['images_per_sec']:,.1f}"),
             ("TFLOP/s per device", f"{r['tflops_per_device']:.3f}"),
             ("MFU", mfu),
-            ("median step", f"{r['step_time_ms_median']:.1f} ms"),
+            ("median step", f"{r['step_time_ms_median']:.1f} ms" + (
+                "" if at_median is None else f" (MFU {100 * at_median:.1f} % at it)")),
             ("data wait", f"{100 * r['data_wait_frac']:.1f} %"
              + (" (synthetic input: 0 by construction)" if r["data"] == "synthetic" else "")),
             ("peak memory (rank 0)", f"{r['peak_memory_gib']:.2f} GiB"),

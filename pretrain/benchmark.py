@@ -222,6 +222,8 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         "data": "loader" if shards else "synthetic",
         "loader_workers": data.num_workers if shards else None,
         "step_time_ms_median": 1e3 * statistics.median(step_times[warmup:]),
+        # each timed step (an update), host clock: a short run's odd step shows here
+        "step_times_ms": [round(1e3 * t, 2) for t in step_times[warmup:]],
         "peak_memory_gib": peak_memory_gib(device),
         "final_loss": loss_value,
     }

@@ -128,3 +128,23 @@ def test_the_table_says_which_block_backward_a_gpu_row_ran():
     assert _options({**base, "block_kernels": False}) == \
         "bf16, ZeRO-1, compiled, timm's block backward"
     assert _options({**base, "block_kernels": None}) == _options(base) == "bf16, ZeRO-1, compiled"
+
+
+def test_the_table_gives_the_mfu_at_the_median_step_beside_the_mean():
+    # README row 13's record (H100, 16 micro-batches of 128 per update, 3 timed updates): the
+    # window's mean gave 45.8 %; one update ran ~300 ms short, the median update gives 44.7 %
+    from pretrain.bench_records import markdown, mfu_at_median
+    r = dict(command="python launch/benchmark.py train ...", commit="9279c61da5",
+             date="2026-11-27", device="NVIDIA H100 80GB HBM3", model="vit_huge_patch14_224",
+             image_size=224, batch_per_rank=128, grad_accum_steps=16, ranks=1, precision="bf16",
+             zero_stage=1, compile=True, block_kernels=True, steps=3,
+             images_per_sec=451.39651764136363, mfu=0.4582156445035659, peak_tflops=989.0,
+             train_flops_per_image=1003940559360.0, step_time_ms_median=4646.309266999992)
+    assert abs(mfu_at_median(r) - 0.4474) < 1e-4
+    row = markdown([r]).splitlines()[2]
+    assert "| 451.4 | 45.8 % | 4,646.3 ms (3) | 44.7 % | 9279c61da5 |" in row, row
+    # two ranks: the median step's images are the global batch, the MFU per device
+    two = {**r, "ranks": 2, "images_per_sec": 2 * r["images_per_sec"]}
+    assert abs(mfu_at_median(two) - mfu_at_median(r)) < 1e-12
+    # a CPU row has no peak: no MFU of either kind
+    assert mfu_at_median({**r, "mfu": None, "peak_tflops": None}) is None

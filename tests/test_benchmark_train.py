@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import shlex
+import statistics
 import subprocess
 
 from conftest import REPO, run_launcher
@@ -34,6 +35,8 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
     assert (r["grad_accum_steps"], r["updates"]) == (1, 3)  # an update per step
     assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
+    assert len(r["step_times_ms"]) == 2 and \
+        abs(statistics.median(r["step_times_ms"]) - r["step_time_ms_median"]) < 0.01
     # TFLOP/s is images/s x the model's FLOPs per image (one rank)
     expected = r["images_per_sec"] * r["train_flops_per_image"] / 1e12
     assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected
@@ -78,7 +81,8 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     [row] = [line for line in text.splitlines() if line.startswith("| 1 | ") and "vit_" in line]
     assert row.startswith(f"| 1 | {r['device']} | vit_tiny_patch16_224 @32 | 4 × 1 | fp32, ZeRO-2, "
                           f"check before backward "
-                          f"| synthetic | 1,234.5 | relative only | {kept['commit']} | ")
+                          f"| synthetic | 1,234.5 | relative only | "
+                          f"{r['step_time_ms_median']:,.1f} ms (2) | — | {kept['commit']} | ")
     assert f"1. `{kept['command']}`" in text and "an old table" not in text
     assert "Where a step's time goes" in text and "| 2 |" not in text
     # a README without the markers is refused, untouched
