@@ -115,6 +115,8 @@ step l16-shards 90 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
 # the same as row l16 with timm's own backward in the blocks: what the kernels give
 step l16-timm-backward 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
     --set train.block_kernels=false --record "$records"
+# whether GELU and its gradient can ride in the MLP matmuls' epilogues at cuBLAS's speed
+[ -z "${SMOKE:-}" ] && run mlp-epilogue 180 python3 benchmarks/mlp_epilogue.py --model l16 --tma
 # measured before and off the path to the goal: last, where the lease leaves time
 # ZeRO-3 uncompiled: DeepSpeed's parameter hooks break the graph at every module anyway
 step h14-zero3 90 train "${H[@]}" --batch "$HZ3" --zero 3 --no-activation-checkpointing \
