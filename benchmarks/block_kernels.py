@@ -12,7 +12,8 @@ shapes (batch 256: 50,432 tokens, width 1024, MLP 4096, 16 heads of 64) and ViT-
 Each pair is first checked to agree, then timed (Triton's do_bench, median). Prints ms per
 layer and per step (x 24 or 32 layers). ``--sweep`` times our kernels with each candidate tile
 of ``TILES`` instead (the tile in use is ``GELU_TILE`` and ``QKV_TILE`` in the module: fixed,
-since the bias sums' order follows it), ranked by the time of a ViT-L/16 and a ViT-H/14 step.
+since the bias sums' order follows it): each tile's time, and the best by the time of a
+ViT-L/16 plus a ViT-H/14 step.
 
     python benchmarks/block_kernels.py [--sweep]
 """

@@ -51,7 +51,8 @@ else
     LB=256; HB=128; HB3=192; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
     STEPS=(--steps 20 --warmup 5 --profile-steps 2); TIMED=(--steps 20 --warmup 5)
     # 2 warm-up updates and 4 timed: with 1 and 3, one of the three ran ~300 ms short (which
-    # one was not recorded; records now keep each step's time) and lifted the mean by 2 %
+    # one was not recorded; records now keep each step's time) and lifted the mean MFU by ~1
+    # point
     ACCUM=16; ACCUM_STEPS=(--steps 4 --warmup 2)
     AUTOTUNE=(--set train.compile_mode=max-autotune-no-cudagraphs)
 fi
@@ -110,8 +111,9 @@ step l16-accum-shards 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMP
 step h14 130 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
     "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
 keep_trace /tmp/gpu-suite-prof-h14 h14
-# ViT-H/14 at batch 192 (~70 of the H100's 80 GB by batch 128's 49.5): the per-micro-batch
-# overheads (idle gaps, launches) over 1.5x the images, the one lever left short of new kernels
+# ViT-H/14 at batch 192 (~72 GiB of the H100's ~79, scaling batch 128's 50.8 with 16
+# micro-batches): the per-micro-batch overheads (idle gaps, launches) over 1.5x the images,
+# the one lever left short of new kernels
 step h14-b192-accum 130 train "${H[@]}" --batch "$HB3" --accum "$ACCUM" \
     --no-activation-checkpointing "${COMPILE[@]}" "${ACCUM_STEPS[@]}" --record "$records"
 step l16-shards 90 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \

@@ -15,8 +15,9 @@ says whether the loader keeps up.
 Figures (:func:`measure`): global images/s, achieved TFLOP/s per device
 (images/s x :meth:`ViTSpec.train_flops_per_image` / world), MFU against
 :func:`pretrain.throughput.peak_tflops` (None on the CPU: CPU figures are relative only), the
-data-wait share, the median step time, and the peak memory of rank 0 (GPU: max allocated;
-CPU: peak resident set of the process).
+data-wait share, the median step time and each timed step's, and the peak memory of rank 0
+(GPU: max allocated; CPU: peak resident set of the process). The timed window starts with the
+device idle and ends when it has finished the last step, so its rate is the device's.
 
 Several ranks (:func:`run`, ``ranks > 1``) are spawned with ``torch.multiprocessing`` on one
 machine -- each a DeepSpeed rank (NCCL on GPUs, gloo on the CPU) set up exactly as the DeepSpeed
@@ -178,12 +179,16 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
                     timer.data_ready()
                 loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
             guard.settle()  # a deferred check is read after the update, as the trainer reads it
+            if step == warmup + steps - 1 and device.type == "cuda":
+                torch.cuda.synchronize(device)  # the window ends where the device does
             timer.step_done(images=micro * accum * world)
             step_times.append(time.perf_counter() - start)
             return loss
 
         for step in range(warmup + steps):
             if step == warmup:
+                if device.type == "cuda":  # the window starts with the device idle
+                    torch.cuda.synchronize(device)
                 timer.summary()  # drop the warmup window (compilation, allocator growth, JIT ops)
                 timer.exclude_elapsed()
             loss = one_step(step)

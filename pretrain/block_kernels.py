@@ -5,11 +5,12 @@ of the backward only re-read a gradient that the pass before had just written, t
 the tokens into a bias gradient: the MLP's fc1 bias (3.8 ms a step: 24 reads of a 413 MB
 gradient) and the qkv bias (3.4 ms), while Inductor's kernels writing those gradients (the
 GELU gradient, the copy of dQ, dK, dV into the qkv layout) ran at the memory's speed. Here one
-Triton kernel writes the gradient and the per-tile column sums of it, and a sum over the few
-hundred tiles finishes the bias gradient: those two passes go. Measured on an H100 against
-torch.compile's two kernels (``benchmarks/block_kernels.py``): 20.1 against 23.0 ms a ViT-L/16
-step, 21.9 against 31.8 ms a ViT-H/14 step; end to end ViT-L/16 215.5 -> 212.7 ms. The sums are
-over fixed tiles in a fixed order (no atomics): they add no run-to-run variation.
+Triton kernel writes the gradient and the column sums of each span of rows it took, and a sum
+over those partial rows finishes the bias gradient: those two passes go. Measured on an H100
+against torch.compile's two kernels (``benchmarks/block_kernels.py``, the tiles below): 20.4
+against 23.0 ms a ViT-L/16 step, 22.2 against 31.8 ms a ViT-H/14 step; end to end ViT-L/16
+215.5 -> 212.7 ms. The sums are over fixed tiles in a fixed order (no atomics): they add no
+run-to-run variation.
 
 What changes: timm's ``Attention`` and ``Mlp`` modules of the backbone become the subclasses
 below (``adopt_block_kernels``): the same parameters, state-dict keys and forward arithmetic;
