@@ -120,9 +120,9 @@ class PatchConv2d(nn.Conv2d):
     weights do not change). Why: cuDNN ran ViT-L/16's patch convolution on an H100 at ~40
     TFLOP/s, and with its weight gradient and the NCHW/NHWC conversions around both it took
     4.2 ms of a 225 ms step (README, Performance); as a matmul the same FLOPs go through
-    cuBLAS after one copy of the images into patch order (measured: the step 225.4 -> 215.5 ms). In eval mode the convolution stays,
-    so the model evaluates exactly as timm's does with the exported weights; the two differ
-    by rounding only.
+    cuBLAS after one copy of the images into patch order (measured: the step 225.4 -> 215.5
+    ms). In eval mode the convolution stays, so the model evaluates exactly as timm's does with
+    the exported weights; the two differ by rounding only.
     """
 
     @classmethod
