@@ -46,6 +46,7 @@ if [ -n "${SMOKE:-}" ]; then  # tiny and uncompiled: checks the steps, measures 
     STEPS=(--steps 2 --warmup 1 --profile-steps 1); TIMED=(--steps 2 --warmup 1)
     ACCUM=2; ACCUM_STEPS=(--steps 2 --warmup 1)
     AUTOTUNE=()  # nothing compiles here: the mode would be refused without train.compile
+    BF16SUM=(--precision bf16 --set deepspeed.grad_accum_dtype=bf16)  # needs bf16 training
 else
     L=(--model vit_large_patch16_224); H=(--model vit_huge_patch14_224)
     LB=256; HB=128; HB3=192; HZ3=48; HB2=96; CKB=16; PHOTOS=8192; SHARD=256; WORKERS=12; COMPILE=(--compile)
@@ -55,6 +56,7 @@ else
     # point
     ACCUM=16; ACCUM_STEPS=(--steps 4 --warmup 2)
     AUTOTUNE=(--set train.compile_mode=max-autotune-no-cudagraphs)
+    BF16SUM=(--set deepspeed.grad_accum_dtype=bf16)
 fi
 
 bench=(python3 launch/benchmark.py)
@@ -108,6 +110,10 @@ step h14-accum-shards 110 train "${H[@]}" --batch "$HB" --accum "$ACCUM" \
     --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
 step l16-accum-shards 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
     "${ACCUM_STEPS[@]}" --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
+# row l16-accum with the gradients summed in bf16 (DeepSpeed's default) instead of fp32 (ours,
+# pretrain/grad_accum.py): what the exact sums cost
+step l16-accum-bf16 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
+    "${ACCUM_STEPS[@]}" "${BF16SUM[@]}" --record "$records"
 step h14 130 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
     "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
 keep_trace /tmp/gpu-suite-prof-h14 h14

@@ -153,7 +153,8 @@ def print_train_table(r: dict) -> None:
             ("model", f"{r['model']} @ {r['image_size']} px"),
             ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"
              + (f", {r['grad_accum_steps']} micro-batches per update"
-                if r.get("grad_accum_steps", 1) > 1 else "")),
+                if r.get("grad_accum_steps", 1) > 1 else "")
+             + (f" summed in {r['grad_sum_dtype']}" if r.get("grad_sum_dtype") else "")),
             ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
              + (" / compiled" if r["compile"] else "")
              + (f" ({r['compile_mode']})" if r.get("compile_mode") not in (None, "default")

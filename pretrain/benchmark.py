@@ -207,6 +207,10 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
         "grad_accum_steps": accum, "updates": updates, "ranks": world,
+        # the dtype DeepSpeed summed the micro-batches' gradients in (pretrain/grad_accum.py)
+        "grad_sum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype",
+                                                              cfg.train.precision)
+        if accum > 1 else None,
         "zero_stage": eng.zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
         "compile_mode": cfg.train.compile_mode if engine.is_compiled else None,

@@ -309,6 +309,12 @@ class DeepSpeedConfig(Section):
         "multi-tensor pass instead of DeepSpeed's per-tensor loops (the same verdicts, the same "
         "norms up to float64 rounding, ~3,000 fewer kernel launches per ViT-L update; see "
         "pretrain/grad_checks.py)")
+    # pretrain/grad_accum.py: why fp32, and what each ZeRO stage does with it.
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="under train.precision bf16/fp16, with more than one micro-batch per "
+        "step: the dtype their gradients are summed in (fp32: exact sums, an fp32 copy of the "
+        "gradients; the precision's own: DeepSpeed's default, a rounding per micro-batch; "
+        "ZeRO-0 has only that)")
 
 
 class LogConfig(Section):
@@ -455,3 +461,11 @@ class PretrainConfig(RunConfig):
 
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
 
+    @model_validator(mode="after")
+    def _check_accumulation_dtype(self) -> "PretrainConfig":
+        summed, precision = self.deepspeed.grad_accum_dtype, self.train.precision
+        if summed != "fp32" and summed != precision:
+            raise ValueError(f"deepspeed.grad_accum_dtype={summed} but train.precision="
+                             f"{precision}: gradients are summed in fp32 or in the precision's "
+                             f"own dtype; set deepspeed.grad_accum_dtype=fp32")
+        return self

@@ -15,6 +15,7 @@ from torch import nn
 
 from pretrain.config import ConfigError, PretrainConfig, RunConfig
 from pretrain.distributed import rank
+from pretrain.grad_accum import accumulation_dtype, keep_zero1_optimizer
 from pretrain.model import ViTClassifier, create_model
 from pretrain.profile import ENGINE_STEP
 
@@ -52,11 +53,11 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
     # with optimizer.grad_clip=null)
     owned = sorted(set(out) & {"optimizer", "scheduler", "gradient_clipping", "bf16", "fp16",
                                "train_batch_size", "train_micro_batch_size_per_gpu",
-                               "gradient_accumulation_steps"})
+                               "gradient_accumulation_steps", "data_types"})
     if owned:
         raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
-                          f"from this config (optimizer.*, schedule.*, train.*); remove them "
-                          f"from the file")
+                          f"from this config (optimizer.*, schedule.*, train.*, "
+                          f"deepspeed.grad_accum_dtype); remove them from the file")
     if out.get("disable_python_gc"):
         # DeepSpeed would keep the collector off for the application to run it at points of its
         # choosing; the launchers have their own way (pretrain/interpreter.py), which would
@@ -82,7 +83,8 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
 
 def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) -> dict:
     """The DeepSpeed JSON: a file from configs/deepspeed/ (``deepspeed.config``) or the inline
-    ZeRO stage, with batch, precision and clipping always taken from our config."""
+    ZeRO stage, with batch, precision, clipping and the gradients' accumulation dtype always
+    taken from our config."""
     ds = cfg.deepspeed
     out = user_deepspeed_json(cfg)
     if out is None:
@@ -108,6 +110,9 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
     out["bf16"] = {"enabled": precision == "bf16"}
     # loss_scale 0 = dynamic loss scaling
     out["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16}
+    summed = accumulation_dtype(ds.grad_accum_dtype, precision, accum, zero_stage(out))
+    if summed:
+        out["data_types"] = {"grad_accum_dtype": summed}
     return out
 
 
@@ -124,11 +129,14 @@ def initialize(cfg: PretrainConfig, model: nn.Module, optimizer: torch.optim.Opt
                ds_config: dict):
     """``deepspeed.initialize``; with ``deepspeed.one_pass_grad_checks``, ZeRO-1/2 check and
     measure the gradients in one pass each (:mod:`pretrain.grad_checks`); ZeRO-1/2 point the
-    weights at the flat buffer after an update only where they are not (:mod:`pretrain.zero_views`)."""
+    weights at the flat buffer after an update only where they are not (:mod:`pretrain.zero_views`);
+    ZeRO-1 sums gradients in fp32 with its own optimizer (:mod:`pretrain.grad_accum`)."""
     import deepspeed
 
     from pretrain import grad_checks, zero_views
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    with keep_zero1_optimizer():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=ds_config)
     if cfg.deepspeed.one_pass_grad_checks:
         grad_checks.install(engine.optimizer)
     zero_views.install(engine.optimizer)
@@ -360,7 +368,9 @@ class DeepSpeedBackend:
 
         from pretrain.distributed import init_distributed
         self.rank, self.world_size = init_distributed()
-        user_deepspeed_json(cfg)  # a bad deepspeed.config file fails now, before any work
+        # a bad deepspeed.config file, or what DeepSpeed cannot run with this world's batch
+        # layout (pretrain.grad_accum), fails now, before any work
+        deepspeed_config(cfg, *cfg.train.batch_layout(self.world_size), self.world_size)
         self.on_gpu = get_accelerator().device_name() == "cuda"
         self.engine = self.optimizer = self.ds_config = None
 

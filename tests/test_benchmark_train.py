@@ -103,6 +103,7 @@ def test_train_two_ranks_fed_by_the_real_loader_accumulating(tiny_data):
     assert r["images_per_sec"] > 0 and 0 <= r["data_wait_frac"] <= 1
     # a step is one update of two micro-batches: 3 updates for the 6 micro-batches
     assert (r["batch_per_rank"], r["grad_accum_steps"], r["updates"]) == (4, 2, 3)
+    assert r["grad_sum_dtype"] == "fp32"  # fp32 training: nothing else to sum in
     # per-device TFLOP/s: the global images/s shared by the two ranks
     expected = r["images_per_sec"] * r["train_flops_per_image"] / 2 / 1e12
     assert abs(r["tflops_per_device"] - expected) <= 1e-9 + 1e-6 * expected

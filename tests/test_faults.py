@@ -593,7 +593,9 @@ def test_nan_checked_after_the_update_drops_its_whole_step_and_nothing_else(
     step -- the finite micro-batch of the dropped step was not trained on either."""
     late, early = tmp_path / "after_update", tmp_path / "before_backward"
     common = ("train.precision=bf16", f"deepspeed.zero_stage={zero}", "train.micro_batch_size=4",
-              "train.total_steps=8", "eval.every_steps=8")
+              "train.total_steps=8", "eval.every_steps=8",
+              # DeepSpeed sums gradients in fp32 at ZeRO-1 to 3 only (pretrain/grad_accum.py)
+              f"deepspeed.grad_accum_dtype={'bf16' if zero == 0 else 'fp32'}")
     text = faulty(late, tiny_data, *common, faults={"nan": [3]})
     assert "step 2: non-finite loss, update dropped" in text
     faulty(early, tiny_data, *common, "train.nonfinite_check=before_backward",
