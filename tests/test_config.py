@@ -240,10 +240,13 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
     from pretrain.engine import deepspeed_config
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 1}, "gradient_clipping": 0.01, '
+                  '"data_types": {"grad_accum_dtype": "bf16"}, '
                   '"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.5}}}')
     cfg = load_config(PretrainConfig, None, [f"deepspeed.config={ds}", "optimizer.grad_clip=null"])
-    with pytest.raises(ConfigError, match=r"sets \['gradient_clipping', 'scheduler'\], which come "
-                                          r"from this config .* remove them from the file"):
+    with pytest.raises(ConfigError, match=r"sets \['data_types', 'gradient_clipping', "
+                                          r"'scheduler'\], which come from this config \(.*"
+                                          r"deepspeed.grad_accum_dtype\); remove them from the "
+                                          r"file"):
         deepspeed_config(cfg, micro=4, accum=1, world=1)
     ds.write_text('{"zero_optimization": {"stage": 1}}')  # ZeRO settings are the file's to give
     assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}

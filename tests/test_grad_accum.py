@@ -114,16 +114,6 @@ def test_deepspeed_is_told_to_sum_in_fp32_only_where_there_is_something_to_sum()
         data_types("deepspeed.grad_accum_dtype=bf16", "train.precision=fp32")
 
 
-def test_a_deepspeed_file_cannot_set_the_accumulation_dtype(tmp_path):
-    from pretrain.engine import deepspeed_config
-    ds = tmp_path / "ds.json"
-    ds.write_text('{"data_types": {"grad_accum_dtype": "bf16"}}')
-    cfg = load_config(PretrainConfig, None, [f"deepspeed.config={ds}"])
-    with pytest.raises(ConfigError, match=r"sets \['data_types'\], which come from this config "
-                                          r"\(.*deepspeed.grad_accum_dtype\); remove them"):
-        deepspeed_config(cfg, micro=4, accum=4, world=1)
-
-
 def test_zero0_with_micro_batches_to_sum_in_fp32_is_refused_before_the_demo_data_is_made(
         tmp_path):
     proc = run_launcher("pretrain.py", "--config", "configs/pretrain/demo.yaml",
