@@ -312,9 +312,9 @@ class DeepSpeedConfig(Section):
     # pretrain/grad_accum.py: why fp32, and what each ZeRO stage does with it.
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="under train.precision bf16/fp16, with more than one micro-batch per "
-        "step: the dtype their gradients are summed in (fp32: exact sums, an fp32 copy of the "
-        "gradients; the precision's own: DeepSpeed's default, a rounding per micro-batch; "
-        "ZeRO-0 has only that)")
+        "step: the dtype their gradients are summed in (fp32: an fp32 copy of the gradients, "
+        "nothing lost in the sum; the precision's own: DeepSpeed's default, a rounding to it at "
+        "each micro-batch, the only choice at ZeRO-0)")
 
 
 class LogConfig(Section):
