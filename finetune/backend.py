@@ -24,8 +24,9 @@ from torch import nn
 
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
+from pretrain.deepspeed_json import without_throughput_timer
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
-                             compile_options, without_throughput_timer)
+                             compile_options)
 
 
 def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
@@ -39,7 +40,7 @@ def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
     throughput timer goes off unless the config sets it, as in pretraining."""
     from pretrain.config import ConfigError
 
-    # as in pretraining's DeepSpeed file (pretrain/engine.py): ours, from this config
+    # as in pretraining's DeepSpeed file (pretrain/deepspeed_json.py): ours, from this config
     owned = sorted(set(ds_config) & {"optimizer", "scheduler"})
     if owned:
         raise ConfigError(f"Accelerate's DeepSpeed config sets {owned}, which come from this "

@@ -4,7 +4,7 @@ One step here is the trainer's step: ``prepare_batch`` (uint8 on the device -> n
 of the run's dtype), :func:`pretrain.engine.train_micro_batch` (forward, loss, the non-finite
 check, backward, step -- the very function the trainer calls) and the scheduler update, on the
 engine that
-``deepspeed.initialize`` builds from :func:`pretrain.engine.deepspeed_config`,
+``deepspeed.initialize`` builds from :func:`pretrain.deepspeed_json.deepspeed_config`,
 :func:`pretrain.engine.build_model` and :func:`pretrain.engine.build_optimizer`.
 
 Input is either synthetic -- a few random uint8 batches made on the device once, so the data
@@ -86,12 +86,13 @@ def build_engine(cfg: PretrainConfig, world: int = 1):
     """``deepspeed.initialize`` on our model, optimizer and DeepSpeed config, as the trainer
     does; returns (engine, optimizer, ds_config)."""
     from pretrain import engine as eng
+    from pretrain.deepspeed_json import deepspeed_config
     from pretrain.trainer import batch_layout
 
     # the trainer's checks too (fp16 needs a GPU, mixup an even micro-batch): one line, not a
     # DeepSpeed traceback
     micro, accum = batch_layout(cfg, world, on_gpu=torch.cuda.is_available())
-    ds_config = eng.deepspeed_config(cfg, micro, accum, world)
+    ds_config = deepspeed_config(cfg, micro, accum, world)
     model = eng.build_model(cfg, ds_config)
     optimizer = eng.build_optimizer(model, cfg)
     return eng.initialize(cfg, model, optimizer, ds_config), optimizer, ds_config
@@ -124,6 +125,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     Collective: every rank of the world must call it."""
     from pretrain import engine as eng
     from pretrain.block_kernels import kernels_run_on
+    from pretrain.deepspeed_json import zero_stage
     from pretrain import grad_checks
     from pretrain.profile import profiled
     from pretrain.data.device_batch import build_mixup, prepare_batch
@@ -211,7 +213,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         "grad_sum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype",
                                                               cfg.train.precision)
         if accum > 1 else None,
-        "zero_stage": eng.zero_stage(ds_config),
+        "zero_stage": zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
         "compile_mode": cfg.train.compile_mode if engine.is_compiled else None,
         "nonfinite_check": "after_update" if defer else "before_backward",

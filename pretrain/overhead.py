@@ -7,7 +7,7 @@ clipping:
 
 - **ours**: the trainer's step (:func:`pretrain.engine.train_micro_batch`, its non-finite
   check included) through ``deepspeed.initialize`` with
-  :func:`pretrain.engine.deepspeed_config` (ZeRO-2, a world of one, ``train.precision=bf16``):
+  :func:`pretrain.deepspeed_json.deepspeed_config` (ZeRO-2, a world of one, ``train.precision=bf16``):
   DeepSpeed casts the module to bf16 (every op computes in bf16), keeps fp32 master weights
   and fp32 AdamW state in ZeRO's flat partitions, turns the bf16 gradients into fp32 there,
   clips, steps in fp32 and copies the result back into the bf16 weights.
@@ -115,6 +115,7 @@ def _build_side(side: str, cfg: PretrainConfig):
     """(step, model spec, device, what to report) for one side; both sides seed the same
     initial weights."""
     from pretrain import engine as eng
+    from pretrain.deepspeed_json import zero_stage
 
     torch.manual_seed(cfg.seed)
     if side == "deepspeed":
@@ -122,7 +123,7 @@ def _build_side(side: str, cfg: PretrainConfig):
             raise ValueError("the overhead comparison runs in a world of one rank")
         engine, _, ds_config = build_engine(cfg)
         return (_ds_step(cfg, engine, input_dtype(cfg.train.precision)), engine.module.spec,
-                engine.device, {"zero_stage": eng.zero_stage(ds_config)})
+                engine.device, {"zero_stage": zero_stage(ds_config)})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = eng.build_model(cfg, {}).to(device)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)

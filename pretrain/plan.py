@@ -116,7 +116,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     """The pretraining report; raises ConfigError for an impossible architecture or batch, and
     ValueError for a world, node size, MFU or epoch size no run can have (the launchers' own
     checks of --world-size, --gpus-per-node, --mfu and --samples reject them first)."""
-    from pretrain.engine import deepspeed_config, zero_stage
+    from pretrain.deepspeed_json import deepspeed_config, zero_stage
 
     if world < 1 or gpus_per_node < 1 or not 0 < mfu <= 1 or (
             samples_per_epoch is not None and samples_per_epoch < 1):

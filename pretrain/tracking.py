@@ -113,7 +113,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
             params["tracking.uri"] = redacted(t.uri)
         if ds_config is not None and "deepspeed.zero_stage" in params:
             # the stage the run used, given by deepspeed.zero_stage, its file, or the default
-            from pretrain.engine import zero_stage
+            from pretrain.deepspeed_json import zero_stage
             params["deepspeed.zero_stage"] = str(zero_stage(ds_config))
         state = RunState(uri=uri, experiment=t.experiment, run_id=run_id,
                          run_name=t.run_name or Path(output_dir).resolve().name,

@@ -237,7 +237,7 @@ def test_training_configs_refuse_what_cannot_train(overrides, message):
 
 
 def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
-    from pretrain.engine import deepspeed_config
+    from pretrain.deepspeed_json import deepspeed_config
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 1}, "gradient_clipping": 0.01, '
                   '"data_types": {"grad_accum_dtype": "bf16"}, '
@@ -254,7 +254,7 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
 
 def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_refused(
         tmp_path):
-    from pretrain.engine import deepspeed_config, zero_stage
+    from pretrain.deepspeed_json import deepspeed_config, zero_stage
 
     def stage(*overrides):
         cfg = load_config(PretrainConfig, None, list(overrides))
@@ -280,7 +280,7 @@ def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_
 
 
 def test_a_deepspeed_file_turning_off_pythons_garbage_collector_is_refused(tmp_path):
-    from pretrain.engine import deepspeed_config
+    from pretrain.deepspeed_json import deepspeed_config
     ds = tmp_path / "ds.json"
     ds.write_text('{"disable_python_gc": true}')
     cfg = load_config(PretrainConfig, None, [f"deepspeed.config={ds}"])

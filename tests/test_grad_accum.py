@@ -92,7 +92,7 @@ def test_zero1_keeps_its_own_optimizer_when_it_sums_in_fp32(summed):
 
 
 def test_deepspeed_is_told_to_sum_in_fp32_only_where_there_is_something_to_sum():
-    from pretrain.engine import deepspeed_config
+    from pretrain.deepspeed_json import deepspeed_config
 
     def data_types(*overrides, accum=4):
         cfg = load_config(PretrainConfig, None, list(overrides))

@@ -48,7 +48,8 @@ def _zero3_init_worker(rank, world, port, queue):
 
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
-    from pretrain.engine import build_model, deepspeed_config
+    from pretrain.deepspeed_json import deepspeed_config
+    from pretrain.engine import build_model
 
     deepspeed.init_distributed(verbose=False)
     cfg = load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml",
