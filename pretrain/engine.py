@@ -26,8 +26,9 @@ def initialize(cfg: PretrainConfig, model: nn.Module, optimizer: torch.optim.Opt
                ds_config: dict):
     """``deepspeed.initialize``; with ``deepspeed.one_pass_grad_checks``, ZeRO-1/2 check and
     measure the gradients in one pass each (:mod:`pretrain.grad_checks`); ZeRO-1/2 point the
-    weights at the flat buffer after an update only where they are not (:mod:`pretrain.zero_views`);
-    ZeRO-1 sums gradients in fp32 with its own optimizer (:mod:`pretrain.grad_accum`)."""
+    weights at the flat buffer after an update only where they are not
+    (:mod:`pretrain.zero_views`); ZeRO-1 summing gradients in fp32 keeps DeepSpeed's ZeRO
+    optimizer (:mod:`pretrain.grad_accum`)."""
     import deepspeed
 
     from pretrain import grad_checks, zero_views

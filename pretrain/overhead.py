@@ -7,8 +7,9 @@ clipping:
 
 - **ours**: the trainer's step (:func:`pretrain.engine.train_micro_batch`, its non-finite
   check included) through ``deepspeed.initialize`` with
-  :func:`pretrain.deepspeed_json.deepspeed_config` (ZeRO-2, a world of one, ``train.precision=bf16``):
-  DeepSpeed casts the module to bf16 (every op computes in bf16), keeps fp32 master weights
+  :func:`pretrain.deepspeed_json.deepspeed_config` (ZeRO-2, a world of one,
+  ``train.precision=bf16``): DeepSpeed casts the module to bf16 (every op computes in bf16),
+  keeps fp32 master weights
   and fp32 AdamW state in ZeRO's flat partitions, turns the bf16 gradients into fp32 there,
   clips, steps in fp32 and copies the result back into the bf16 weights.
 - **plain**: ``torch.autocast(bf16)`` over fp32 weights -- matmuls and convolutions in bf16,
