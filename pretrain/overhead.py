@@ -9,9 +9,9 @@ clipping:
   check included) through ``deepspeed.initialize`` with
   :func:`pretrain.deepspeed_json.deepspeed_config` (ZeRO-2, a world of one,
   ``train.precision=bf16``): DeepSpeed casts the module to bf16 (every op computes in bf16),
-  keeps fp32 master weights
-  and fp32 AdamW state in ZeRO's flat partitions, turns the bf16 gradients into fp32 there,
-  clips, steps in fp32 and copies the result back into the bf16 weights.
+  keeps fp32 master weights and fp32 AdamW state in ZeRO's flat partitions, turns the bf16
+  gradients into fp32 there, clips, steps in fp32 and copies the result back into the bf16
+  weights.
 - **plain**: ``torch.autocast(bf16)`` over fp32 weights -- matmuls and convolutions in bf16,
   normalisation, softmax and the loss in fp32 --, fp32 gradients, ``clip_grad_norm_``, AdamW
   stepping the fp32 weights directly.
