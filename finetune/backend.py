@@ -1,8 +1,9 @@
 """Fine-tuning's backend for the training loop (:func:`pretrain.trainer.train`): Accelerate.
 
-Plain PyTorch under ``accelerate launch`` or ``torchrun`` (DDP; DeepSpeed or FSDP when an
-Accelerate config asks for them on GPUs), with optional Polyak/EMA weights. It offers what
-:class:`pretrain.engine.DeepSpeedBackend` offers, so the loop does not know which one it drives.
+Plain PyTorch under ``accelerate launch`` or ``torchrun`` (DDP; DeepSpeed when an Accelerate
+config asks for it, on GPUs or CPUs: :mod:`finetune.accelerate_deepspeed`; FSDP on GPUs), with
+optional Polyak/EMA weights. It offers what :class:`pretrain.engine.DeepSpeedBackend` offers,
+so the loop does not know which one it drives.
 
 Checkpoints are Accelerate's ``save_state`` files (model, optimizer, EMA, per-rank RNG, written
 the right way for DDP, FSDP and DeepSpeed alike) plus the loop's ``client_state.pt``; they are
@@ -14,6 +15,7 @@ DeepSpeed's own directory under an Accelerate DeepSpeed config, which DeepSpeed 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from pathlib import Path
@@ -22,59 +24,21 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from finetune import accelerate_deepspeed
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
-from pretrain.deepspeed_json import without_throughput_timer
+from pretrain.deepspeed_json import zero_stage
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
-                             compile_options)
+                             compile_options, input_dtype)
+from pretrain.grad_accum import keep_zero1_optimizer
 
-
-def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
-                          grad_clip: Optional[float], precision: str) -> None:
-    """Put this run's batch layout, clipping and precision into an Accelerate DeepSpeed config
-    (in place): its "auto" values (and absent ones) become ours. A value it fixes to something
-    else is refused: DeepSpeed would step, divide the loss, clip and compute by those numbers,
-    not the run's. Accelerate itself puts gradient_accumulation_steps=1 where a JSON file has
-    none, and bf16/fp16 from train.precision where the file says "auto" or nothing; a fixed
-    bf16.enabled or fp16.enabled it keeps, silently, whatever train.precision says. DeepSpeed's
-    throughput timer goes off unless the config sets it, as in pretraining."""
-    from pretrain.config import ConfigError
-
-    # as in pretraining's DeepSpeed file (pretrain/deepspeed_json.py): ours, from this config
-    owned = sorted(set(ds_config) & {"optimizer", "scheduler"})
-    if owned:
-        raise ConfigError(f"Accelerate's DeepSpeed config sets {owned}, which come from this "
-                          f"config (optimizer.*, schedule.*); remove them from that config")
-    for dtype in ("bf16", "fp16"):
-        section = ds_config.setdefault(dtype, {})
-        given, ours = section.get("enabled", "auto"), precision == dtype
-        if given == "auto":
-            section["enabled"] = ours
-        elif str(given).lower() != str(ours).lower():
-            raise ConfigError(f"Accelerate's DeepSpeed config has {dtype}.enabled={given}, but "
-                              f"this run's train.precision is {precision}; set {dtype}.enabled "
-                              f"to \"auto\" in that config")
-    wanted = {"train_batch_size": (micro * accum * world, "train.global_batch_size"),
-              "train_micro_batch_size_per_gpu": (micro, "train.micro_batch_size"),
-              "gradient_accumulation_steps": (accum, "train.grad_accum_steps"),
-              "gradient_clipping": (grad_clip or 0.0, "optimizer.grad_clip")}  # 0: no clipping
-    for key, (value, ours) in wanted.items():
-        given = ds_config.get(key, "auto")
-        if given == "auto":
-            ds_config[key] = value
-        elif given != value:
-            raise ConfigError(f"Accelerate's DeepSpeed config has {key}={given} (from its "
-                              f"file or Accelerate's default), but this run's {ours} gives "
-                              f"{value}; set {key} to \"auto\" in that config")
-    without_throughput_timer(ds_config)
+log = logging.getLogger("finetune")
 
 
 class AccelerateBackend:
-    zero_stage = 0  # the manifest's field; Accelerate's own DeepSpeed stage lives in its config
+    zero_stage = 0  # the checkpoint manifest's field: DeepSpeed's stage under its config
 
     def __init__(self, cfg: RunConfig):
-        from accelerate import Accelerator
-
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
             # Accelerate imports DeepSpeed (where installed) at the first export, to unwrap
@@ -82,15 +46,16 @@ class AccelerateBackend:
             # middle of the log, that it found no GPU: this run is on the CPU by now anyway
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         precision = cfg.train.precision  # fp16 on a CPU: refused by the trainer
-        # Accelerate runs several CPU processes (gloo) only when told to use the CPU; without
-        # it each torchrun process would train alone.
-        self.accelerator = Accelerator(
-            cpu=not self.on_gpu,
-            mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
+        self.accelerator = accelerate_deepspeed.accelerator(
+            self.on_gpu, mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
         self.device = self.accelerator.device
-        self.dtype = torch.float32  # inputs stay fp32; autocast picks the matmul precision
+        from accelerate.utils import DistributedType
+        self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        # inputs stay fp32 and autocast picks the matmul precision, but for DeepSpeed, which
+        # holds the model itself in bf16/fp16 and runs no autocast
+        self.dtype = input_dtype(precision) if self.deepspeed else torch.float32
         self.ema = None
         self._applied, self._grad_norm = True, 0.0
 
@@ -118,13 +83,21 @@ class AccelerateBackend:
             # into checkpoints and exports)
             model.compile(**compile_options(cfg))
         optimizer = build_optimizer(model, cfg)
-        from accelerate.utils import DistributedType
-        self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
         if self.deepspeed:
-            fill_deepspeed_values(self.accelerator.state.deepspeed_plugin.deepspeed_config,
-                                  micro, accum, self.world_size, cfg.optimizer.grad_clip,
-                                  cfg.train.precision)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+            accelerate_deepspeed.fill_deepspeed_values(
+                self.ds_config, micro, accum, self.world_size, cfg.optimizer.grad_clip,
+                cfg.train.precision)
+            # the layout Accelerate itself keeps (it would warn that the config's differs); it
+            # divides no loss by it under DeepSpeed, which does that itself
+            self.accelerator.gradient_accumulation_steps = accum
+        with keep_zero1_optimizer() if self.deepspeed else contextlib.nullcontext():
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.deepspeed:
+            self.zero_stage = zero_stage(self.ds_config)
+            summed = self.ds_config.get("data_types", {}).get("grad_accum_dtype",
+                                                              cfg.train.precision)
+            log.info("under Accelerate's DeepSpeed config: ZeRO-%d%s", self.zero_stage,
+                     f", {accum} micro-batches' gradients summed in {summed}" if accum > 1 else "")
         self.cfg, self.accum = cfg, accum
         # _update drops a step whose gradient norm is not finite, so the non-finite check can
         # wait until after it (pretrain.guard); not under an Accelerate DeepSpeed config
@@ -133,7 +106,10 @@ class AccelerateBackend:
             cfg.train.precision != "fp16" and not self.deepspeed
         if cfg.train.ema_decay:  # every rank keeps the same average: its weights are the same
             from timm.utils import ModelEmaV3
-            self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay)
+            # in fp32 whatever the model's dtype (DeepSpeed's is bf16/fp16): a half-precision
+            # average cannot hold (1 - decay) x the weights' change (timm rounds a bf16 one
+            # stochastically, which only holds in expectation; an fp16 one it cannot)
+            self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay, dtype=torch.float32)
             self.accelerator.register_for_checkpointing(self.ema)
 
     def _sharded(self) -> bool:
@@ -150,8 +126,12 @@ class AccelerateBackend:
     def module(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
+    @property
+    def ds_config(self) -> dict:
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
     def config_artifact(self) -> Optional[dict]:
-        return None
+        return self.ds_config if self.deepspeed else None
 
     def train_micro_batch(self, images, targets, cfg: RunConfig, guard, last: bool):
         """Forward, the non-finite check, backward; on the step's ``last`` micro-batch also

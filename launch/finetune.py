@@ -3,6 +3,7 @@ resolution with 2-D interpolated position embeddings (ViT paper, App. B.1.1).
 
     accelerate launch launch/finetune.py --config configs/finetune/vit_l16_in1k_384.yaml init=runs/vit_l16_i21k
     torchrun --nproc_per_node 2 launch/finetune.py --config configs/finetune/demo.yaml   # two CPU ranks
+    accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml launch/finetune.py --config configs/finetune/demo.yaml   # DeepSpeed ZeRO-2, two ranks
     python launch/finetune.py --config configs/finetune/demo.yaml init=null output_dir=runs/demo-finetune-scratch   # from scratch
 """
 from __future__ import annotations

@@ -40,16 +40,22 @@ from pretrain.config import ConfigError
 HALF = ("bf16", "fp16")
 
 
-def accumulation_dtype(wanted: str, precision: str, accum: int, zero_stage: int) -> Optional[str]:
+PRETRAIN_KEYS = ("deepspeed.grad_accum_dtype", "deepspeed.zero_stage")
+
+
+def accumulation_dtype(wanted: str, precision: str, accum: int, zero_stage: int,
+                       keys: tuple[str, str] = PRETRAIN_KEYS, where: str = "") -> Optional[str]:
     """DeepSpeed's ``data_types.grad_accum_dtype`` for this run, or None to leave it unset (the
-    model's dtype, which is then the wanted one or the only one)."""
+    model's dtype, which is then the wanted one or the only one). ``keys``: the settings of the
+    dtype and the ZeRO stage that the refusal at ZeRO-0 names, ``where`` where they are."""
     if precision not in HALF or accum == 1 or wanted == precision:
         return None
     if zero_stage == 0:
+        dtype_key, stage_key = keys
         raise ConfigError(
-            f"deepspeed.grad_accum_dtype={wanted} needs ZeRO stage 1-3: at ZeRO-0 DeepSpeed sums "
-            f"a step's {accum} micro-batch gradients in {precision} only; set "
-            f"deepspeed.zero_stage=1, or deepspeed.grad_accum_dtype={precision} to accept that")
+            f"{where}{dtype_key}={wanted} needs ZeRO stage 1-3: at ZeRO-0 DeepSpeed sums a step's "
+            f"{accum} micro-batch gradients in {precision} only; set {stage_key}=1, or "
+            f"{dtype_key}={precision} to accept that")
     return wanted
 
 

@@ -1,7 +1,7 @@
 """The fault suite: faults injected into real 2-rank runs of the tiny demo -- pretraining under
-the DeepSpeed launcher, fine-tuning under torchrun -- and what must come out of each: the same
-losses and samples as an uninterrupted run, a clear error, or a counted skip; never a silent
-wrong result. ``tests/faulty_launch.py`` injects faults from inside the ranks (SIGKILL at a step
+the DeepSpeed launcher, fine-tuning under torchrun (and `accelerate launch` with a DeepSpeed
+config) -- and what must come out of each: the same losses and samples as an uninterrupted run,
+a clear error, or a counted skip; never a silent wrong result. ``tests/faulty_launch.py`` injects faults from inside the ranks (SIGKILL at a step
 or mid-checkpoint, failing or slow writes, NaN forward passes); the rest are made from the
 outside (signals to the process group or the launcher, a full filesystem, damaged shards, a
 tracking server answering HTTP 500). Each test adds its counts to the summary line printed at
@@ -749,11 +749,29 @@ def finetune_run_args(out, data, *extra):
             f"debug.log_sample_keys={out / 'keys'}", "tracking.system_metrics=false", *extra]
 
 
-def torchrun_cmd(*args, script=REPO / "launch/finetune.py"):
+# How a fine-tune is launched on the two CPU ranks: torchrun (Accelerate's DDP), or `accelerate
+# launch` with the repository's DeepSpeed ZeRO-2 config, in bf16 (DeepSpeed holds the model in
+# bf16 and sums the micro-batches' gradients in fp32).
+def _accelerate_deepspeed(stage, *extra):
+    return (["accelerate.commands.launch", "--config_file",
+             str(REPO / "configs/accelerate/deepspeed_zero2.yaml"), "--zero_stage", str(stage),
+             "--main_process_port"], ["train.precision=bf16", *extra])
+
+
+FINETUNE_LAUNCHERS = {
+    "torchrun": (["torch.distributed.run", "--nproc_per_node", "2", "--master_port"], []),
+    "accelerate-deepspeed": _accelerate_deepspeed(2),
+    "accelerate-deepspeed-zero1": _accelerate_deepspeed(1),
+    # the EMA, a whole copy of the model per rank, is refused under ZeRO-3's shards
+    "accelerate-deepspeed-zero3": _accelerate_deepspeed(3, "train.ema_decay=null"),
+}
+
+
+def finetune_cmd(*args, script=REPO / "launch/finetune.py", launcher="torchrun"):
     from conftest import free_port
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(free_port()), str(script), "--config",
-            str(REPO / "configs/finetune/demo.yaml"), *args]
+    start, extra = FINETUNE_LAUNCHERS[launcher]
+    return [sys.executable, "-m", *start, str(free_port()), str(script), "--config",
+            str(REPO / "configs/finetune/demo.yaml"), *args, *extra]  # the launcher's last
 
 
 def launch(cmd, log_path, env=None):
@@ -965,16 +983,22 @@ def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
 
 
 @pytest.fixture(scope="module")
-def finetune_reference(tmp_path_factory, tiny_data):
-    out = tmp_path_factory.mktemp("finetune-reference") / "run"
-    proc = subprocess.run(torchrun_cmd(*finetune_run_args(out, tiny_data)), cwd=REPO,
-                          capture_output=True, text=True, timeout=400)
+def launcher():
+    return "torchrun"  # a test's parametrize may name another
+
+
+@pytest.fixture(scope="module")
+def finetune_reference(tmp_path_factory, tiny_data, launcher):
+    out = tmp_path_factory.mktemp(f"finetune-reference-{launcher}") / "run"
+    proc = subprocess.run(finetune_cmd(*finetune_run_args(out, tiny_data), launcher=launcher),
+                          cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
-def finetune_faulty(out, data, *extra, faults=None, fails=False):
-    proc = subprocess.run(torchrun_cmd(*finetune_run_args(out, data, *extra), script=FAULTY),
+def finetune_faulty(out, data, *extra, faults=None, fails=False, launcher="torchrun"):
+    proc = subprocess.run(finetune_cmd(*finetune_run_args(out, data, *extra), script=FAULTY,
+                                       launcher=launcher),
                           cwd=REPO, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "FAULTY_LAUNCHER": "finetune.py",
                                "FAULTS": json.dumps(faults or {})})
@@ -982,21 +1006,39 @@ def finetune_faulty(out, data, *extra, faults=None, fails=False):
     return proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("to", [pytest.param("group", marks=pytest.mark.slow), "launcher"])
+@pytest.mark.parametrize("to,launcher", [
+    pytest.param("group", "torchrun", marks=pytest.mark.slow), ("launcher", "torchrun"),
+    ("launcher", "accelerate-deepspeed"),
+    *(pytest.param("launcher", f"accelerate-deepspeed-zero{stage}", marks=pytest.mark.slow)
+      for stage in (1, 3))], scope="module")
 def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothing(
-        to, tmp_path, tiny_data, finetune_reference, fault_ledger):
+        to, launcher, tmp_path, tiny_data, finetune_reference, fault_ledger):
+    """Under torchrun (DDP) and under Accelerate's DeepSpeed config (ZeRO-2, bf16; ZeRO-1 and
+    -3 in the slow variants): DeepSpeed's optimizer state, its fp32 gradient sums and the EMA
+    are in the stop checkpoint too."""
     out = tmp_path / "run"
-    proc = launch(torchrun_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC)),
+    proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), launcher=launcher),
                   tmp_path / "run.log")
     signal_and_wait(proc, out, to)
     text = (tmp_path / "run.log").read_text()
+    if launcher.startswith("accelerate-deepspeed"):
+        stage = FINETUNE_LAUNCHERS[launcher][0][4]
+        assert f"under Accelerate's DeepSpeed config: ZeRO-{stage}, 2 micro-batches' gradients " \
+               f"summed in fp32" in text
     lost = check_stop_and_resume(
-        out, text, lambda: finetune_faulty(out, tiny_data, NO_PERIODIC), finetune_reference,
-        FINETUNE_EVALS)
+        out, text, lambda: finetune_faulty(out, tiny_data, NO_PERIODIC, launcher=launcher),
+        finetune_reference, FINETUNE_EVALS)
     # the exports of the resumed run are the uninterrupted run's
     for name in ("best", "final"):
         assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
             json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
+    if launcher.startswith("accelerate-deepspeed"):  # DeepSpeed's config, as the run filled it
+        client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+        path = client.download_artifacts(mlflow_run(out).info.run_id, "deepspeed_config.json",
+                                         str(tmp_path))
+        ds = json.loads(Path(path).read_text())
+        assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
+        assert ds["bf16"]["enabled"] and ds["data_types"] == {"grad_accum_dtype": "fp32"}
     fault_ledger.record(1, 1, *lost)
 
 

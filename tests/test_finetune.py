@@ -165,10 +165,10 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
 
 
 def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping():
-    """Accelerate's DeepSpeed (GPU-only here: the config dict is checked as it would be filled).
-    Its "auto" values become the run's; a different fixed value is refused, since DeepSpeed
+    """Accelerate's DeepSpeed config, checked as it would be filled (tests/test_faults.py runs a
+    fine-tune under it). Its "auto" values become the run's; a different fixed value is refused, since DeepSpeed
     would otherwise step, divide the loss and clip by the file's numbers."""
-    from finetune.backend import fill_deepspeed_values
+    from finetune.accelerate_deepspeed import fill_deepspeed_values
     from pretrain.config import ConfigError
 
     ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
@@ -213,7 +213,7 @@ def test_an_accelerate_deepspeed_config_computes_in_the_runs_precision(precision
     as when the Accelerator is built."""
     from accelerate.utils import DeepSpeedPlugin
 
-    from finetune.backend import fill_deepspeed_values
+    from finetune.accelerate_deepspeed import fill_deepspeed_values
     from pretrain.config import ConfigError
 
     plugin = DeepSpeedPlugin(hf_ds_config={**file, "zero_optimization": {"stage": 2}})
@@ -226,6 +226,43 @@ def test_an_accelerate_deepspeed_config_computes_in_the_runs_precision(precision
     else:
         fill_deepspeed_values(ds, micro=8, accum=1, world=1, grad_clip=1.0, precision=precision)
         assert ds["bf16"]["enabled"] is (precision == "bf16") and not ds["fp16"]["enabled"]
+
+
+@pytest.mark.parametrize("stage,given,summed,refused", [
+    (2, None, "fp32", None),
+    (1, "auto", "fp32", None),
+    (2, "bf16", None, None),  # the config's choice: DeepSpeed's own sums in the model's dtype
+    (0, "bf16", None, None),
+    (0, None, None, r"^Accelerate's DeepSpeed config: data_types.grad_accum_dtype=fp32 needs ZeRO "
+                    r"stage 1-3: at ZeRO-0 DeepSpeed sums a step's 4 micro-batch gradients in "
+                    r"bf16 only; set zero_optimization.stage=1, or "
+                    r"data_types.grad_accum_dtype=bf16 to accept that$"),
+    (2, "fp16", None, r"has data_types.grad_accum_dtype=fp16, but this run's train.precision is "
+                      r"bf16; set it to \"fp32\" or \"auto\""),
+])
+def test_an_accelerate_deepspeed_config_sums_the_micro_batches_in_fp32(stage, given, summed,
+                                                                        refused):
+    """As pretraining does (pretrain/grad_accum.py): under bf16 the micro-batch gradients are
+    summed in fp32 where the config leaves the dtype out or to "auto"; where DeepSpeed cannot
+    (ZeRO-0), the run stops in one line naming both ways out."""
+    from finetune.accelerate_deepspeed import fill_deepspeed_values
+    from pretrain.config import ConfigError
+
+    ds = {"zero_optimization": {"stage": stage}}
+    if given:
+        ds["data_types"] = {"grad_accum_dtype": given}
+    if refused:
+        with pytest.raises(ConfigError, match=refused):
+            fill_deepspeed_values(ds, micro=8, accum=4, world=2, grad_clip=1.0, precision="bf16")
+        return
+    fill_deepspeed_values(ds, micro=8, accum=4, world=2, grad_clip=1.0, precision="bf16")
+    assert ds.get("data_types", {}).get("grad_accum_dtype") == summed
+    # one micro-batch per step, or fp32 training: nothing to sum in another dtype
+    for accum, precision in ((1, "bf16"), (4, "fp32")):
+        ds = {"zero_optimization": {"stage": stage}}
+        fill_deepspeed_values(ds, micro=8, accum=accum, world=2, grad_clip=1.0,
+                              precision=precision)
+        assert "data_types" not in ds
 
 
 def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
