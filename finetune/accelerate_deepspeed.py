@@ -1,7 +1,8 @@
 """Fine-tuning under an Accelerate DeepSpeed config (``accelerate launch --config_file X`` where X
-says ``distributed_type: DEEPSPEED``, or ``--use_deepspeed``), on GPUs and on CPUs alike.
+says ``distributed_type: DEEPSPEED``, or ``--use_deepspeed``; under torchrun, Accelerate's
+``ACCELERATE_USE_DEEPSPEED=true`` and ``ACCELERATE_DEEPSPEED_*`` variables), on GPUs and CPUs.
 
-Three things Accelerate does not do for this project's runs:
+Three things that Accelerate alone gets wrong or leaves to its user:
 
 * Its DeepSpeed plugin hands the DeepSpeed config to ``transformers`` (a weak reference that
   transformers' ``from_pretrained`` reads to build models under ZeRO-3), importing transformers
@@ -26,13 +27,15 @@ from typing import Optional
 
 from pretrain.config import ConfigError
 from pretrain.deepspeed_json import without_throughput_timer, zero_stage
+from pretrain.distributed import world_of_one_unless_launched
 from pretrain.grad_accum import HALF, accumulation_dtype
 
 WHERE = "Accelerate's DeepSpeed config"
 
 
 def requested() -> bool:
-    """Whether ``accelerate launch`` was given a DeepSpeed config (it says so to its ranks)."""
+    """Whether the run is to use DeepSpeed: ``accelerate launch`` given a DeepSpeed config says
+    so to its ranks in this variable, which a torchrun job may also set itself."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
@@ -43,6 +46,8 @@ def accelerator(on_gpu: bool, mixed_precision: str):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
+    if requested():
+        world_of_one_unless_launched()
     options = {} if on_gpu else (
         {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if requested()
         else {"cpu": True})

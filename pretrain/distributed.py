@@ -13,12 +13,18 @@ def init_distributed() -> tuple[int, int]:
     """(rank, world size) under the DeepSpeed launcher, torchrun, or a plain single process."""
     import deepspeed
 
-    if "RANK" not in os.environ:  # plain `python launch/pretrain.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    world_of_one_unless_launched()
     deepspeed.init_distributed(verbose=False)
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+def world_of_one_unless_launched() -> None:
+    """A plain ``python launch/...`` process (no launcher set ``$RANK``) becomes rank 0 of a
+    world of one, which DeepSpeed needs a process group for."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
 
 
 def release_shm_buffers() -> None:

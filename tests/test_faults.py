@@ -749,19 +749,25 @@ def finetune_run_args(out, data, *extra):
             f"debug.log_sample_keys={out / 'keys'}", "tracking.system_metrics=false", *extra]
 
 
-# How a fine-tune is launched on the two CPU ranks: torchrun (Accelerate's DDP), or `accelerate
-# launch` with the repository's DeepSpeed ZeRO-2 config, in bf16 (DeepSpeed holds the model in
-# bf16 and sums the micro-batches' gradients in fp32).
+# How a fine-tune is launched on the two CPU ranks: torchrun (Accelerate's DDP), or under
+# DeepSpeed in bf16 (DeepSpeed holds the model in bf16 and sums the micro-batches' gradients in
+# fp32): `accelerate launch` with the repository's ZeRO-2 config (--zero_stage for another), or
+# torchrun with Accelerate's environment variables, as launch/slurm_finetune.sh takes them.
+TORCHRUN = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+
+
 def _accelerate_deepspeed(stage, *extra):
-    return (["accelerate.commands.launch", "--config_file",
-             str(REPO / "configs/accelerate/deepspeed_zero2.yaml"), "--zero_stage", str(stage),
-             "--main_process_port"], ["train.precision=bf16", *extra])
+    return ([], ["accelerate.commands.launch", "--config_file",
+                 str(REPO / "configs/accelerate/deepspeed_zero2.yaml"), "--zero_stage",
+                 str(stage), "--main_process_port"], ["train.precision=bf16", *extra])
 
 
-FINETUNE_LAUNCHERS = {
-    "torchrun": (["torch.distributed.run", "--nproc_per_node", "2", "--master_port"], []),
-    "accelerate-deepspeed": _accelerate_deepspeed(2),
-    "accelerate-deepspeed-zero1": _accelerate_deepspeed(1),
+FINETUNE_LAUNCHERS = {  # name: (environment, launcher, the run's own keys)
+    "torchrun": ([], TORCHRUN, []),
+    "accelerate-deepspeed-zero2": _accelerate_deepspeed(2),
+    "torchrun-deepspeed-zero1": (["ACCELERATE_USE_DEEPSPEED=true",
+                                  "ACCELERATE_DEEPSPEED_ZERO_STAGE=1"], TORCHRUN,
+                                 ["train.precision=bf16"]),
     # the EMA, a whole copy of the model per rank, is refused under ZeRO-3's shards
     "accelerate-deepspeed-zero3": _accelerate_deepspeed(3, "train.ema_decay=null"),
 }
@@ -769,9 +775,10 @@ FINETUNE_LAUNCHERS = {
 
 def finetune_cmd(*args, script=REPO / "launch/finetune.py", launcher="torchrun"):
     from conftest import free_port
-    start, extra = FINETUNE_LAUNCHERS[launcher]
-    return [sys.executable, "-m", *start, str(free_port()), str(script), "--config",
-            str(REPO / "configs/finetune/demo.yaml"), *args, *extra]  # the launcher's last
+    env, start, extra = FINETUNE_LAUNCHERS[launcher]
+    return [*(["env", *env] if env else []), sys.executable, "-m", *start, str(free_port()),
+            str(script), "--config", str(REPO / "configs/finetune/demo.yaml"), *args,
+            *extra]  # the launcher's keys last: they win
 
 
 def launch(cmd, log_path, env=None):
@@ -1008,21 +1015,21 @@ def finetune_faulty(out, data, *extra, faults=None, fails=False, launcher="torch
 
 @pytest.mark.parametrize("to,launcher", [
     pytest.param("group", "torchrun", marks=pytest.mark.slow), ("launcher", "torchrun"),
-    ("launcher", "accelerate-deepspeed"),
-    *(pytest.param("launcher", f"accelerate-deepspeed-zero{stage}", marks=pytest.mark.slow)
-      for stage in (1, 3))], scope="module")
+    ("launcher", "accelerate-deepspeed-zero2"),
+    *(pytest.param("launcher", name, marks=pytest.mark.slow)
+      for name in ("torchrun-deepspeed-zero1", "accelerate-deepspeed-zero3"))], scope="module")
 def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothing(
         to, launcher, tmp_path, tiny_data, finetune_reference, fault_ledger):
-    """Under torchrun (DDP) and under Accelerate's DeepSpeed config (ZeRO-2, bf16; ZeRO-1 and
-    -3 in the slow variants): DeepSpeed's optimizer state, its fp32 gradient sums and the EMA
-    are in the stop checkpoint too."""
+    """Under torchrun (DDP) and under Accelerate's DeepSpeed (ZeRO-2, bf16; ZeRO-1 through
+    torchrun's environment and ZeRO-3 in the slow variants): DeepSpeed's optimizer state and
+    the EMA are in the stop checkpoint too."""
     out = tmp_path / "run"
     proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), launcher=launcher),
                   tmp_path / "run.log")
     signal_and_wait(proc, out, to)
     text = (tmp_path / "run.log").read_text()
-    if launcher.startswith("accelerate-deepspeed"):
-        stage = FINETUNE_LAUNCHERS[launcher][0][4]
+    if "deepspeed" in launcher:
+        stage = launcher[-1]
         assert f"under Accelerate's DeepSpeed config: ZeRO-{stage}, 2 micro-batches' gradients " \
                f"summed in fp32" in text
     lost = check_stop_and_resume(
@@ -1032,7 +1039,7 @@ def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothi
     for name in ("best", "final"):
         assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
             json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
-    if launcher.startswith("accelerate-deepspeed"):  # DeepSpeed's config, as the run filled it
+    if "deepspeed" in launcher:  # DeepSpeed's config, as the run filled it
         client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
         path = client.download_artifacts(mlflow_run(out).info.run_id, "deepspeed_config.json",
                                          str(tmp_path))
