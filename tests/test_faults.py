@@ -1,10 +1,10 @@
 """The fault suite: faults injected into real 2-rank runs of the tiny demo -- pretraining under
 the DeepSpeed launcher, fine-tuning under torchrun (and `accelerate launch` with a DeepSpeed
 config) -- and what must come out of each: the same losses and samples as an uninterrupted run,
-a clear error, or a counted skip; never a silent wrong result. ``tests/faulty_launch.py`` injects faults from inside the ranks (SIGKILL at a step
-or mid-checkpoint, failing or slow writes, NaN forward passes); the rest are made from the
-outside (signals to the process group or the launcher, a full filesystem, damaged shards, a
-tracking server answering HTTP 500). Each test adds its counts to the summary line printed at
+a clear error, or a counted skip; never a silent wrong result. ``tests/faulty_launch.py``
+injects faults from inside the ranks (SIGKILL at a step or mid-checkpoint, failing or slow
+writes, NaN forward passes); the rest are made from the outside (signals to the process group
+or the launcher, a full filesystem, damaged shards, a tracking server answering HTTP 500). Each test adds its counts to the summary line printed at
 the end: faults injected, and runs recovered -- relaunched, resumed and finished.
 
     python -m pytest -m "faults and not slow"   # the group (+ the outage, untrusted-file tests)
@@ -990,17 +990,25 @@ def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
 
 
 @pytest.fixture(scope="module")
-def launcher():
-    return "torchrun"  # a test's parametrize may name another
+def finetune_reference_of(tmp_path_factory, tiny_data):
+    """The uninterrupted run under a launcher of FINETUNE_LAUNCHERS, made once per module."""
+    made = {}
+
+    def reference(launcher):
+        if launcher not in made:
+            out = tmp_path_factory.mktemp(f"finetune-reference-{launcher}") / "run"
+            proc = subprocess.run(finetune_cmd(*finetune_run_args(out, tiny_data),
+                                               launcher=launcher),
+                                  cwd=REPO, capture_output=True, text=True, timeout=400)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            made[launcher] = out
+        return made[launcher]
+    return reference
 
 
 @pytest.fixture(scope="module")
-def finetune_reference(tmp_path_factory, tiny_data, launcher):
-    out = tmp_path_factory.mktemp(f"finetune-reference-{launcher}") / "run"
-    proc = subprocess.run(finetune_cmd(*finetune_run_args(out, tiny_data), launcher=launcher),
-                          cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def finetune_reference(finetune_reference_of):
+    return finetune_reference_of("torchrun")
 
 
 def finetune_faulty(out, data, *extra, faults=None, fails=False, launcher="torchrun"):
@@ -1017,12 +1025,13 @@ def finetune_faulty(out, data, *extra, faults=None, fails=False, launcher="torch
     pytest.param("group", "torchrun", marks=pytest.mark.slow), ("launcher", "torchrun"),
     ("launcher", "accelerate-deepspeed-zero2"),
     *(pytest.param("launcher", name, marks=pytest.mark.slow)
-      for name in ("torchrun-deepspeed-zero1", "accelerate-deepspeed-zero3"))], scope="module")
+      for name in ("torchrun-deepspeed-zero1", "accelerate-deepspeed-zero3"))])
 def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothing(
-        to, launcher, tmp_path, tiny_data, finetune_reference, fault_ledger):
+        to, launcher, tmp_path, tiny_data, finetune_reference_of, fault_ledger):
     """Under torchrun (DDP) and under Accelerate's DeepSpeed (ZeRO-2, bf16; ZeRO-1 through
     torchrun's environment and ZeRO-3 in the slow variants): DeepSpeed's optimizer state and
     the EMA are in the stop checkpoint too."""
+    finetune_reference = finetune_reference_of(launcher)
     out = tmp_path / "run"
     proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), launcher=launcher),
                   tmp_path / "run.log")
