@@ -46,10 +46,11 @@ def accelerator(on_gpu: bool, mixed_precision: str):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    if requested():
+    deepspeed = requested()
+    if deepspeed:
         world_of_one_unless_launched()
     options = {} if on_gpu else (
-        {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if requested()
+        {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]} if deepspeed
         else {"cpu": True})
     with _without_transformers_handover():
         return Accelerator(mixed_precision=mixed_precision, **options)

@@ -30,7 +30,7 @@ from pretrain.config import RunConfig
 from pretrain.deepspeed_json import zero_stage
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
                              compile_options, input_dtype)
-from pretrain.grad_accum import keep_zero1_optimizer
+from pretrain.grad_accum import keep_zero1_optimizer, summed_in
 
 log = logging.getLogger("finetune")
 
@@ -94,8 +94,7 @@ class AccelerateBackend:
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if self.deepspeed:
             self.zero_stage = zero_stage(self.ds_config)
-            summed = self.ds_config.get("data_types", {}).get("grad_accum_dtype",
-                                                              cfg.train.precision)
+            summed = summed_in(self.ds_config, cfg.train.precision)
             log.info("under Accelerate's DeepSpeed config: ZeRO-%d%s", self.zero_stage,
                      f", {accum} micro-batches' gradients summed in {summed}" if accum > 1 else "")
         self.cfg, self.accum = cfg, accum

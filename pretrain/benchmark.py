@@ -126,6 +126,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     from pretrain import engine as eng
     from pretrain.block_kernels import kernels_run_on
     from pretrain.deepspeed_json import zero_stage
+    from pretrain.grad_accum import summed_in
     from pretrain import grad_checks
     from pretrain.profile import profiled
     from pretrain.data.device_batch import build_mixup, prepare_batch
@@ -210,9 +211,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
         "grad_accum_steps": accum, "updates": updates, "ranks": world,
         # the dtype DeepSpeed summed the micro-batches' gradients in (pretrain/grad_accum.py)
-        "grad_sum_dtype": ds_config.get("data_types", {}).get("grad_accum_dtype",
-                                                              cfg.train.precision)
-        if accum > 1 else None,
+        "grad_sum_dtype": summed_in(ds_config, cfg.train.precision) if accum > 1 else None,
         "zero_stage": zero_stage(ds_config),
         "precision": cfg.train.precision, "compile": engine.is_compiled,  # what DeepSpeed did, not what was asked
         "compile_mode": cfg.train.compile_mode if engine.is_compiled else None,

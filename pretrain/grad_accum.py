@@ -59,6 +59,11 @@ def accumulation_dtype(wanted: str, precision: str, accum: int, zero_stage: int,
     return wanted
 
 
+def summed_in(ds_config: dict, precision: str) -> str:
+    """The dtype a DeepSpeed config has the micro-batches' gradients summed in."""
+    return ds_config.get("data_types", {}).get("grad_accum_dtype", precision)
+
+
 @contextlib.contextmanager
 def keep_zero1_optimizer():
     """While ``deepspeed.initialize`` runs: a ZeRO-1 engine under bf16 with fp32 accumulation
