@@ -1,0 +1,148 @@
+"""The fault suite's fine-tuning part (see ``test_faults.py``, whose helpers it shares): a
+fine-tune on two CPU ranks under torchrun (Accelerate's DDP) and under Accelerate's DeepSpeed,
+stopped by SIGTERM or a killed rank, then relaunched: the same losses, samples and figures as an
+uninterrupted run. A file of its own so that the suite's workers can run it beside the rest of
+the fault suite."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from conftest import REPO
+from pretrain.checkpoint import CheckpointStore
+from test_faults import (EVERY, FAULTY, NO_PERIODIC, STEPS, check_stop_and_resume, compare_with,
+                         launch, mlflow_run, mlflow_steps_lost, resumed_at, signal_and_wait)
+
+pytestmark = pytest.mark.faults
+
+
+FINETUNE_EVALS = ("eval/dev/top1", "eval/validation/top1")
+
+
+def finetune_run_args(out, data, *extra):
+    return [f"output_dir={out}", f"data.root={data}", "init=null", "data.generate_demo=false",
+            "data.val_split=validation", "data.dev_fraction=0.1", "data.num_workers=1",
+            "data.shuffle_buffer=50", "model.img_size=16", "model.patch_size=4", "model.depth=2",
+            "model.embed_dim=64", "model.num_heads=2", "model.num_classes=8",
+            "train.global_batch_size=16", "train.grad_accum_steps=2", "train.ema_decay=0.9",
+            # a log line every 3 steps: a stop or a kill between two of them must carry the
+            # steps since the last one over, or the next line's average loss would differ
+            f"train.total_steps={STEPS}", "schedule.warmup_steps=2", "log.every_steps=3",
+            f"checkpoint.every_steps={EVERY}", "eval.every_steps=10", "eval.batch_size=16",
+            f"debug.log_sample_keys={out / 'keys'}", "tracking.system_metrics=false", *extra]
+
+
+# How a fine-tune is launched on the two CPU ranks: torchrun (Accelerate's DDP), or under
+# DeepSpeed in bf16 (DeepSpeed holds the model in bf16 and sums the micro-batches' gradients in
+# fp32): `accelerate launch` with the repository's ZeRO-2 config (--zero_stage for another), or
+# torchrun with Accelerate's environment variables, as launch/slurm_finetune.sh takes them.
+TORCHRUN = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+
+
+def _accelerate_deepspeed(stage, *extra):
+    return ([], ["accelerate.commands.launch", "--config_file",
+                 str(REPO / "configs/accelerate/deepspeed_zero2.yaml"), "--zero_stage",
+                 str(stage), "--main_process_port"], ["train.precision=bf16", *extra])
+
+
+FINETUNE_LAUNCHERS = {  # name: (environment, launcher, the run's own keys)
+    "torchrun": ([], TORCHRUN, []),
+    "accelerate-deepspeed-zero2": _accelerate_deepspeed(2),
+    "torchrun-deepspeed-zero1": (["ACCELERATE_USE_DEEPSPEED=true",
+                                  "ACCELERATE_DEEPSPEED_ZERO_STAGE=1"], TORCHRUN,
+                                 ["train.precision=bf16"]),
+    # the EMA, a whole copy of the model per rank, is refused under ZeRO-3's shards
+    "accelerate-deepspeed-zero3": _accelerate_deepspeed(3, "train.ema_decay=null"),
+}
+
+
+def finetune_cmd(*args, script=REPO / "launch/finetune.py", launcher="torchrun"):
+    from conftest import free_port
+    env, start, extra = FINETUNE_LAUNCHERS[launcher]
+    return [*(["env", *env] if env else []), sys.executable, "-m", *start, str(free_port()),
+            str(script), "--config", str(REPO / "configs/finetune/demo.yaml"), *args,
+            *extra]  # the launcher's keys last: they win
+
+
+@pytest.fixture(scope="module")
+def finetune_reference_of(tmp_path_factory, tiny_data):
+    """The uninterrupted run under a launcher of FINETUNE_LAUNCHERS, made once per module."""
+    made = {}
+
+    def reference(launcher):
+        if launcher not in made:
+            out = tmp_path_factory.mktemp(f"finetune-reference-{launcher}") / "run"
+            proc = subprocess.run(finetune_cmd(*finetune_run_args(out, tiny_data),
+                                               launcher=launcher),
+                                  cwd=REPO, capture_output=True, text=True, timeout=400)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            made[launcher] = out
+        return made[launcher]
+    return reference
+
+
+@pytest.fixture(scope="module")
+def finetune_reference(finetune_reference_of):
+    return finetune_reference_of("torchrun")
+
+
+def finetune_faulty(out, data, *extra, faults=None, fails=False, launcher="torchrun"):
+    proc = subprocess.run(finetune_cmd(*finetune_run_args(out, data, *extra), script=FAULTY,
+                                       launcher=launcher),
+                          cwd=REPO, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "FAULTY_LAUNCHER": "finetune.py",
+                               "FAULTS": json.dumps(faults or {})})
+    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("to,launcher", [
+    pytest.param("group", "torchrun", marks=pytest.mark.slow), ("launcher", "torchrun"),
+    ("launcher", "accelerate-deepspeed-zero2"),
+    *(pytest.param("launcher", name, marks=pytest.mark.slow)
+      for name in ("torchrun-deepspeed-zero1", "accelerate-deepspeed-zero3"))])
+def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothing(
+        to, launcher, tmp_path, tiny_data, finetune_reference_of, fault_ledger):
+    """Under torchrun (DDP) and under Accelerate's DeepSpeed (ZeRO-2, bf16; ZeRO-1 through
+    torchrun's environment and ZeRO-3 in the slow variants): DeepSpeed's optimizer state and
+    the EMA are in the stop checkpoint too."""
+    finetune_reference = finetune_reference_of(launcher)
+    out = tmp_path / "run"
+    proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), launcher=launcher),
+                  tmp_path / "run.log")
+    signal_and_wait(proc, out, to)
+    text = (tmp_path / "run.log").read_text()
+    if "deepspeed" in launcher:
+        stage = launcher[-1]
+        assert f"under Accelerate's DeepSpeed config: ZeRO-{stage}, 2 micro-batches' gradients " \
+               f"summed in fp32" in text
+    lost = check_stop_and_resume(
+        out, text, lambda: finetune_faulty(out, tiny_data, NO_PERIODIC, launcher=launcher),
+        finetune_reference, FINETUNE_EVALS)
+    # the exports of the resumed run are the uninterrupted run's
+    for name in ("best", "final"):
+        assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
+            json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
+    if "deepspeed" in launcher:  # DeepSpeed's config, as the run filled it
+        client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+        path = client.download_artifacts(mlflow_run(out).info.run_id, "deepspeed_config.json",
+                                         str(tmp_path))
+        ds = json.loads(Path(path).read_text())
+        assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
+        assert ds["bf16"]["enabled"] and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    fault_ledger.record(1, 1, *lost)
+
+
+def test_sigkill_of_a_finetune_rank_resumes_to_the_same_losses_and_samples(
+        tmp_path, tiny_data, finetune_reference, fault_ledger):
+    out = tmp_path / "run"
+    finetune_faulty(out, tiny_data, faults={"kill": [1, 13]}, fails=True)
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [10, 5]
+    again = finetune_faulty(out, tiny_data)
+    assert resumed_at(again) == [10]
+    samples_lost, metrics_lost = compare_with(finetune_reference, out, FINETUNE_EVALS)
+    fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
