@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from finetune import accelerate_deepspeed
+from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import RunConfig
 from pretrain.deepspeed_json import zero_stage
@@ -46,6 +46,7 @@ class AccelerateBackend:
             # middle of the log, that it found no GPU: this run is on the CPU by now anyway
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         precision = cfg.train.precision  # fp16 on a CPU: refused by the trainer
+        launch_options.check(precision, self.on_gpu)
         self.accelerator = accelerate_deepspeed.accelerator(
             self.on_gpu, mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
         self.rank = self.accelerator.process_index

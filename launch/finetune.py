@@ -21,7 +21,12 @@ def finetune(cfg: FinetuneConfig) -> None:
 
 
 def check_inputs(cfg: FinetuneConfig) -> None:
-    """--dry-run: the init is found and of a kind the run reads (as the run checks at start)."""
+    """--dry-run: the launcher's options agree with the config and the init is found and of a
+    kind the run reads (as the run checks at start)."""
+    import torch
+
+    from finetune.launch_options import check
+    check(cfg.train.precision, torch.cuda.is_available())
     if cfg.init:
         from finetune.weights import check_init
         check_init(cfg.init)

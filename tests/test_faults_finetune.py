@@ -46,7 +46,8 @@ TORCHRUN = ["torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
 def _accelerate_deepspeed(stage, *extra):
     return ([], ["accelerate.commands.launch", "--config_file",
                  str(REPO / "configs/accelerate/deepspeed_zero2.yaml"), "--zero_stage",
-                 str(stage), "--main_process_port"], ["train.precision=bf16", *extra])
+                 str(stage), "--mixed_precision", "bf16",  # agreeing with the run: accepted
+                 "--main_process_port"], ["train.precision=bf16", *extra])
 
 
 FINETUNE_LAUNCHERS = {  # name: (environment, launcher, the run's own keys)

@@ -164,6 +164,38 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
         backend.build(cfg, micro=8, accum=1, resume=None, store=None)
 
 
+@pytest.mark.parametrize("option,refusal", [
+    (["--mixed_precision", "bf16"], "the launcher asks for mixed precision bf16 (accelerate "
+     "launch --mixed_precision or its config file), but the run's precision comes from "
+     "train.precision, which is fp32; set train.precision=bf16, or launch with "
+     "--mixed_precision no"),
+    (["--dynamo_backend", "inductor"], "the launcher asks Accelerate to compile the model "
+     "(dynamo_backend=inductor), which would rename its tensors _orig_mod.* in checkpoints and "
+     "exports; set train.compile=true instead"),
+    (["--use_fsdp"], "the launcher asks for FSDP, which Accelerate runs on GPUs only (here it "
+     "would train under DDP, unsharded)"),
+], ids=["mixed-precision", "dynamo", "fsdp-on-cpu"])
+def test_a_launcher_option_the_fine_tune_would_not_honour_stops_it_at_start(
+        option, refusal, tmp_path, tiny_cifar):
+    """`accelerate launch` options that the run would ignore (another precision than
+    train.precision; FSDP, which Accelerate runs on GPUs only) or that would break it at its
+    last step (Accelerate's compile renames the tensors, and the exports failed after training)
+    end the run before it starts, in one line; --dry-run says the same."""
+    out = tmp_path / "ft"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+           "--num_machines", "1", *option, str(REPO / "launch/finetune.py"),
+           "--config", str(REPO / "configs/finetune/demo.yaml"),
+           *finetune_args(out, tiny_cifar, "null")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {refusal}")
+    assert not out.exists()  # nothing written: no config, no checkpoint, no tracking
+    dry = subprocess.run(cmd + ["--dry-run"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert f"error: {refusal}" in dry.stderr, dry.stderr[-3000:]
+
+
 def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping():
     """Accelerate's DeepSpeed config, checked as it would be filled (tests/test_faults.py runs a
     fine-tune under it). Its "auto" values become the run's; a different fixed value is refused, since DeepSpeed
