@@ -143,7 +143,8 @@ class DataConfig(Section):
     retry_backoff_s: float = Field(1.0, ge=0, description="first wait before a retry; doubles "
                                    "each time, at most 60 s")
     read_timeout_s: float = Field(120.0, gt=0, description="a connection or read silent this "
-                                  "long has failed")
+                                  "long has failed (http(s)://, s3://, gs://, pipe:; other "
+                                  "fsspec schemes: their driver's timeouts)")
 
     @field_validator("randaugment")
     @classmethod

@@ -335,3 +335,126 @@ def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_one
         fs.put_file(str(f), f"datasets/toy/{f.name}")
     ranks = run_two_ranks("gs://datasets/toy", tmp_path, STEPS, SAVE_AT, env=gcs_server)
     assert_same_as_local(ranks, local_reference(local))
+
+
+class StallingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server. On the first connection whose answers
+    pass ``after`` bytes it sends those bytes and then nothing: the connection stays open and
+    silent, as a stalled object store's does, until the client closes it or ``hold_s`` passes
+    (then the proxy cuts it: a failure of another kind). The others it passes through."""
+
+    def __init__(self, port: int, after: int = 4000, hold_s: float = 20.0):
+        self.target, self.after, self.hold_s = ("127.0.0.1", port), after, hold_s
+        self.stalls_left, self.stalled, self.given_up, self.cut = 1, 0, 0, 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.target)
+            client_gone = threading.Event()
+            threading.Thread(target=self._requests, args=(client, server, client_gone),
+                             daemon=True).start()
+            threading.Thread(target=self._answers, args=(server, client, client_gone),
+                             daemon=True).start()
+
+    @staticmethod
+    def _requests(client, server, client_gone):
+        try:
+            while chunk := client.recv(65536):
+                server.sendall(chunk)
+        except OSError:
+            pass
+        client_gone.set()
+        _cut(server)
+
+    def _answers(self, server, client, client_gone):
+        sent = 0
+        try:
+            while chunk := server.recv(65536):
+                if sent + len(chunk) > self.after:
+                    with self.lock:
+                        stall, self.stalls_left = self.stalls_left > 0, 0
+                    if stall:
+                        client.sendall(chunk[:self.after - sent])
+                        self.stalled += 1
+                        if client_gone.wait(self.hold_s):
+                            self.given_up += 1
+                        else:
+                            self.cut += 1
+                        break
+                client.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass
+        _cut(client)
+        _cut(server)
+
+    def close(self):
+        self.listener.close()
+
+
+def _cut(sock):
+    """Close a connection for good: a plain close() waits for another thread's recv() on it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already
+        pass
+    sock.close()
+
+
+@pytest.mark.parametrize("scheme", ["http", "s3", "gs", "pipe"])
+def test_a_stalled_read_is_given_up_after_read_timeout_s_and_read_again(scheme, tmp_path,
+                                                                         request, caplog):
+    """An object store, web server or command that goes silent in the middle of a shard: after
+    data.read_timeout_s without a byte the read is given up and made again, and the bytes are
+    those of the shard. Without the limit the loader waited for the store's own timeout (boto3:
+    60 s, gcsfs: 5 min) or, for a command, for ever."""
+    local = tmp_path / "shards"
+    write_split(local, [9])
+    shard = (local / "toy-train-000000.tar").read_bytes()
+    proxy = None
+    if scheme == "http":
+        url, server, www = request.getfixturevalue("flaky_http")
+        server.p_503 = server.p_cut = 0.0
+        (www / "toy.tar").write_bytes(shard)
+        proxy = StallingProxy(server.server_address[1])
+        location = f"http://127.0.0.1:{proxy.port}/toy.tar"
+    elif scheme == "s3":
+        import boto3
+        env = request.getfixturevalue("s3_server")
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="datasets")
+        s3.put_object(Bucket="datasets", Key="toy.tar", Body=shard)
+        proxy = StallingProxy(int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+        request.getfixturevalue("monkeypatch").setenv("AWS_ENDPOINT_URL",
+                                                      f"http://127.0.0.1:{proxy.port}")
+        location = "s3://datasets/toy.tar"
+    elif scheme == "gs":
+        env = request.getfixturevalue("gcs_server")
+        import gcsfs  # after the fixture's variables: gcsfs reads them at import
+        gcsfs.GCSFileSystem(token="anon").pipe_file("datasets/toy.tar", shard)
+        proxy = StallingProxy(int(env["STORAGE_EMULATOR_HOST"].rsplit(":", 1)[1]))
+        request.getfixturevalue("monkeypatch").setenv("STORAGE_EMULATOR_HOST",
+                                                      f"http://127.0.0.1:{proxy.port}")
+        location = "gs://datasets/toy.tar"
+    else:  # the first run writes 4000 bytes and goes silent for 20 s; the next one is whole
+        mark, path = tmp_path / "ran-once", local / "toy-train-000000.tar"
+        location = (f"pipe:if [ -e {mark} ]; then cat {path}; else touch {mark}; "
+                    f"head -c 4000 {path}; sleep 20; fi")
+    with caplog.at_level("WARNING", logger="pretrain.data.remote"):
+        got = open_shard(location, RetryPolicy(attempts=3, backoff_s=0.01, timeout_s=1.0)).read()
+    assert got == shard
+    if proxy is not None:
+        proxy.close()
+        # the client gave up on the silent connection itself, long before the proxy cut it
+        assert (proxy.stalled, proxy.given_up, proxy.cut) == (1, 1, 0)
+    else:
+        assert re.search(r"TimeoutError: '.*' wrote nothing for 1 s; retrying at byte \d+",
+                         caplog.text), caplog.text

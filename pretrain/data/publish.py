@@ -19,7 +19,7 @@ import uuid
 from typing import Optional
 
 from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
-                                  read_bytes)
+                                  fsspec_location, read_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
     """One attempt at writing ``local`` to ``location``."""
     if location.startswith("s3://"):
         bucket, key = _s3_parts(location)
-        _s3_client().upload_file(local, bucket, key)
+        _s3_client(policy.timeout_s).upload_file(local, bucket, key)
     elif location.startswith(("http://", "https://")):  # a PUT, as WebDAV or a presigned URL take
         with open(local, "rb") as f:
             req = urllib.request.Request(location, data=f, method="PUT", headers={
@@ -43,8 +43,7 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
             err = done.stderr.decode(errors="replace").strip().splitlines()
             raise ConnectionError(f"exit status {done.returncode}" + (f": {err[-1]}" if err else ""))
     else:
-        import fsspec
-        fs, path = fsspec.core.url_to_fs(location)
+        fs, path = fsspec_location(location, policy.timeout_s)
         fs.put_file(local, path)
 
 
@@ -67,7 +66,7 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
             time.sleep(policy.wait(failures))
 
 
-def remote_size(location: str) -> Optional[int]:
+def remote_size(location: str, timeout_s: float) -> Optional[int]:
     """The size of an object already at ``location``; None when it is not there, or when that
     cannot be known (``pipe:``)."""
     try:
@@ -76,7 +75,7 @@ def remote_size(location: str) -> Optional[int]:
         if location.startswith(("http://", "https://")):
             req = urllib.request.Request(location, method="HEAD")
             try:
-                with urllib.request.urlopen(req, timeout=60) as resp:
+                with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                     length = resp.headers.get("Content-Length")
                     return int(length) if length is not None else None
             except urllib.error.HTTPError:
@@ -85,11 +84,10 @@ def remote_size(location: str) -> Optional[int]:
             from botocore.exceptions import ClientError
             bucket, key = _s3_parts(location)
             try:
-                return _s3_client().head_object(Bucket=bucket, Key=key)["ContentLength"]
+                return _s3_client(timeout_s).head_object(Bucket=bucket, Key=key)["ContentLength"]
             except ClientError:
                 return None
-        import fsspec
-        fs, path = fsspec.core.url_to_fs(location)
+        fs, path = fsspec_location(location, timeout_s)
         return fs.size(path)
     except FileNotFoundError:
         return None
@@ -160,7 +158,7 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
             local, target = os.path.join(folder, name), location.rstrip("/") + "/" + name
             st = os.stat(local)
             mine = sent_before.get(name) == [st.st_size, st.st_mtime_ns]
-            if not (mine and remote_size(target) == st.st_size):
+            if not (mine and remote_size(target, policy.timeout_s) == st.st_size):
                 upload(local, target, policy)
                 sent += 1
                 record.write(json.dumps({"to": location, "name": name, "size": st.st_size,

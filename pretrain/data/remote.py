@@ -15,6 +15,12 @@ A short read is a failure too: an HTTP server that closes the connection early e
 without an error in ``http.client``, so the reader compares what it got with the length the
 server announced.
 
+A stalled read is a failure as well: a connection or a command silent for ``timeout_s``
+(``data.read_timeout_s``) is given up and opened again. The limit reaches HTTP through the
+standard library's socket timeout, S3 through botocore's connect and read timeouts, ``gs://``
+through gcsfs's per-read socket timeout, and a ``pipe:`` command through a wait for its output;
+other fsspec schemes keep their driver's own.
+
 S3 goes through ``boto3`` (endpoint, credentials and region from the usual ``AWS_*`` variables
 and files, e.g. ``AWS_ENDPOINT_URL`` for MinIO, Ceph or a local test server); ``gs://`` and any
 other scheme through ``fsspec`` (``pip install gcsfs`` for Google Cloud Storage).
@@ -25,6 +31,7 @@ import io
 import logging
 import os
 import random
+import select
 import subprocess
 import time
 import urllib.error
@@ -109,9 +116,10 @@ def _open_http(location: str, offset: int, policy: RetryPolicy):
 _S3 = {}
 
 
-def _s3_client():
+def _s3_client(timeout_s: float):
     # one per process (a client is not fork-safe: workers make their own) and per endpoint
-    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_PROFILE"))
+    key = (os.getpid(), os.environ.get("AWS_ENDPOINT_URL"), os.environ.get("AWS_PROFILE"),
+           timeout_s)
     if key not in _S3:
         try:
             import boto3
@@ -119,8 +127,9 @@ def _s3_client():
         except ImportError:
             raise ImportError("s3:// locations need boto3: pip install boto3") from None
         # botocore's own retries would hide failures from the back-off here; one layer retries
-        _S3[key] = boto3.client("s3", config=Config(retries={"max_attempts": 1,
-                                                             "mode": "standard"}))
+        _S3[key] = boto3.client("s3", config=Config(
+            retries={"max_attempts": 1, "mode": "standard"}, connect_timeout=timeout_s,
+            read_timeout=timeout_s))
     return _S3[key]
 
 
@@ -133,7 +142,7 @@ def _open_s3(location: str, offset: int, policy: RetryPolicy):
     from botocore.exceptions import BotoCoreError, ClientError
     bucket, key = _s3_parts(location)
     try:
-        obj = _s3_client().get_object(Bucket=bucket, Key=key,
+        obj = _s3_client(policy.timeout_s).get_object(Bucket=bucket, Key=key,
                                       **({"Range": f"bytes={offset}-"} if offset else {}))
     except ClientError as e:
         code = e.response.get("Error", {}).get("Code", "")
@@ -165,13 +174,23 @@ class _S3Body:
         self.body.close()
 
 
-def _open_fsspec(location: str, offset: int, policy: RetryPolicy):
+def fsspec_location(location: str, timeout_s: float):
+    """(fsspec filesystem, path) of a location; gcsfs given the connect and read timeout."""
     try:
         import fsspec
     except ImportError:
         raise ImportError(f"{location.split('://')[0]}:// locations need fsspec and its driver "
                           f"(gs://: pip install gcsfs)") from None
-    fs, path = fsspec.core.url_to_fs(location)
+    options = {}
+    if location.startswith(("gs://", "gcs://")):
+        # per socket read, not for the whole request (a plain number would be aiohttp's total)
+        from aiohttp import ClientTimeout
+        options["requests_timeout"] = ClientTimeout(sock_connect=timeout_s, sock_read=timeout_s)
+    return fsspec.core.url_to_fs(location, **options)
+
+
+def _open_fsspec(location: str, offset: int, policy: RetryPolicy):
+    fs, path = fsspec_location(location, policy.timeout_s)
     try:
         f = fs.open(path, "rb")
     except FileNotFoundError as e:
@@ -181,15 +200,20 @@ def _open_fsspec(location: str, offset: int, policy: RetryPolicy):
 
 
 class _Pipe:
-    """A ``pipe:`` command's output; a non-zero exit status is a failed read."""
+    """A ``pipe:`` command's output; a non-zero exit status, or ``timeout_s`` without a byte,
+    is a failed read."""
 
-    def __init__(self, command: str):
-        self.command = command
+    def __init__(self, command: str, timeout_s: float):
+        self.command, self.timeout_s = command, timeout_s
         self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+                                     stderr=subprocess.PIPE, bufsize=0)
 
     def read(self, n: int) -> bytes:
-        data = self.proc.stdout.read(n)
+        # what the command has written so far, up to n bytes (the reader above buffers)
+        fd = self.proc.stdout.fileno()
+        if n and not select.select([fd], [], [], self.timeout_s)[0]:
+            raise TimeoutError(f"'{self.command}' wrote nothing for {self.timeout_s:g} s")
+        data = os.read(fd, n)
         if not data and n and self.proc.wait() != 0:
             err = self.proc.stderr.read().decode(errors="replace").strip().splitlines()
             raise ConnectionError(f"'{self.command}' exited with status {self.proc.returncode}"
@@ -205,7 +229,7 @@ class _Pipe:
 
 
 def _open_pipe(location: str, offset: int, policy: RetryPolicy):
-    stream = _Pipe(location[len("pipe:"):])
+    stream = _Pipe(location[len("pipe:"):], policy.timeout_s)
     _discard(stream, offset)
     return stream, None
 
