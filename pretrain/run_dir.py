@@ -7,7 +7,8 @@ first moved, whole, into ``output_dir/earlier-<time>/``. Left in place they woul
 new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
 the new run's at the next relaunch.
 
-Also here: a relaunch that would continue another model's run is refused, a folder the run
+Also here: a relaunch that would continue another model's run is refused (one that changes
+other settings is reported, :func:`check_same_run`), a folder the run
 writes to that cannot be made is a config error, and a start refused before it wrote anything
 leaves no empty ``output_dir`` behind.
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
 from pretrain.distributed import gather, rank_world
+from pretrain.run_info import flatten
 
 if TYPE_CHECKING:
     from pretrain.checkpoint import Checkpoint
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 EARLIER = "earlier-"
 # what makes a folder hold a run: the trainer writes both before anything else
 RUN_MARKERS = ("config.yaml", "checkpoints")
+# how a run was launched, not how it trains: the same folder named anew, a fresh start's flag
+HOW_LAUNCHED = ("output_dir", "checkpoint.resume")
 
 
 def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Optional[Path]:
@@ -125,14 +129,17 @@ def make_dir(path: Path, key: str) -> None:
                           f"you can write to") from None
 
 
-def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> None:
+def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> list[str]:
     """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
-    the same ``identity_keys`` (the model; a fine-tune's init too)."""
+    the same ``identity_keys`` (the model; a fine-tune's init too). Returns the other settings
+    that differ from the run's ``config.yaml`` (``"optimizer.lr: 0.002 -> 0.0005"``), which a
+    relaunch may change (a lower learning rate after a divergence, more steps), and which the
+    trainer reports and keeps."""
     if resume is None:
-        return
+        return []
     saved = out / "config.yaml"
     if not saved.is_file():
-        return
+        return []
     old = load_config(type(cfg), saved)
     for key in cfg.identity_keys:
         was, now = getattr(old, key), getattr(cfg, key)
@@ -144,3 +151,7 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> N
                 f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
                 f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
                 f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
+    from pretrain.spool import redacted  # a tracking.uri's password is for no log
+    was, now = flatten(old.model_dump(mode="json")), flatten(cfg.model_dump(mode="json"))
+    return [redacted(f"{k}: {was.get(k)} -> {now.get(k)}") for k in sorted(was.keys() | now.keys())
+            if k not in HOW_LAUNCHED and was.get(k) != now.get(k)]

@@ -147,7 +147,7 @@ def _train(cfg: RunConfig, stage) -> dict:
     resume = store.latest() if cfg.checkpoint.resume else None
     if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
         set_aside_earlier_run(out, stage.inputs(cfg))
-    check_same_run(out, cfg, resume)
+    changed = check_same_run(out, cfg, resume)
 
     seed_everything(cfg.seed)  # identical initial weights on every rank
     backend.build(cfg, micro, accum, resume, store,
@@ -171,6 +171,11 @@ def _train(cfg: RunConfig, stage) -> dict:
         guard.skipped = int(client.get("nonfinite_skipped", 0))
         stage.load_state_dict(client.get("stage") or {})
         log.info("resumed from %s at step %d", resume.path, step)
+        if changed and rank == 0:  # config.yaml stays the start's, as the MLflow params do
+            kept = save_config(cfg, out / f"config.resume_step_{step:08d}.yaml")
+            log.warning("resumed with settings other than the run's config.yaml: %s; they "
+                        "apply from step %d on (this relaunch's config: %s)",
+                        "; ".join(changed), step, kept)
     elif rank == 0:
         save_config(cfg, out / "config.yaml")
     else:

@@ -242,11 +242,17 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert sorted(losses(out)) == list(range(1, 7))
     assert "depth: 3" in (out / "config.yaml").read_text()
 
-    # a relaunch continues the new run, not the earlier one's newer step 8
-    again = launch("train.total_steps=10", "model.depth=3")
+    # a relaunch continues the new run, not the earlier one's newer step 8; the settings it
+    # changes (more steps, a lower learning rate) are said, and kept next to the start's
+    again = launch("train.total_steps=10", "model.depth=3", "optimizer.lr=0.0005")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_00000006 at step 6" in again.stderr
     assert sorted(losses(out)) == list(range(1, 11))
+    kept = out / "config.resume_step_00000006.yaml"
+    assert f"resumed with settings other than the run's config.yaml: optimizer.lr: 0.002 -> " \
+           f"0.0005; train.total_steps: 6 -> 10; they apply from step 6 on (this relaunch's " \
+           f"config: {kept})" in again.stderr, again.stderr[-3000:]
+    assert "lr: 0.0005" in kept.read_text() and "lr: 0.002" in (out / "config.yaml").read_text()
 
 
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
