@@ -267,6 +267,27 @@ def _natural(key: str) -> list:
 
 def apply_init(model: ViTClassifier, src: InitSource, with_head: bool = False) -> dict:
     """Check ``src`` against ``model``, resample the position embedding, copy; returns lineage."""
+    new, parts, fresh, pos_grids = _matched(model, src, with_head)
+    with torch.no_grad():
+        result = model.load_state_dict(new, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys  # only model keys were passed
+
+    patch = src.state[BACKBONE_PREFIX + "patch_embed.proj.weight"].shape[-1]
+    src_grid = pos_grids[0] if pos_grids else model.spec.grid
+    resolution = (src.spec or {}).get("img_size") or src_grid * patch
+    dropped = [p for p in ("pre_logits", "head")
+               if p not in parts and any(k.startswith(p + ".") for k in src.state)]
+    return {"format": src.format, "path": str(Path(src.path).resolve()), "step": src.step,
+            "pretrain_run_id": src.pretrain_run_id, "resolution": int(resolution),
+            "pos_embed_grid": pos_grids, "loaded": parts, "dropped": dropped, "new": fresh,
+            "source_model": (src.spec or {}).get("name"), **src.extra}
+
+
+def _matched(model: ViTClassifier, src: InitSource, with_head: bool) -> tuple:
+    """(the tensors of ``src`` that ``model`` takes, position embedding resampled; the parts
+    loaded; the parts left as built; the position grids, source and model, when resampled).
+    InitError, one line naming the mismatched tensors, where ``src`` does not fit. ``model``
+    may live on the meta device: only its tensors' names and shapes are read."""
     target = model.state_dict()
     backbone = model.backbone
     prefix_tokens = 0 if getattr(backbone, "no_embed_class", False) else backbone.num_prefix_tokens
@@ -306,19 +327,16 @@ def apply_init(model: ViTClassifier, src: InitSource, with_head: bool = False) -
         more = f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise InitError(f"init '{src.path}' ({_describe_state(src.state)}) does not match "
                         f"model {_describe(model)}: {', '.join(problems[:_SHOWN])}{more}")
-    with torch.no_grad():
-        result = model.load_state_dict(new, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys  # only model keys were passed
+    return new, parts, fresh, pos_grids
 
-    patch = src.state[BACKBONE_PREFIX + "patch_embed.proj.weight"].shape[-1]
-    src_grid = pos_grids[0] if pos_grids else grid
-    resolution = (src.spec or {}).get("img_size") or src_grid * patch
-    dropped = [p for p in ("pre_logits", "head")
-               if p not in parts and any(k.startswith(p + ".") for k in src.state)]
-    return {"format": src.format, "path": str(Path(src.path).resolve()), "step": src.step,
-            "pretrain_run_id": src.pretrain_run_id, "resolution": int(resolution),
-            "pos_embed_grid": pos_grids, "loaded": parts, "dropped": dropped, "new": fresh,
-            "source_model": (src.spec or {}).get("name"), **src.extra}
+
+def check_init_fits(init: str | os.PathLike, model_cfg) -> None:
+    """``--dry-run``: ``init`` is read and checked against the configured model as the run's
+    start checks it (the model built on the meta device: no memory, no initialisation)."""
+    from pretrain.model import create_model
+    with torch.device("meta"):
+        model = create_model(model_cfg)
+    _matched(model, read_init(init), with_head=False)
 
 
 def load_init(model: ViTClassifier, init: str | os.PathLike, *, with_head: bool = False) -> dict:

@@ -21,15 +21,15 @@ def finetune(cfg: FinetuneConfig) -> None:
 
 
 def check_inputs(cfg: FinetuneConfig) -> None:
-    """--dry-run: the launcher's options agree with the config and the init is found and of a
-    kind the run reads (as the run checks at start)."""
+    """--dry-run: the launcher's options agree with the config, and the init is read and fits
+    the model (as the run checks at start)."""
     import torch
 
     from finetune.launch_options import check
     check(cfg.train.precision, torch.cuda.is_available())
     if cfg.init:
-        from finetune.weights import check_init
-        check_init(cfg.init)
+        from finetune.weights import check_init_fits
+        check_init_fits(cfg.init, cfg.model)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,15 @@ def save_config(cfg: Section, path: os.PathLike | str) -> Path:
 
 
 def _read_yaml(path: Path, _seen: tuple = ()) -> dict:
+    if path.is_dir():
+        recipes = sorted(p.name for p in path.glob("*.yaml"))
+        raise ConfigError(f"config file '{path}' is a directory; give one recipe file"
+                          + (f", e.g. {path / recipes[0]}" if recipes else ""))
     if not path.is_file():
+        if _seen:  # named by the inherit: line of the file that inherits it
+            raise ConfigError(f"config file '{path}' not found: the {INHERIT_KEY}: line of "
+                              f"'{_seen[-1]}' names it, relative to that file's folder; copy "
+                              f"it there, or give {INHERIT_KEY}: a path that leads to it")
         raise ConfigError(f"config file '{path}' not found; recipes live in configs/")
     if path.resolve() in _seen:
         raise ConfigError(f"config file '{path}' inherits from itself")

@@ -147,16 +147,21 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
 
 
 def dataset_info(root: str, split: str):
-    from pretrain.data.info import INFO_NAMES, DatasetInfoError, read_info
+    from pretrain.data.info import INFO_NAMES, DatasetInfoError, InfoNotRead, read_info
 
     if "://" not in root and not root.startswith("pipe:") and not os.path.isdir(root):
         raise EvaluateError(f"--data '{root}' not found; point it at a folder written by "
                             f"launch/prepare_data.py")
     try:
         info = read_info(root)
+    except InfoNotRead as e:
+        found = "holds no" if str(e).startswith("no ") else "has no readable"
+        raise EvaluateError(f"--data '{root}' {found} {' or '.join(INFO_NAMES)}: point it at a "
+                            f"folder written by launch/prepare_data.py (a folder of images is "
+                            f"prepared first: launch/prepare_data.py imagefolder --src "
+                            f"{root} ...)" + ("" if found == "holds no" else f" ({e})")) from None
     except DatasetInfoError as e:
-        raise EvaluateError(f"--data '{root}': no readable {' or '.join(INFO_NAMES)} ({e}); "
-                            f"point it at a folder written by launch/prepare_data.py") from None
+        raise EvaluateError(f"--data '{root}': {e}") from None
     if split not in info.splits:
         raise EvaluateError(f"--split '{split}' is not in dataset '{info.name}' at {root} "
                             f"(its splits: {', '.join(sorted(info.splits)) or 'none'}); pass one "

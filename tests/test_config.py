@@ -99,6 +99,17 @@ def test_bad_files_are_one_line_errors(tmp_path):
     listy.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(PretrainConfig, listy)
+    # a recipe copied out of configs/ whose parent stayed there; a folder given for a file
+    copied = tmp_path / "mine.yaml"
+    copied.write_text("inherit: vit_l16_i21k.yaml\ntrain: {total_steps: 5}\n")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config file '{tmp_path / 'vit_l16_i21k.yaml'}' not found: the inherit: line of "
+            f"'{copied}' names it, relative to that file's folder")):
+        load_config(PretrainConfig, copied)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"config file '{REPO / 'configs/pretrain'}' is a directory; give one recipe file, "
+            f"e.g. {REPO / 'configs/pretrain/demo.yaml'}")):
+        load_config(PretrainConfig, REPO / "configs/pretrain")
 
 
 @pytest.mark.parametrize("world,micro,accum,expect", [

@@ -284,6 +284,7 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluation_report.output_dir("m", "test", str(ft.out), True),  # the run's own
         lambda: evaluation_report.output_dir("m", "test", str(ft.out / "final"), True),
         lambda: evaluate_model.evaluate(mf, str(twelve), "test"),  # labels beyond the head
+        lambda: evaluate_model.evaluate(mf, str(tmp_path / "empty"), "test"),  # raw, say
     ]
     messages = []
     for case in cases:
@@ -299,6 +300,10 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         f"(e.g. final-eval-test)"
     assert messages[8] == f"--data '{twelve}' has labels up to 11 but MODEL '{ft.out / 'final'}' " \
         f"has 10 classes; evaluate it on the dataset it was trained on"
+    assert messages[9] == f"--data '{tmp_path / 'empty'}' holds no _info.json or " \
+        f"info.json: point it at a folder written by launch/prepare_data.py (a folder " \
+        f"of images is prepared first: launch/prepare_data.py imagefolder --src " \
+        f"{tmp_path / 'empty'} ...)"
 
     # timm folders from elsewhere: another eval transform, or no ViT at all
     import shutil

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_deepspeed, tiny_run_args
+from conftest import REPO, run_deepspeed, run_launcher, tiny_run_args
 from finetune.weights import InitError, load_init, resample_pos_embed
 from pretrain.config import PretrainConfig
 from pretrain.export import (CheckpointError, consolidate, from_model, read_metadata,
@@ -447,6 +447,19 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
                        r"vit_tiny_patch16_224 \(width 64, depth 1, .*: blocks\.1\.attn\.proj\.bias "
                        r"\[64\] not in the model, .* \(\+6 more\)$"):
         load_init(narrower, pretrained["timm"])
+
+    # a fine-tune's --dry-run reads the init and says the same, before any data or model
+    def dry_run(*model):
+        return run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                            f"init={pretrained['timm']}", "model.img_size=24", *model)
+    refused = dry_run("model.embed_dim=64", "model.depth=1", "model.num_heads=2")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: init '{pretrained['timm']}' (width 64, depth 2, patch 4) does not match model "
+        f"vit_tiny_patch16_224 (width 64, depth 1, patch 4, 24px): blocks.1.attn.proj.bias [64] "
+        f"not in the model"), refused.stderr[-2000:]
+    fits = dry_run("model.embed_dim=64", "model.depth=2", "model.num_heads=2")
+    assert fits.returncode == 0, fits.stderr[-2000:]
 
 
 def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_named(
