@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 from typing import Callable, Union
 
@@ -27,7 +28,12 @@ def write_atomic(path: Union[str, os.PathLike],
     tmp = path.with_name(path.name + ".tmp")
     try:
         if callable(data):
+            tmp.touch()  # the mode a file made here gets (umask); the writer may replace it
+            mode = stat.S_IMODE(tmp.stat().st_mode)
             data(tmp)
+            # safetensors' save_file makes its own file, private (0600): a teammate on the
+            # cluster could not read the exported model; it gets the folder's usual mode
+            os.chmod(tmp, mode)
         elif isinstance(data, str):
             tmp.write_text(data)
         else:
