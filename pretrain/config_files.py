@@ -237,6 +237,31 @@ def _other_stage(extra: list[str], schema: Type[Section]) -> Optional[str]:
     return None
 
 
+def _field_of(schema: Type[Section], loc: Sequence) -> Any:
+    """The field (pydantic's FieldInfo) of the key at ``loc`` (``("data", "crop_scale")``);
+    None where there is none."""
+    node: Any = schema
+    field = None
+    for part in loc:
+        field = getattr(node, "model_fields", {}).get(part) if isinstance(node, type) else None
+        if field is None:
+            return None
+        node = type(field.default) if isinstance(field.default, Section) else None
+    return field
+
+
+def _takes(field: Any, key: str) -> Optional[str]:
+    """What a list-valued key takes, with its default as the example: ``"2 values, e.g.
+    data.crop_scale=[0.05,1.0]"``; None for other keys."""
+    import typing
+    if field is None or not isinstance(field.default, tuple) or not field.default:
+        return None
+    example = f"{key}=[{','.join(str(v) for v in field.default)}] (the default)"
+    fixed = Ellipsis not in typing.get_args(field.annotation)
+    return f"{len(field.default)} values, e.g. {example}" if fixed else \
+        f"a list, e.g. {example}"
+
+
 def _describe(err: ValidationError, schema: Type[Section]) -> str:
     errors = err.errors()
     first = errors[0]
@@ -253,7 +278,13 @@ def _describe(err: ValidationError, schema: Type[Section]) -> str:
         return (f"{shown} {'is a key' if len(extra) == 1 else 'are keys'} of {other}, not "
                 f"{schema.launcher}: a config (or output_dir) of the other stage? Run it with "
                 f"{other}, or give {schema.launcher} one of its own")
-    if first["type"] == "extra_forbidden":
+    loc = first["loc"][:-1] if isinstance(first["loc"][-1], int) else first["loc"]
+    listed = ".".join(str(p) for p in loc)
+    takes = _takes(_field_of(schema, loc), listed) if first["type"] in (
+        "missing", "too_long", "too_short", "tuple_type") else None
+    if takes:  # a pair given one value or three, a list given one value
+        msg = f"config key '{listed}' takes {takes}"
+    elif first["type"] == "extra_forbidden":
         hint = suggest_key(key, schema, first.get("input"))
         msg = f"unknown config key '{key}'" + (f"; did you mean '{hint}'?" if hint else "")
     elif first["type"] == "value_error":

@@ -62,6 +62,13 @@ def test_recipe_inheritance():
     # timm takes p5 as an op probability of 5 and an unknown transform set as its default one
     ("data.randaugment=rand-m15-n2-p5", "data.randaugment='rand-m15-n2-p5' is not a timm"),
     ("data.randaugment=rand-m15-tbogus", "data.randaugment='rand-m15-tbogus' is not a timm"),
+    # a pair given one value, or three, or none; a list given one value
+    ("data.crop_scale=[0.5]", "config key 'data.crop_scale' takes 2 values, e.g. "
+     "data.crop_scale=[0.05,1.0] (the default)"),
+    ("optimizer.betas=[0.9,0.99,0.999]", "config key 'optimizer.betas' takes 2 values"),
+    ("data.crop_scale=0.5", "config key 'data.crop_scale' takes 2 values"),
+    ("checkpoint.stop_signals=SIGTERM", "config key 'checkpoint.stop_signals' takes a list, "
+     "e.g. checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR1] (the default)"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
