@@ -124,7 +124,7 @@ def read_npz(path: Path) -> InitSource:
         if isinstance(w, np.lib.npyio.NpzFile):
             with w:
                 state, layout = google_npz_state(w, str(path))
-    except (ValueError, OSError, zipfile.BadZipFile) as e:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # EOF: an empty file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InitError(f"init '{path}' is not a readable .npz ({first})") from None
     if not isinstance(w, np.lib.npyio.NpzFile):

@@ -278,7 +278,7 @@ def _describe(err: ValidationError, schema: Type[Section]) -> str:
         return (f"{shown} {'is a key' if len(extra) == 1 else 'are keys'} of {other}, not "
                 f"{schema.launcher}: a config (or output_dir) of the other stage? Run it with "
                 f"{other}, or give {schema.launcher} one of its own")
-    loc = first["loc"][:-1] if isinstance(first["loc"][-1], int) else first["loc"]
+    loc = first["loc"][:-1] if first["loc"] and isinstance(first["loc"][-1], int) else first["loc"]
     listed = ".".join(str(p) for p in loc)
     takes = _takes(_field_of(schema, loc), listed) if first["type"] in (
         "missing", "too_long", "too_short", "tuple_type") else None
