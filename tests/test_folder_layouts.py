@@ -213,11 +213,12 @@ def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, 
     (tmp_path / "raw" / "cat" / "notes.txt").write_text("not a picture")
     (tmp_path / "raw" / "cat" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
     (tmp_path / "raw" / "fox").mkdir()
+    (tmp_path / "raw" / "README.txt").write_text("beside the class folders")
     with caplog.at_level("WARNING", logger="pretrain.data.folders"):
         info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"),
                        progress=False)
     assert info.classes == ["cat", "dog", "fox"]  # the label of an empty class is kept
-    assert "left out 2 files that are not images (by extension: .jpg 1, .txt 1; e.g. " \
+    assert "left out 3 files that are not images (by extension: .txt 2, .jpg 1; e.g. " \
         "cat/gone.jpg)" in caplog.text
     assert "1 class folders hold no images (fox)" in caplog.text
     widths["dog/c.bmp"] = 20  # a BMP is read and stored as JPEG

@@ -129,8 +129,11 @@ class ImageFolder(Source):
     def _folder_split(self, split: str, root: Path) -> Iterator[Entry]:
         # Images outside class folders would have no label, and images below them a wrong one:
         # both are refused rather than dropped or mislabelled.
-        loose = next((e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)
-                      and is_image(e.name)), None)
+        files = [e.name for e in os.scandir(root) if e.is_file() and _visible(e.name)]
+        loose = next((name for name in files if is_image(name)), None)
+        # the rest (notes.txt, a LICENSE) is left out, and counted in the warning like others
+        self.not_images += [os.path.join(root.name, as_text(name)) for name in files
+                            if not is_image(name)]
         if loose is not None:
             raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
                                f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
