@@ -281,7 +281,7 @@ def _measure_here(cfg_json: str, **kwargs) -> dict:
         dist.destroy_process_group()
 
 
-def _as_json(cfg: PretrainConfig) -> str:
+def as_json(cfg: PretrainConfig) -> str:
     # only what the recipe and overrides set: the keys a rank sees as set are the trainer's
     # (otherwise every optimizer key reads as set, and the one the optimizer does not use is
     # warned about in every benchmark)
@@ -295,14 +295,14 @@ def run(cfg: PretrainConfig, *, ranks: int = 1, **kwargs) -> dict:
     more are spawned, one per GPU on a GPU machine, gloo ranks on the CPU.
     """
     if ranks == 1:
-        return _measure_here(_as_json(cfg), **kwargs)
+        return _measure_here(as_json(cfg), **kwargs)
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise ValueError(f"--ranks {ranks} but only {torch.cuda.device_count()} GPU(s)")
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    payload = dict(cfg_json=_as_json(cfg), **kwargs)
+    payload = dict(cfg_json=as_json(cfg), **kwargs)
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, payload, queue))
              for r in range(ranks)]

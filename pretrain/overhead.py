@@ -35,7 +35,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from pretrain.benchmark import (bench_config, build_engine, device_name, input_dtype,
+from pretrain.benchmark import (as_json, bench_config, build_engine, device_name, input_dtype,
                                 synthetic_batches)
 from pretrain.config import PretrainConfig
 from pretrain.distributed import init_distributed, leave
@@ -161,7 +161,7 @@ def measure_overhead(model: str = "vit_small_patch16_224", batch: int = 32,
         for name in ("deepspeed", "plain"):
             here, there = ctx.Pipe()
             proc = ctx.Process(target=_side_main, daemon=True,
-                               args=(name, cfg.model_dump_json(), threads, warmup, there))
+                               args=(name, as_json(cfg), threads, warmup, there))
             proc.start()
             there.close()  # so that a side that dies unannounced ends recv() with EOFError
             procs.append(proc)
