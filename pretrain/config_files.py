@@ -180,12 +180,10 @@ def _suggest_in_section(key: str, schema: Type[Section], given: dict) -> Optiona
     ('precision') say which of the sections named alike was meant.
     """
     parent, _, name = key.rpartition(".")
-    holder: Any = schema
-    for part in parent.split(".") if parent else ():
-        ann = getattr(holder.model_fields.get(part), "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, Section)):
-            return None
-        holder = ann
+    holder = getattr(_field_of(schema, parent.split(".")), "annotation", None) if parent \
+        else schema
+    if not (isinstance(holder, type) and issubclass(holder, Section)):
+        return None
     prefix = parent + "." if parent else ""
     sections = [n for n, f in holder.model_fields.items()
                 if isinstance(f.annotation, type) and issubclass(f.annotation, Section)]
@@ -240,13 +238,15 @@ def _other_stage(extra: list[str], schema: Type[Section]) -> Optional[str]:
 def _field_of(schema: Type[Section], loc: Sequence) -> Any:
     """The field (pydantic's FieldInfo) of the key at ``loc`` (``("data", "crop_scale")``);
     None where there is none."""
-    node: Any = schema
+    holder: Any = schema
     field = None
     for part in loc:
-        field = getattr(node, "model_fields", {}).get(part) if isinstance(node, type) else None
+        if not (isinstance(holder, type) and issubclass(holder, Section)):
+            return None
+        field = holder.model_fields.get(part)
         if field is None:
             return None
-        node = type(field.default) if isinstance(field.default, Section) else None
+        holder = field.annotation
     return field
 
 

@@ -147,20 +147,19 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
 
 
 def dataset_info(root: str, split: str):
-    from pretrain.data.info import INFO_NAMES, DatasetInfoError, InfoNotRead, read_info
+    from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, read_info
 
     if "://" not in root and not root.startswith("pipe:") and not os.path.isdir(root):
         raise EvaluateError(f"--data '{root}' not found; point it at a folder written by "
                             f"launch/prepare_data.py")
     try:
         info = read_info(root)
-    except InfoNotRead as e:
-        found = "holds no" if str(e).startswith("no ") else "has no readable"
-        raise EvaluateError(f"--data '{root}' {found} {' or '.join(INFO_NAMES)}: point it at a "
+    except NoInfo:
+        raise EvaluateError(f"--data '{root}' holds no {' or '.join(INFO_NAMES)}: point it at a "
                             f"folder written by launch/prepare_data.py (a folder of images is "
                             f"prepared first: launch/prepare_data.py imagefolder --src "
-                            f"{root} ...)" + ("" if found == "holds no" else f" ({e})")) from None
-    except DatasetInfoError as e:
+                            f"{root} ...)") from None
+    except DatasetInfoError as e:  # unreadable, or malformed: its own message says which
         raise EvaluateError(f"--data '{root}': {e}") from None
     if split not in info.splits:
         raise EvaluateError(f"--split '{split}' is not in dataset '{info.name}' at {root} "

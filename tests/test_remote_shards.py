@@ -5,6 +5,7 @@ fails on purpose (503s, connections cut at random byte offsets), an S3-compatibl
 epochs and augmented pixels of a run over the same shards on local disk, resume included."""
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import socket
@@ -366,17 +367,17 @@ class StallingProxy:
 
     @staticmethod
     def _requests(client, server, client_gone):
-        try:
+        # the client closing (a clean end) or resetting (an error) its side: gone either way
+        with contextlib.suppress(OSError):
             while chunk := client.recv(65536):
                 server.sendall(chunk)
-        except OSError:
-            pass
         client_gone.set()
         _cut(server)
 
     def _answers(self, server, client, client_gone):
         sent = 0
-        try:
+        # a side resetting the connection ends it, as it would a real one
+        with contextlib.suppress(OSError):
             while chunk := server.recv(65536):
                 if sent + len(chunk) > self.after:
                     with self.lock:
@@ -391,8 +392,6 @@ class StallingProxy:
                         break
                 client.sendall(chunk)
                 sent += len(chunk)
-        except OSError:
-            pass
         _cut(client)
         _cut(server)
 
@@ -402,10 +401,8 @@ class StallingProxy:
 
 def _cut(sock):
     """Close a connection for good: a plain close() waits for another thread's recv() on it."""
-    try:
+    with contextlib.suppress(OSError):  # the other pump cut it already
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:  # closed already
-        pass
     sock.close()
 
 

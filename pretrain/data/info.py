@@ -28,6 +28,10 @@ class InfoNotRead(DatasetInfoError):
     malformed one, possibly fine where the run itself reads it."""
 
 
+class NoInfo(InfoNotRead):
+    """The folder holds no info file at all: not prepared (yet)."""
+
+
 @dataclass
 class SplitInfo:
     name: str
@@ -122,7 +126,7 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
                 raise InfoNotRead(f"cannot read {loc}: {e}") from None
             break
     if raw is None:
-        raise InfoNotRead(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
+        raise NoInfo(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
                                f"directory written by launch/prepare_data.py")
     # The file is edited by hand at times (num_labels, a split renamed): a typo is named here
     # rather than surfacing as a JSON traceback.
