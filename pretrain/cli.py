@@ -170,8 +170,10 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
     checks of its inputs (the fine-tune's ``init``), as the run makes them at its start."""
     from pretrain.config import PretrainConfig
     from pretrain.plan import describe, plan
+    from pretrain.tracking_store import check_store
 
     try:
+        check_store(cfg.tracking)
         if preflight is not None:
             preflight(cfg)
         if isinstance(cfg, PretrainConfig):

@@ -11,8 +11,9 @@ import logging
 import os
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlparse
 
-from pretrain.spool import one_line
+from pretrain.spool import TrackingError, one_line
 
 log = logging.getLogger("pretrain.tracking")
 
@@ -45,6 +46,26 @@ def _absolute(uri: str) -> str:
     if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
         return prefix + str(Path(uri[len(prefix):]).absolute())
     return uri
+
+
+def check_store(tracking) -> None:
+    """A ``tracking.uri`` (or ``MLFLOW_TRACKING_URI``) naming a file store that this MLflow
+    refuses, as one line at the start: found only by the tracker's first delivery, the run
+    would train on with its metrics in the spool alone. Cheap: MLflow is imported only for a
+    file store's URI."""
+    if not tracking.enabled:
+        return
+    key = "tracking.uri" if tracking.uri else "MLFLOW_TRACKING_URI"
+    uri = tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    # MLflow opens a file store for a bare path or a file: URI ("databricks" is no path)
+    if (not uri or uri in ("databricks", "databricks-uc", "uc")
+            or urlparse(uri).scheme not in ("", "file") or _file_store_allowed()):
+        return
+    path = Path(urlparse(uri).path if uri.startswith("file:") else uri)
+    raise TrackingError(f"{key}={uri} is a file store, which this MLflow refuses: set "
+                        f"{key}=sqlite:///{path.parent / 'mlflow.db'} (`mlflow "
+                        f"migrate-filestore` moves runs already there), or set "
+                        f"MLFLOW_ALLOW_FILE_STORE=true")
 
 
 def _file_store_allowed() -> bool:

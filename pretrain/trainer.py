@@ -123,7 +123,9 @@ def _train(cfg: RunConfig, stage) -> dict:
     from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops
     from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
+    from pretrain.tracking_store import check_store
 
+    check_store(cfg.tracking)  # a store MLflow refuses: one line now, not metrics lost later
     stage = stage or PretrainStage(cfg)
     backend = stage.backend(cfg)  # joins the process group
     rank, world = backend.rank, backend.world_size

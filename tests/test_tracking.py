@@ -555,3 +555,30 @@ def test_a_file_store_this_mlflow_refuses_is_reported_with_the_fix(tmp_path, mon
             f"tracking.uri=sqlite:///<dir>/mlflow.db") in caplog.text
     # the metric is kept for upload_spool.py
     assert '"train/loss": 1.0' in (tmp_path / "tracking" / "spool.jsonl").read_text()
+
+
+def test_a_file_store_this_mlflow_refuses_stops_both_stages_at_the_start(tmp_path, monkeypatch):
+    """Given as tracking.uri (or MLFLOW_TRACKING_URI), a file store this MLflow refuses ends
+    the start in one line with the fix, before anything is trained: found by the tracker's
+    first delivery instead, the run trained on with its metrics in the spool alone, after a
+    line "tracking to MLflow at file://..." that read as success."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "mlruns"
+    fix = (f"is a file store, which this MLflow refuses: set {{}}=sqlite:///{tmp_path}/mlflow.db "
+           f"(`mlflow migrate-filestore` moves runs already there), or set "
+           f"MLFLOW_ALLOW_FILE_STORE=true")
+    finetune = ("finetune.py", "--config", "configs/finetune/demo.yaml")
+    cases = [(("pretrain.py",), "tracking.uri", "--dry-run"),
+             (("pretrain.py",), "tracking.uri", f"output_dir={tmp_path / 'run'}"),
+             (finetune, "MLFLOW_TRACKING_URI", f"output_dir={tmp_path / 'run'}")]
+    for launcher, key, run in cases:
+        uri = store.as_uri() if key == "tracking.uri" else str(store)
+        how, env = ([f"{key}={uri}"], {}) if key == "tracking.uri" else ([], {key: uri})
+        proc = run_launcher(*launcher, *how, run, env=env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == f"error: {key}={uri} " + fix.format(key)
+        assert not (tmp_path / "run").exists() and not store.exists()
+    # allowed, the same store is taken: the dry-run passes
+    proc = run_launcher("pretrain.py", "--dry-run", f"tracking.uri={store.as_uri()}",
+                        env={"MLFLOW_ALLOW_FILE_STORE": "true"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
