@@ -14,6 +14,7 @@ import os
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
+from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
 from pretrain.cli import positive_int
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
@@ -101,11 +102,14 @@ def main(argv=None) -> int:
         build_parser().error(f"--stage is for a remote --out; --out {args.out} is local and is "
                              f"written directly: drop --stage")
     try:
-        prepare(args.source, args.src, args.stage if remote else args.out, name=args.name, shard_size=args.shard_size,
-                val_count=args.val_count, max_size=args.max_size, workers=args.workers, seed=args.seed,
-                synsets=args.synsets, skip_unknown=args.skip_unknown)
-        if remote:
-            publish(args.stage, args.out, INFO_NAMES[0])
+        # a warning during a pass goes above its progress bar, not glued onto the bar's line
+        with logging_redirect_tqdm():
+            prepare(args.source, args.src, args.stage if remote else args.out, name=args.name,
+                    shard_size=args.shard_size, val_count=args.val_count,
+                    max_size=args.max_size, workers=args.workers, seed=args.seed,
+                    synsets=args.synsets, skip_unknown=args.skip_unknown)
+            if remote:
+                publish(args.stage, args.out, INFO_NAMES[0])
     except (PrepareError, DatasetInfoError, ImportError) as e:
         sys.stderr.write(f"error: {e}\n")
         return 2

@@ -301,3 +301,27 @@ def test_cifar_with_bytes_keys(tmp_path, kind, resaved):
     assert {split: {k: m["class_name"] for k, m in samples.items()} for split, samples in splits.items()} \
         == {split: {k: c for k, (s, c) in raw.samples.items() if s == split} for split in ("train", "test")}
     assert Counter(s for s, _ in raw.samples.values()) == {"train": 10, "test": 6}
+
+
+def shown_on_a_terminal(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: a carriage return goes back to the line's start,
+    and what follows overwrites what was there."""
+    shown = []
+    for line in text.split("\n"):
+        screen = ""
+        for part in line.split("\r"):
+            screen = part + screen[len(part):]
+        shown.append(screen)
+    return shown
+
+
+def test_a_warning_during_the_index_pass_gets_its_own_line_above_the_bar(tmp_path):
+    """The not-images warning used to be glued onto the "index:" progress bar's line."""
+    write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])
+    (tmp_path / "raw" / "cat" / "notes.txt").write_text("not a picture")
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warned = [line for line in shown_on_a_terminal(proc.stderr) if "not images" in line]
+    assert len(warned) == 1 and warned[0].startswith("left out 1 files that are not images"), \
+        proc.stderr
