@@ -86,18 +86,43 @@ def tiny_run_args(out: Path, data: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
+def made_once(tmp_path_factory, worker_id):
+    """``made_once(name, make)``: the folder ``make(folder)`` filled, made once per test session
+    by whichever test process (pytest-xdist worker) asks first; the others wait for it and read
+    the same folder. For what several test files only read (the tiny dataset, a reference run):
+    a run costs the suite its launch once, not once per file. What a test changes, it copies."""
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = (base if worker_id == "master" else base.parent) / "made-once"
+    shared.mkdir(exist_ok=True)
+
+    def get(name: str, make) -> Path:
+        folder, done = shared / name, shared / f"{name}.done"
+        with FileLock(str(shared / f"{name}.lock")):
+            if not done.exists():  # a worker that failed making it left no mark: made again
+                shutil.rmtree(folder, ignore_errors=True)
+                make(folder)
+                done.touch()
+        return folder
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_data(made_once) -> Path:
     """8 classes of procedural images in the raw ImageNet-21k layout, prepared into shards:
-    256 train samples in 16 shards of 16, 64 held out."""
+    256 train samples in 16 shards of 16, 64 held out. Read-only: copy it to change it."""
     from pretrain.data.shard_writer import prepare
     from pretrain.data.sources import load_synsets
     from pretrain.data.synthetic import write_synset_tars
 
-    base = tmp_path_factory.mktemp("tiny")
-    write_synset_tars(base / "raw", load_synsets("goog")[:8], 40, size=(24, 24))
-    prepare("imagenet21k", str(base / "raw"), str(base / "shards"), name="tiny", shard_size=16,
-            val_count=64, workers=1, progress=False)
-    return base / "shards"
+    def make(base: Path) -> None:
+        write_synset_tars(base / "raw", load_synsets("goog")[:8], 40, size=(24, 24))
+        prepare("imagenet21k", str(base / "raw"), str(base / "shards"), name="tiny",
+                shard_size=16, val_count=64, workers=1, progress=False)
+    return made_once("tiny", make) / "shards"
 
 
 class MlflowServer:

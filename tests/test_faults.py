@@ -113,6 +113,8 @@ def test_only_the_newest_keep_last_checkpoints_are_kept(reference):
     # checkpoint.keep_last=3 (the default) of the four saves at steps 5, 10, 15 and 20
     ckpts = reference / "checkpoints"
     assert [c.step for c in CheckpointStore(ckpts).complete()] == [20, 15, 10]
+    # the demo's ZeRO stage, 1, on the two ranks, in every manifest
+    assert {(c.zero_stage, c.world_size) for c in CheckpointStore(ckpts).complete()} == {(1, 2)}
     assert sorted(d.name for d in ckpts.iterdir() if d.name.startswith("step_")) == [
         "step_00000010", "step_00000015", "step_00000020"]
 
@@ -859,10 +861,11 @@ def test_a_stop_signal_in_start_up_ends_a_rank_that_inherited_it_ignored(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def reference_zero3(tmp_path_factory, tiny_data):
-    out = tmp_path_factory.mktemp("reference-zero3") / "run"
-    run_deepspeed(2, *run_args(out, tiny_data, "deepspeed.config=zero3.json"))
-    return out
+def reference_zero3(made_once, tiny_data):
+    """The uninterrupted ZeRO-3 run (the shipped zero3.json), made once per session: test_weights
+    consolidates and exports its checkpoints too."""
+    return made_once("reference-zero3", lambda folder: run_deepspeed(
+        2, *run_args(folder / "run", tiny_data, "deepspeed.config=zero3.json"))) / "run"
 
 
 # The default command runs ZeRO-3 with the launcher signalled; ZeRO-1 with the whole group

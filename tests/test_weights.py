@@ -3,7 +3,8 @@ files (ours and timm's), timm state dicts and Google .npz checkpoints loaded int
 position embeddings resampled in 2-D, the head swap, and the errors for files that do not fit.
 
 One real 2-rank ZeRO-3 pretraining run (fp32, so the module files hold no weights at all and
-every tensor must come out of the partitioned optimizer shards) serves the whole module."""
+every tensor must come out of the partitioned optimizer shards) serves the whole module: the
+fault suite's ZeRO-3 reference run, made once per session for both files."""
 import json
 import logging
 import math
@@ -17,23 +18,22 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_deepspeed, run_launcher, tiny_run_args
+from conftest import REPO, run_launcher
 from finetune.weights import InitError, load_init, resample_pos_embed
 from pretrain.config import PretrainConfig
 from pretrain.export import (CheckpointError, consolidate, from_model, read_metadata,
                              timm_kwargs)
 from pretrain.metrics import read_jsonl
 from pretrain.model import create_model
+from test_faults import reference_zero3  # noqa: F401 -- a fixture: the run, made once per session
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, tiny_data):
-    """A 4-step ZeRO-3 run on 2 ranks (checkpoint and held-out eval at step 4), exported by the
-    CLI the way a user does it."""
+def pretrained(tmp_path_factory, reference_zero3):
+    """The fault suite's 20-step ZeRO-3 run on 2 ranks (its newest checkpoint and held-out eval
+    at step 20; made once for both files), exported by the CLI the way a user does it."""
     base = tmp_path_factory.mktemp("weights")
-    out = base / "run"
-    run_deepspeed(2, *tiny_run_args(out, tiny_data, "deepspeed.config=zero3.json",
-                                    "train.total_steps=4"))
+    out = reference_zero3
     full, timm_file = base / "full.safetensors", base / "timm_backbone.safetensors"
     proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(out), "--out",
                            str(full), "--timm-backbone", str(timm_file)], cwd=REPO,
@@ -61,20 +61,20 @@ def test_zero3_consolidation_reproduces_the_runs_own_held_out_accuracy(pretraine
     from pretrain.stage import build_evaluators
 
     c, cfg = pretrained["consolidated"], pretrained["cfg"]
-    assert (c.step, c.zero_stage, c.world_size) == (4, 3, 2)
+    assert (c.step, c.zero_stage, c.world_size) == (20, 3, 2)
     assert isinstance(c.tracking_run_id, str) and c.tracking_run_id  # the run tracked to MLflow
-    assert c.source.endswith("checkpoints/step_00000004")
+    assert c.source.endswith("checkpoints/step_00000020")
     assert all(v.dtype == torch.float32 for v in c.state_dict.values())
     model = fresh(cfg.model)
     load_init(model, pretrained["out"], with_head=True)
     # Evaluated in one process on the merged weights, the held-out metrics equal what the two
-    # ZeRO-3 ranks logged at step 4: every shard landed in the right tensor, in the right place.
+    # ZeRO-3 ranks logged at step 20: every shard landed in the right tensor, in the right place.
     evaluators = build_evaluators(cfg, model.spec, 0, 1, torch.device("cpu"), None)
-    ours = run_due(evaluators, model, 4, force=True)
+    ours = run_due(evaluators, model, 20, force=True)
     logged = next(r for r in read_jsonl(pretrained["out"] / "metrics.jsonl")
-                  if r["step"] == 4 and any(k.startswith("eval/") for k in r))
+                  if r["step"] == 20 and any(k.startswith("eval/") for k in r))
     assert ours and ours == {k: logged[k] for k in ours}
-    assert "step 4, ZeRO-3, 2 ranks" in pretrained["cli"]
+    assert "step 20, ZeRO-3, 2 ranks" in pretrained["cli"]
 
 
 def test_full_export_carries_everything_and_the_config(pretrained):
@@ -82,7 +82,7 @@ def test_full_export_carries_everything_and_the_config(pretrained):
     from safetensors.torch import load_file
     tensors = load_file(pretrained["full"])
     assert {"pre_logits.fc.weight", "head.weight", "backbone.pos_embed"} <= set(tensors)
-    assert meta["format"] == "vit-classifier/1" and meta["step"] == "4"
+    assert meta["format"] == "vit-classifier/1" and meta["step"] == "20"
     assert meta["tracking_run_id"] == pretrained["consolidated"].tracking_run_id
     assert yaml.safe_load(meta["config"])["model"] == pretrained["cfg"].model.model_dump(
         mode="json")
@@ -328,7 +328,7 @@ def test_every_init_format_gives_identical_features(pretrained, npz_files, tmp_p
     from pretrain.timm_folder import write_timm_folder
     folder = write_timm_folder(c, tmp_path / "timm-folder")  # export.py --out FOLDER
     inits = {"deepspeed (output dir)": pretrained["out"],
-             "deepspeed (checkpoint dir)": pretrained["out"] / "checkpoints/step_00000004",
+             "deepspeed (checkpoint dir)": pretrained["out"] / "checkpoints/step_00000020",
              "export": pretrained["full"], "timm": pretrained["timm"], "timm .pth": timm_pth,
              "timm folder": folder,
              "npz vision_transformer": npz_files["vision_transformer"],
@@ -349,8 +349,8 @@ def test_every_init_format_gives_identical_features(pretrained, npz_files, tmp_p
                 assert lineage["loaded"] == ["backbone", "pre_logits", "head"]
         tags = lineage_tags(lineage.get("pretrain_run_id"), init, lineage.get("step"))
         if name not in ("timm .pth", *npz_names):  # the lineage the fine-tune logs
-            assert lineage["step"] == 4 and lineage["pretrain_run_id"] == c.tracking_run_id, name
-            assert tags["pretrain.step"] == "4" and tags["mlflow.parentRunId"] == c.tracking_run_id
+            assert lineage["step"] == 20 and lineage["pretrain_run_id"] == c.tracking_run_id, name
+            assert tags["pretrain.step"] == "20" and tags["mlflow.parentRunId"] == c.tracking_run_id
         else:  # no step is made up ("0" read as a run's first step)
             assert set(tags) == {"pretrain.checkpoint"}, name
     ref = features["deepspeed (output dir)"]
@@ -408,7 +408,7 @@ def test_fine_tune_model_at_a_new_resolution_gets_a_zero_head(pretrained):
     lineage = load_init(model, pretrained["out"])
     assert lineage["pos_embed_grid"] == [4, 8] and lineage["resolution"] == 16
     assert lineage["dropped"] == ["pre_logits", "head"] and lineage["loaded"] == ["backbone"]
-    assert lineage["step"] == 4 and "pretrain_run_id" in lineage
+    assert lineage["step"] == 20 and "pretrain_run_id" in lineage
     sd = pretrained["consolidated"].state_dict
     assert torch.equal(model.backbone.blocks[1].mlp.fc2.weight,
                        sd["backbone.blocks.1.mlp.fc2.weight"])
@@ -498,7 +498,7 @@ def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger)
         f"init '{bad}' references Python objects (posix.system), which are never unpickled "
         f"here; save its state_dict of tensors (safetensors or torch.save) and start from that")
     # one file of a DeepSpeed checkpoint: its folder is what to give
-    [shard, *_] = sorted((pretrained["out"] / "checkpoints/step_00000004").glob(
+    [shard, *_] = sorted((pretrained["out"] / "checkpoints/step_00000020").glob(
         "*_model_states.pt"))
     with pytest.raises(InitError, match=f"is one file of a DeepSpeed checkpoint; give its folder: "
                                         f"init={shard.parent}$"):
@@ -506,7 +506,7 @@ def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger)
     # A DeepSpeed checkpoint dir with one tampered shard: DeepSpeed's loader would unpickle it
     # with weights_only=False, so it is screened first.
     ckpt = tmp_path / "step_copy"
-    shutil.copytree(pretrained["out"] / "checkpoints/step_00000004", ckpt)
+    shutil.copytree(pretrained["out"] / "checkpoints/step_00000020", ckpt)
     (ckpt / "COMPLETE.json").unlink()
     torch.save({"optimizer_state_dict": Evil()}, ckpt / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
