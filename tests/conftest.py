@@ -174,17 +174,18 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="session")
-def tiny_cifar(tmp_path_factory) -> Path:
+def tiny_cifar(made_once) -> Path:
     """A CIFAR-10-format set (python pickles, 640 train / 200 test images of 32 px) of the same
-    procedural family as tiny_data, prepared into shards; the raw pickles are in ``../raw``."""
+    procedural family as tiny_data, prepared into shards; the raw pickles are in ``../raw``.
+    Read-only: copy it to change it."""
     from pretrain.data.shard_writer import prepare
     from pretrain.data.synthetic import write_cifar
 
-    base = tmp_path_factory.mktemp("cifar")
-    write_cifar(base / "raw", "cifar10", n_train=640, n_test=200, seed=1)
-    prepare("cifar10", str(base / "raw/cifar-10-batches-py"), str(base / "shards"),
-            shard_size=40, workers=1, progress=False)
-    return base / "shards"
+    def make(base: Path) -> None:
+        write_cifar(base / "raw", "cifar10", n_train=640, n_test=200, seed=1)
+        prepare("cifar10", str(base / "raw/cifar-10-batches-py"), str(base / "shards"),
+                shard_size=40, workers=1, progress=False)
+    return made_once("cifar", make) / "shards"
 
 
 @pytest.fixture(scope="session")
