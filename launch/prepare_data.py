@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)
     if remote and not args.stage:
         build_parser().error(f"--out {args.out} is remote: add --stage DIR, a local folder with room "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlparse
@@ -57,11 +58,19 @@ def check_store(tracking) -> None:
         return
     key = "tracking.uri" if tracking.uri else "MLFLOW_TRACKING_URI"
     uri = tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
-    # MLflow opens a file store for a bare path or a file: URI ("databricks" is no path)
-    if (not uri or uri in ("databricks", "databricks-uc", "uc")
-            or urlparse(uri).scheme not in ("", "file") or _file_store_allowed()):
+    if not uri or uri in ("databricks", "databricks-uc", "uc"):  # MLflow's names, not paths
         return
-    path = Path(urlparse(uri).path if uri.startswith("file:") else uri)
+    try:
+        # MLflow opens a file store for a bare path or a file: URI
+        scheme = urlparse(uri).scheme
+        if scheme not in ("", "file") or _file_store_allowed():
+            return
+    except ValueError as e:  # a malformed URI, or MLFLOW_ALLOW_FILE_STORE not true/false
+        raise TrackingError(f"{key}={uri}: {e}") from None
+    if re.fullmatch(r"[\w.-]+:\d+(/.*)?", uri):  # "10.0.0.5:5000": a server without http://
+        raise TrackingError(f"{key}={uri} is read as a file store path; for a tracking server "
+                            f"write {key}=http://{uri}")
+    path = Path(urlparse(uri).path if scheme == "file" else uri)
     raise TrackingError(f"{key}={uri} is a file store, which this MLflow refuses: set "
                         f"{key}=sqlite:///{path.parent / 'mlflow.db'} (`mlflow "
                         f"migrate-filestore` moves runs already there), or set "

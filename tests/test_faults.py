@@ -114,7 +114,8 @@ def test_only_the_newest_keep_last_checkpoints_are_kept(reference):
     # checkpoint.keep_last=3 (the default) of the four saves at steps 5, 10, 15 and 20
     ckpts = reference / "checkpoints"
     assert [c.step for c in CheckpointStore(ckpts).complete()] == [20, 15, 10]
-    # the demo's ZeRO stage, 1, on the two ranks, in every manifest
+    # the default command's ZeRO-1 run on two ranks (test_zero_stage_trains_on_two_ranks[1] is
+    # a slow variant): its stage and world size in every manifest, which resume relies on
     assert {(c.zero_stage, c.world_size) for c in CheckpointStore(ckpts).complete()} == {(1, 2)}
     assert sorted(d.name for d in ckpts.iterdir() if d.name.startswith("step_")) == [
         "step_00000010", "step_00000015", "step_00000020"]

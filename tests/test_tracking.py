@@ -582,3 +582,13 @@ def test_a_file_store_this_mlflow_refuses_stops_both_stages_at_the_start(tmp_pat
     proc = run_launcher("pretrain.py", "--dry-run", f"tracking.uri={store.as_uri()}",
                         env={"MLFLOW_ALLOW_FILE_STORE": "true"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # a server's address without http:// is a path to MLflow: said so, not "a file store"
+    from pretrain.config import TrackingConfig
+    from pretrain.spool import TrackingError
+    from pretrain.tracking_store import check_store
+    for uri, said in (("10.0.0.5:5000", "tracking.uri=10.0.0.5:5000 is read as a file store "
+                       "path; for a tracking server write tracking.uri=http://10.0.0.5:5000"),
+                      ("http://[::1:5000", "tracking.uri=http://[::1:5000: Invalid IPv6 URL")):
+        with pytest.raises(TrackingError) as refused:
+            check_store(TrackingConfig(uri=uri))
+        assert str(refused.value) == said

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -89,10 +90,10 @@ def test_full_export_carries_everything_and_the_config(pretrained):
     assert json.loads(meta["spec"])["representation_size"] == 64
 
 
-def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained):
-    def export(*args):
+def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp_path):
+    def export(*args, run=pretrained["out"]):
         return subprocess.run([sys.executable, str(REPO / "launch/export.py"),
-                               str(pretrained["out"]), *map(str, args)], cwd=REPO,
+                               str(run), *map(str, args)], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
     full, before = pretrained["full"], pretrained["full"].stat().st_mtime_ns
     proc = export("--out", full)
@@ -102,10 +103,14 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained):
     proc = export("--out", pretrained["base"] / "x.safetensors", "--timm-backbone", full)
     assert proc.returncode == 2 and f"'{full}' exists" in proc.stderr
     assert not (pretrained["base"] / "x.safetensors").exists()
-    # a folder export into the run itself would turn the run into a timm folder
-    proc = export("--out", pretrained["out"])
-    assert proc.returncode == 2 and f"'{pretrained['out']}' holds the checkpoint read" in \
-        proc.stderr
+    # a folder export into the run itself would turn the run into a timm folder (tried on a
+    # copy: the fault suite reads the run from another test process)
+    run = tmp_path / "run"
+    shutil.copytree(pretrained["out"], run)
+    proc = export("--out", run, run=run)
+    assert proc.returncode == 2 and f"'{run}' holds the checkpoint read" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        p.name for p in pretrained["out"].iterdir())  # nothing written into it
     same = pretrained["base"] / "same.safetensors"
     proc = export("--out", same, "--timm-backbone", same)
     assert proc.returncode == 2 and "are the same file" in proc.stderr
@@ -481,8 +486,6 @@ def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_na
 
 @pytest.mark.faults
 def test_untrusted_files_are_never_unpickled(pretrained, tmp_path, fault_ledger):
-    import shutil
-
     marker = tmp_path / "ran"
 
     class Evil:
