@@ -18,9 +18,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
 from pretrain.cli import positive_int
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
-from pretrain.data.publish import publish
+from pretrain.data.publish import check_prefix, publish
 from pretrain.data.remote import is_remote
-from pretrain.data.shard_writer import DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, prepare
+from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, make_settings,
+                                        prepare)
 from pretrain.data.sources import SOURCES, PrepareError
 
 SOURCE_HELP = """\
@@ -102,13 +103,16 @@ def main(argv=None) -> int:
     if args.stage and not remote:
         build_parser().error(f"--stage is for a remote --out; --out {args.out} is local and is "
                              f"written directly: drop --stage")
+    options = dict(name=args.name, shard_size=args.shard_size, val_count=args.val_count,
+                   max_size=args.max_size, seed=args.seed, synsets=args.synsets,
+                   skip_unknown=args.skip_unknown)
     try:
+        if remote:  # before hours of work: a prefix holding something else is refused now
+            check_prefix(args.out, make_settings(args.source, args.src, **options))
         # a warning during a pass goes above its progress bar, not glued onto the bar's line
         with logging_redirect_tqdm():
-            prepare(args.source, args.src, args.stage if remote else args.out, name=args.name,
-                    shard_size=args.shard_size, val_count=args.val_count,
-                    max_size=args.max_size, workers=args.workers, seed=args.seed,
-                    synsets=args.synsets, skip_unknown=args.skip_unknown)
+            prepare(args.source, args.src, args.stage if remote else args.out,
+                    workers=args.workers, **options)
             if remote:
                 publish(args.stage, args.out, INFO_NAMES[0])
     except (PrepareError, DatasetInfoError, ImportError) as e:

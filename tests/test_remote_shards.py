@@ -6,6 +6,8 @@ epochs and augmented pixels of a run over the same shards on local disk, resume 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import random
 import re
 import socket
@@ -257,6 +259,57 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
     assert ("cat/0001", 0) in got and not any(k == "dog/0009" for k, _ in got)
 
 
+def test_a_prefix_holding_another_dataset_or_other_files_is_refused_before_any_work(
+        tmp_path, s3_server):
+    """As a local output folder is: a prefix is never written over unless it holds this same
+    preparation (a rerun, or a new stage folder for it), and the refusal comes before the
+    shards are written, not after hours of work."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="datasets")
+    args = pets(tmp_path)
+    done = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    def objects(prefix):
+        listed = s3.list_objects_v2(Bucket="datasets", Prefix=prefix).get("Contents", [])
+        return {o["Key"]: o["ETag"] for o in listed}
+    before = objects("pets/")
+    other_stage = str(tmp_path / "stage2")
+    resized = [a if a != str(tmp_path / "stage") else other_stage for a in args]
+    resized[resized.index("--shard-size") + 1] = "3"
+    refused = run_launcher("prepare_data.py", *resized, "--out", "s3://datasets/pets")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: s3://datasets/pets holds a dataset prepared with --shard-size 2 (now 3); rerun "
+        "with the same options, or choose another --out (or delete what is there first)")
+    assert objects("pets/") == before and not os.path.exists(other_stage)
+
+    # an upload cut off before its info file: its settings are under the prefix all the same
+    s3.delete_object(Bucket="datasets", Key="pets/_info.json")
+    refused = run_launcher("prepare_data.py", *resized, "--out", "s3://datasets/pets")
+    assert refused.returncode == 2 and "pets holds an unfinished upload prepared with " \
+        "--shard-size 2 (now 3)" in refused.stderr, refused.stderr[-2000:]
+    resumed = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/pets")
+    assert resumed.returncode == 0 and "uploaded 1 of" in resumed.stderr, resumed.stderr[-2000:]
+    assert objects("pets/") == before
+
+    # a prefix holding a user's own files, not a dataset
+    s3.put_object(Bucket="datasets", Key="mine/results.csv", Body=b"a,b\n1,2\n")
+    refused = run_launcher("prepare_data.py", *args, "--out", "s3://datasets/mine/")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "error: s3://datasets/mine/ is not empty and holds no prepare_data output; choose a "
+        "new or empty --out prefix"), refused.stderr[-2000:]
+    assert objects("mine/") == {"mine/results.csv": s3.head_object(
+        Bucket="datasets", Key="mine/results.csv")["ETag"]}
+    # and a bucket that is not there: said now, not when the upload fails after the work
+    refused = run_launcher("prepare_data.py", *args, "--out", "s3://no-such-bucket/pets")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        "error: s3://no-such-bucket/pets: the bucket does not exist; create it first "
+        "(aws s3 mb s3://no-such-bucket)"), refused.stderr[-2000:]
+
+
 def pets(tmp_path) -> list:
     from test_folder_layouts import write_images
 
@@ -322,7 +375,10 @@ def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_one
     assert done.returncode == 0, done.stderr[-2000:]
     fs = gcsfs.GCSFileSystem(token="anon")
     listed = {p.rsplit("/", 1)[1]: fs.size(p) for p in fs.ls("datasets/pets")}
-    assert listed.pop("_stage_id") == 32  # the id of the stage folder that uploaded last
+    # which stage folder uploaded there last, and the preparation's settings
+    marker = json.loads(fs.cat("datasets/pets/_stage_id"))
+    assert marker["stage_id"] == (tmp_path / "stage" / ".stage_id").read_text()
+    assert marker["prepare"]["shard_size"] == 2 and listed.pop("_stage_id") > 32
     assert listed == {f.name: f.stat().st_size for f in (tmp_path / "stage").iterdir()
                       if not f.name.startswith(".")}
     assert_pets("gs://datasets/pets")

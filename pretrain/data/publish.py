@@ -5,6 +5,11 @@ fsspec URLs, an HTTP prefix that takes PUT, or ``pipe:<command>``), the info fil
 upload retried with :mod:`pretrain.data.remote`'s back-off. A rerun resumes: what this stage
 folder sent already, unchanged since, is not sent again -- unless another stage folder has
 uploaded to the prefix in between (``_stage_id``), whose files may differ with the same size.
+
+:func:`check_prefix` runs before anything is prepared: like a local output folder, a prefix that
+holds another preparation (other settings or another source) or files this tool did not write
+is refused, never overwritten. ``_stage_id`` carries the preparation's settings for that, so an
+upload cut off before its ``_info.json`` is recognised too.
 """
 from __future__ import annotations
 
@@ -18,8 +23,11 @@ import urllib.request
 import uuid
 from typing import Optional
 
+from pretrain.data.info import DatasetInfoError, NoInfo, read_info
 from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
                                   fsspec_location, read_bytes)
+from pretrain.data.shard_writer import settings_diff
+from pretrain.data.sources import PrepareError
 
 log = logging.getLogger(__name__)
 
@@ -100,24 +108,98 @@ UPLOAD_LOG = ".uploaded.jsonl"
 STAGE_ID, PREFIX_STAGE_ID = ".stage_id", "_stage_id"
 
 
+def _quick(policy: RetryPolicy) -> RetryPolicy:
+    # a read-back that fails costs a re-upload at most: not worth the whole back-off
+    return RetryPolicy(attempts=min(2, policy.attempts), backoff_s=policy.backoff_s,
+                       timeout_s=policy.timeout_s)
+
+
+def _marker(location: str, policy: RetryPolicy) -> Optional[dict]:
+    """The ``_stage_id`` under the prefix as {"stage_id", "prepare"}; None when it is not there
+    or cannot be read. (An older version of this tool wrote the id alone.)"""
+    try:
+        text = read_bytes(location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy).decode()
+    except (OSError, UnicodeDecodeError):  # not there (a first upload), or not readable
+        return None
+    try:
+        marker = json.loads(text)
+    except ValueError:
+        marker = None
+    return marker if isinstance(marker, dict) else {"stage_id": text, "prepare": None}
+
+
 def _last_stage_here(folder: str, location: str, policy: RetryPolicy) -> tuple:
-    """(this stage folder's id file, whether it is the one that uploaded to ``location``
-    last). Another stage folder's upload in between (an edited source) may have replaced
-    files with others of the same size, which this folder's log knows nothing of."""
+    """(this stage folder's id, whether it is the one that uploaded to ``location`` last).
+    Another stage folder's upload in between (an edited source) may have replaced files with
+    others of the same size, which this folder's log knows nothing of."""
     mine = os.path.join(folder, STAGE_ID)
     if not os.path.isfile(mine):
         with open(mine, "w") as f:
             f.write(uuid.uuid4().hex)
-    if location.startswith("pipe:"):  # nothing can be read back: everything is sent anyway
-        return mine, False
-    try:
-        quick = RetryPolicy(attempts=min(2, policy.attempts), backoff_s=policy.backoff_s,
-                            timeout_s=policy.timeout_s)  # a failed read only costs a re-upload
-        there = read_bytes(location.rstrip("/") + "/" + PREFIX_STAGE_ID, quick).decode()
-    except (OSError, UnicodeDecodeError):  # not there (a first upload), or not readable
-        there = None
     with open(mine) as f:
-        return mine, there == f.read()
+        stage_id = f.read()
+    if location.startswith("pipe:"):  # nothing can be read back: everything is sent anyway
+        return stage_id, False
+    there = _marker(location, _quick(policy))
+    return stage_id, there is not None and there["stage_id"] == stage_id
+
+
+def _holds_files(location: str, timeout_s: float) -> bool:
+    """Whether anything is stored under the prefix; False where it cannot be listed (an HTTP
+    prefix; a listing refused: the upload itself then says what is wrong)."""
+    if location.startswith(("http://", "https://", "pipe:")):
+        return False
+    prefix = location.rstrip("/") + "/"
+    try:
+        if location.startswith("s3://"):
+            bucket, key = _s3_parts(prefix)
+            listed = _s3_client(timeout_s).list_objects_v2(Bucket=bucket, Prefix=key.lstrip("/"),
+                                                           MaxKeys=1)
+            return listed.get("KeyCount", 0) > 0
+        fs, path = fsspec_location(prefix, timeout_s)
+        return bool(fs.ls(path.rstrip("/")))
+    except FileNotFoundError:
+        return False
+    except Exception as e:  # noqa: BLE001 -- boto3's and fsspec's errors (no permission, ...)
+        if getattr(e, "response", {}).get("Error", {}).get("Code") == "NoSuchBucket":
+            raise PrepareError(f"{location}: the bucket does not exist; create it first "
+                               f"(aws s3 mb s3://{_s3_parts(location)[0]})") from None
+        log.warning("could not list %s to check that it is empty (%s)", location, e)
+        return False
+
+
+def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolicy()) -> None:
+    """Refuse ``location`` before anything is prepared for it when it holds a dataset prepared
+    with other settings, an unfinished upload of one, or files not written by prepare_data; a
+    rerun of the same preparation (and a new stage folder for it: an edited source) goes on.
+    ``pipe:`` cannot be read back and is not checked."""
+    if location.startswith("pipe:"):
+        return
+    try:
+        info = read_info(location, retry=_quick(policy))
+    except NoInfo:
+        info = None
+    except DatasetInfoError as e:  # malformed, or unreadable: not a prefix to write over blindly
+        raise PrepareError(f"{e}; choose another --out") from None
+    if info is not None:
+        recorded, what = info.extra.get("prepare"), "a dataset"
+        if recorded is None:
+            raise PrepareError(f"{location} holds a dataset not written by prepare_data; "
+                               f"choose another --out")
+    else:
+        marker = _marker(location, _quick(policy))
+        if marker is None:
+            if _holds_files(location, policy.timeout_s):
+                raise PrepareError(f"{location} is not empty and holds no prepare_data output; "
+                                   f"choose a new or empty --out prefix")
+            return
+        recorded, what = marker["prepare"], "an unfinished upload"
+        if recorded is None:  # an older marker, without settings: nothing to compare
+            return
+    if recorded != settings:
+        raise PrepareError(f"{location} holds {what} prepared with "
+                           f"{settings_diff(recorded, settings)}; rerun with the same options, "
+                           f"or choose another --out (or delete what is there first)")
 
 
 def _sent_before(folder: str, location: str) -> dict:
@@ -151,7 +233,11 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     stage_id, last_here = _last_stage_here(folder, location, policy)
     sent_before = _sent_before(folder, location) if last_here else {}
     if not last_here:  # said first: a stage folder that uploads here later replaces it
-        upload(stage_id, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
+        marker = os.path.join(folder, ".stage_marker.json")
+        prepared = read_info(folder).extra.get("prepare")
+        with open(marker, "w") as f:
+            json.dump({"stage_id": stage_id, "prepare": prepared}, f)
+        upload(marker, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
     sent = 0
     with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
         for i, name in enumerate(names, 1):

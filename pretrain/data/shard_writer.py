@@ -118,11 +118,15 @@ def _recorded(out: Path, settings: dict) -> Optional[dict]:
         raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
                            f"choose a new or empty --out")
     if recorded is not None and recorded != settings and _shards_started(out):
-        diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
-        what = ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
-        raise PrepareError(f"{out} was written with {what}; rerun with the same options or choose "
-                           f"another --out")
+        raise PrepareError(f"{out} was written with {settings_diff(recorded, settings)}; rerun "
+                           f"with the same options or choose another --out")
     return recorded
+
+
+def settings_diff(recorded: dict, settings: dict) -> str:
+    """The options that differ, as the command line spells them: '--seed 0 (now 1)'."""
+    diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
+    return ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
 
 
 def _shards_started(out: Path) -> bool:
