@@ -554,3 +554,17 @@ def test_cli_bad_input_is_one_line_naming_the_fix(i21k, tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: the output folder {tmp_path / 'a-file'} is a file; name a new or empty folder"]
     assert (tmp_path / "a-file").read_text() == "mine"
+    # a damaged synset tar among 21k (an error page saved as the tar, a download cut off) is
+    # named, in one line, whichever process read its headers
+    for workers, damage in (("1", b"<html>403 Forbidden</html>\n"),
+                            ("2", (raw.root / f"{I21K_SYNSETS[1]}.tar").read_bytes()[:7000])):
+        broken = tmp_path / f"broken{workers}"
+        shutil.copytree(raw.root, broken)
+        (broken / f"{I21K_SYNSETS[1]}.tar").write_bytes(damage)
+        proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(broken), "--out",
+                            str(tmp_path / f"from-broken{workers}"), "--workers", workers)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: {broken / I21K_SYNSETS[1]}.tar is not a readable tar (") \
+            and line.endswith(f"download it again, or move it out of --src to leave synset "
+                              f"{I21K_SYNSETS[1]} out"), line

@@ -206,9 +206,14 @@ class _SynsetLabels(Source):
 
 def _list_tar(path: str) -> List[Tuple[str, int, int]]:
     """(sample key, byte offset, size) of each image in the tar at ``path``: its headers only."""
-    with tarfile.open(path, "r:") as tar:
-        return [(sample_key(os.path.splitext(os.path.basename(m.name))[0]), m.offset_data, m.size)
-                for m in tar if m.isfile() and is_image(m.name)]
+    try:
+        with tarfile.open(path, "r:") as tar:
+            return [(sample_key(os.path.splitext(os.path.basename(m.name))[0]), m.offset_data,
+                     m.size) for m in tar if m.isfile() and is_image(m.name)]
+    except tarfile.TarError as e:  # not an OSError: it would end the run as a traceback
+        # an error page saved as the tar, or a download cut off: one of 21k files, named
+        raise PrepareError(f"{path} is not a readable tar ({e}); download it again, or move it "
+                           f"out of --src to leave synset {Path(path).stem} out") from None
 
 
 class SynsetTars(_SynsetLabels):
