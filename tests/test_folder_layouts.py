@@ -8,6 +8,9 @@ import io
 import json
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import tarfile
 import unicodedata
 from collections import Counter
@@ -325,3 +328,64 @@ def test_a_warning_during_the_index_pass_gets_its_own_line_above_the_bar(tmp_pat
     warned = [line for line in shown_on_a_terminal(proc.stderr) if "not images" in line]
     assert len(warned) == 1 and warned[0].startswith("left out 1 files that are not images"), \
         proc.stderr
+
+
+# prepare() of an image folder, in one process, killed as it sets about its shard number AT
+KILLED_WRITE = r'''
+import os, signal, sys
+from pretrain.data import shard_writer
+src, out, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+write, calls = shard_writer.write_shard, []
+
+def killed_at(job):
+    calls.append(job)
+    if len(calls) > at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(job)
+
+shard_writer.write_shard = killed_at
+shard_writer.prepare("imagefolder", src, out, shard_size=2, workers=1, progress=False)
+'''
+
+
+def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tmp_path):
+    """The listing of an interrupted run was reused whatever had become of the source: images
+    added since were left out without a word, and each one removed failed every rerun. Now a
+    changed source is listed again while no shard is written; after, it is refused (the shards
+    written hold a shuffle of the old listing), and the source put back resumes."""
+    raw, args = tmp_path / "raw", ["--shard-size", "2", "--workers", "1"]
+    write_images(raw, [f"{c}/{i:04d}.jpg" for c in ("cat", "dog") for i in range(5)])
+
+    def killed(out, at):
+        proc = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(raw), str(out), str(at)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+    def prepared(out):
+        return run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
+                            str(out), *args)
+    killed(tmp_path / "early", 0)  # listed, then killed before its first shard
+    write_images(raw / "cat", ["0005.jpg"])
+    proc = prepared(tmp_path / "early")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{raw} changed since this run listed it, before any shard was written: listing " \
+           f"it again" in proc.stderr
+    assert read_info(tmp_path / "early").splits["train"].num_samples == 11
+
+    killed(tmp_path / "late", 2)  # 2 of its 6 shards written
+    before = {p: p.read_bytes() for p in (tmp_path / "late").iterdir() if p.is_file()}
+    added = raw / "dog" / "0009.jpg"
+    write_images(raw / "dog", ["0009.jpg"])
+    proc = prepared(tmp_path / "late")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: {raw} changed (files added, removed or rewritten) since this run listed it, "
+        f"and shards of that listing are written in {tmp_path / 'late'}; put the source back "
+        f"as it was to resume, or prepare into a new --out"), proc.stderr
+    assert {p: p.read_bytes() for p in (tmp_path / "late").iterdir() if p.is_file()} == before
+    added.unlink()  # put back: resumes, to what an uninterrupted run writes
+    assert prepared(tmp_path / "late").returncode == 0
+    assert prepared(tmp_path / "whole").returncode == 0
+    whole = sorted(p.name for p in (tmp_path / "whole").glob("*.tar"))
+    assert len(whole) == 6 and whole == sorted(p.name for p in (tmp_path / "late").glob("*.tar"))
+    for name in whole:
+        assert (tmp_path / "late" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()

@@ -39,30 +39,42 @@ SAVE_EVERY_S = 60.0  # a cut-off pass loses at most this much work (plus one inn
 STATE = "state.json"
 
 
-def _fingerprint(src: str) -> str:
-    """Size and modification time of ``src``; of a folder, of every file in it (a tar
-    rewritten in place, by ``rsync --inplace`` say, leaves the folder's own time alone)."""
+def source_fingerprint(src: str) -> str:
+    """Size and modification time of ``src``; of a folder, of every file below it (a tar
+    rewritten in place, by ``rsync --inplace`` say, leaves its folder's time alone, and an image
+    added to a class folder leaves the root's alone). Hidden files are left out, as the sources
+    leave them out; links are followed, as the sources follow them, down to the deepest level a
+    source reads (``ROOT/split/class/image``), so a link loop ends."""
     if not os.path.isdir(src):
         stat = os.stat(src)
         return f"{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256()
-    for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        stat = entry.stat()
-        digest.update(f"{entry.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode(
-            "utf-8", "surrogateescape"))
+    top = src.rstrip(os.sep).count(os.sep)
+    for folder, dirs, files in os.walk(src, followlinks=True):
+        if folder.count(os.sep) - top >= 3:
+            dirs[:] = []
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(f for f in files if not f.startswith(".")):
+            path = os.path.join(folder, name)
+            try:
+                stat = os.stat(path)
+            except FileNotFoundError:  # a link to nothing
+                continue
+            digest.update(f"{os.path.relpath(path, src)}:{stat.st_size}:{stat.st_mtime_ns}\n"
+                          .encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
 class ScanJournal:
     """The saved progress of one source's index pass, in ``folder``."""
 
-    def __init__(self, folder: Path, src: str) -> None:
+    def __init__(self, folder: Path, src: str, fingerprint: str) -> None:
         self.folder, self.src = Path(folder), src
         self._buffer: List[Entry] = []
         self._chunks: List[str] = []
         self._saved_at = time.monotonic()
         self.state: Optional[dict] = None  # where a resumed pass goes on from; None: the start
-        self._src_was = [src, _fingerprint(src)]
+        self._src_was = [src, fingerprint]  # source_fingerprint(src)
         path = self.folder / STATE
         if path.is_file():
             state = json.loads(path.read_text())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,15 @@ import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
-from .scan_journal import ScanJournal
+from .scan_journal import ScanJournal, source_fingerprint
 from .sources import Entry, PrepareError, Source
 
 SPLITS = ("train", "validation", "test")
 COLUMNS = ("split", "key", "label", "part", "name", "offset", "size")
 
 Index = Dict[str, np.ndarray]
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,24 +76,38 @@ def save_npz(path: Path, index: Index) -> None:
         np.savez(f, **index)
 
 
-def load_or_build_index(source: Source, work: Path, progress: bool) -> Index:
+def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
+                        shards_written: bool) -> Index:
     """The cached index of an interrupted run, or a scan of the source (then cached); a scan
-    that was cut off goes on where its journal says, for the sources that keep one."""
+    that was cut off goes on where its journal says, for the sources that keep one. A source
+    that changed since its cached index was made is scanned again while no shard has been
+    written; after, it is refused: the shards written follow the old index, and the rest
+    would leave out what was added (and fail on what was removed)."""
     cache, scan = work / "index.npz", work / "scan.json"
+    stamp = source_fingerprint(src)
     if cache.is_file() and scan.is_file():
         state = json.loads(scan.read_text())
-        source.parts, source.unknown = state["parts"], state["unknown"]
-        with np.load(cache) as z:
-            return {c: z[c] for c in COLUMNS}
-    journal = ScanJournal(work / "scan", source.src) if source.resumable_scan else None
+        if state.get("src_fingerprint", stamp) == stamp:  # (not recorded by older versions)
+            source.parts, source.unknown = state["parts"], state["unknown"]
+            with np.load(cache) as z:
+                return {c: z[c] for c in COLUMNS}
+        if shards_written:
+            raise PrepareError(f"{src} changed (files added, removed or rewritten) since this "
+                               f"run listed it, and shards of that listing are written in "
+                               f"{work.parent}; put the source back as it was to resume, or "
+                               f"prepare into a new --out")
+        log.warning("%s changed since this run listed it, before any shard was written: "
+                    "listing it again", src)
+        cache.unlink()
+    journal = ScanJournal(work / "scan", src, stamp) if source.resumable_scan else None
     if journal is None or journal.state is None:
         shutil.rmtree(work / "spill", ignore_errors=True)
     entries = source.entries(journal) if journal is not None else source.entries()
     index = build_index(_with_progress(source, entries, progress))
     # on disk before the journal that stands for them goes
     write_atomic(cache, lambda tmp: save_npz(tmp, index), durable=journal is not None)
-    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown}),
-                 durable=journal is not None)
+    write_atomic(scan, json.dumps({"parts": source.parts, "unknown": source.unknown,
+                                   "src_fingerprint": stamp}), durable=journal is not None)
     if journal is not None:
         journal.clear()
     return index

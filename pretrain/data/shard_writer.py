@@ -130,7 +130,8 @@ def settings_diff(recorded: dict, settings: dict) -> str:
 
 
 def _shards_started(out: Path) -> bool:
-    return (out / WORK_DIR / "shards.jsonl").is_file() or any(
+    ledger = out / WORK_DIR / "shards.jsonl"  # made empty before the first shard is written
+    return (ledger.is_file() and ledger.stat().st_size > 0) or any(
         p.name.endswith((".tar", ".tar.tmp")) for p in out.iterdir())
 
 
@@ -316,7 +317,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
                  "changed source needs a new output folder)", out_dir)
         return done_info
     with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
-        index = load_or_build_index(raw, work, progress)
+        index = load_or_build_index(raw, src, work, progress, _shards_started(out_dir))
         if not (index["split"] == 0).any():
             raise PrepareError(f"no images found in {src}; check --src and SOURCE")
         if settings["val_count"]:
