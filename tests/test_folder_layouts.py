@@ -157,6 +157,15 @@ def test_odd_file_and_folder_names(tmp_path):
     assert info.classes == ["__misc__", "café", "cat", "猫"]
 
 
+def test_two_class_folders_whose_names_read_the_same_are_refused(tmp_path):
+    """café in Latin-1 and cafè in Latin-1 both read as 'caf\ufffd': they were one class."""
+    write_images(tmp_path / "raw", [b"caf\xe9/0.jpg", b"caf\xe8/1.jpg", "dog/2.jpg"])
+    with pytest.raises(PrepareError) as e:
+        prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    assert str(e.value) == (f"the class folders b'caf\\xe8' and b'caf\\xe9' in {tmp_path / 'raw'} "
+                            f"both read as class 'caf\ufffd'; rename one of them")
+
+
 def test_editor_and_macos_leftovers_are_not_classes_or_images(tmp_path):
     files = ["cat/a.jpg", "dog/b.jpg", "__MACOSX/cat/a.jpg", ".ipynb_checkpoints/c.jpg",
              "cat/.hidden/d.jpg"]

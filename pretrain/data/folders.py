@@ -137,8 +137,14 @@ class ImageFolder(Source):
         if loose is not None:
             raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
                                f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
+        seen = {}
         for class_dir in _subfolders(root):
             class_name = as_text(class_dir.name)
+            if class_name in seen:  # names that are not UTF-8 (or NFC and NFD spellings)
+                raise PrepareError(f"the class folders {os.fsencode(seen[class_name])!r} and "
+                                   f"{os.fsencode(class_dir.name)!r} in {root} both read as class "
+                                   f"'{class_name}'; rename one of them")
+            seen[class_name] = class_dir.name
             label = self.label_of(class_name, str(class_dir))
             if label is None:
                 continue
