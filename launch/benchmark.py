@@ -40,13 +40,14 @@ from pretrain.cli import fail, positive_int, whole_number  # noqa: E402
 
 def run_loader(args) -> dict:
     from pretrain.data.loader_benchmark import (bench_decoders, bench_ours, bench_reference,
-                                                resolve_shards)
+                                                check_reference_reads, resolve_shards)
     from pretrain.data.transforms import decoder_description
 
     photo_size = _photo_size(args.decoder_photos)  # a typo fails now, not after the timing
     if not 1 <= args.decoder_quality <= 100:
         fail(f"--decoder-quality {args.decoder_quality}: a JPEG quality is 1 to 100")
     shards = resolve_shards(args.shards, args.split)
+    check_reference_reads(shards.urls)
     common = dict(workers=args.workers, batches=args.batches, batch_size=args.batch_size,
                   img_size=args.img_size, buffer=args.shuffle_buffer)
     ours, reference = 0.0, 0.0

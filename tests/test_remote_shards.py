@@ -310,6 +310,24 @@ def test_a_prefix_holding_another_dataset_or_other_files_is_refused_before_any_w
         "(aws s3 mb s3://no-such-bucket)"), refused.stderr[-2000:]
 
 
+def test_the_loader_benchmark_refuses_s3_shards_its_reference_cannot_open(tmp_path, s3_server):
+    """Our loader reads s3://, the reference pipeline it is timed against cannot: one line
+    before any timing, not webdataset's traceback from a loader worker."""
+    import boto3
+
+    write_split(tmp_path / "toy", SHARD_LENGTHS[:2])
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="datasets")
+    for f in sorted((tmp_path / "toy").iterdir()):
+        s3.upload_file(str(f), "datasets", f"toy/{f.name}")
+    proc = run_launcher("benchmark.py", "loader", "--shards", "s3://datasets/toy", "--workers",
+                        "0", "--batches", "1", "--batch-size", "4", "--img-size", "32")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --shards s3://datasets/toy: the reference pipeline (webdataset's own opener) "
+        "cannot read s3://; copy a few shards and their _info.json to a local folder and "
+        "benchmark that"], proc.stderr[-2000:]
+
+
 def pets(tmp_path) -> list:
     from test_folder_layouts import write_images
 

@@ -66,6 +66,19 @@ def resolve_shards(spec: str, split: str):
     return ShardSet.from_info(spec, split)
 
 
+def check_reference_reads(urls: List[str]) -> None:
+    """The reference pipeline opens shards with webdataset's own opener, which has no s3://
+    (and reads gs:// through gsutil, http(s):// through curl): refuse what it cannot open
+    before anything is timed."""
+    from webdataset.gopen import gopen_schemes
+
+    scheme = urls[0].split("://", 1)[0] if "://" in urls[0] else ""
+    if scheme and scheme not in gopen_schemes:
+        raise LoaderError(f"--shards {urls[0].rsplit('/', 1)[0]}: the reference pipeline "
+                          f"(webdataset's own opener) cannot read {scheme}://; copy a few "
+                          f"shards and their _info.json to a local folder and benchmark that")
+
+
 def _time_batches(iterator, warmup: int, batches: int, batch_size: int) -> float:
     for _ in range(warmup):
         next(iterator)
