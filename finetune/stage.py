@@ -8,6 +8,7 @@ rollback, tracking -- is :func:`pretrain.trainer.train`, shared with pretraining
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import json
@@ -161,8 +162,11 @@ class FinetuneStage(Stage):
                 "tracking_run_id": run_id, "init": self.lineage,
                 "metrics": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
         path = Path(cfg.output_dir) / f"{name}.safetensors"
-        write_atomic(path, lambda tmp: save_file(state, str(tmp),
-                                                 metadata={"model_card": json.dumps(card)}))
+        # the architecture and the run's config too, as export.py's full file has them: a copy
+        # of the file alone still evaluates and fine-tunes
+        metadata = {"model_card": json.dumps(card), "spec": json.dumps(dataclasses.asdict(spec)),
+                    "config": cfg.to_yaml()}
+        write_atomic(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
         write_atomic(path.with_suffix(".json"), json.dumps(card, indent=1))
         self._export_timm_folder(state, spec, Path(cfg.output_dir) / name, step, card["metrics"],
                                  run_id)

@@ -182,20 +182,26 @@ def _safetensors(p: Path) -> ModelFile:
                              f"model_card or export.py's format/spec); this command evaluates "
                              f"this project's models")
     card = json.loads(meta["model_card"])
-    run_config = _run_config(p.parent)
+    run_config, in_run = _run_config(p.parent), True
+    normalize = None
     if run_config.get("model"):
         model_cfg = _model_config(run_config, p.parent / RUN_CONFIG)
-        normalize = None
-    else:  # a file copied out of its run: the timm folder of the same name knows the rest
+    elif "spec" in meta:  # a file copied out of its run carries its architecture and config
+        import yaml
+
+        from pretrain.model import ViTSpec
+        model_cfg = spec_config(ViTSpec(**json.loads(meta["spec"])))
+        run_config, in_run = yaml.safe_load(meta.get("config") or "") or {}, False
+    else:  # written by an older version: the timm folder of the same name knows the rest
         model_cfg, normalize = _from_sibling_folder(p, card)
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
                 step=_int(card.get("step")))
     mf.source_run_id = card.get("tracking_run_id")  # also where the file left its run's folder
-    if run_config:
+    if run_config and in_run:
         mf.run_dir = p.parent
     elif normalize is not None:
         mf.normalize = normalize
-    else:
+    elif not run_config:  # (with one, _built took the normalisation from it)
         mf.notes.append(f"{p} does not say how its inputs were normalised and no {RUN_CONFIG} "
                         f"is next to it: assuming the default, minus_one_one")
     return mf
