@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     check_targets(args, folder)
     from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
     from pretrain.export import resolve_checkpoint, timm_kwargs
-    from pretrain.timm_folder import write_timm_folder
+    from pretrain.timm_folder import file_overlay, write_timm_folder
 
     try:
         # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
@@ -113,8 +113,9 @@ def main(argv=None) -> None:
         print(f"wrote {full}")
     if timm_file is not None:
         extra = "".join(f", {k}={v!r}" for k, v in timm_kwargs(s).items())
+        overlay = ", ".join(f"{k}={v!r}" for k, v in file_overlay(c, timm_file).items())
         print(f"wrote {timm_file}; load it with timm.create_model('{s.name}', pretrained=True, "
-              f"pretrained_cfg_overlay=dict(file='{timm_file}'), num_classes=0{extra})")
+              f"pretrained_cfg_overlay=dict({overlay}), num_classes=0{extra})")
 
 
 if __name__ == "__main__":

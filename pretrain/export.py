@@ -16,7 +16,8 @@ Two outputs:
   ``timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=PATH),
   num_classes=0, **timm_kwargs(spec))`` loads it with no missing or unexpected keys
   (``timm_kwargs`` is empty for an architecture timm registers as NAME, e.g. ViT-L/16 @224;
-  a name that pools the average, ``*_gap_*``, gets ``class_token`` and ``global_pool``).
+  a name that pools the average, ``*_gap_*``, gets ``class_token`` and ``global_pool``);
+  ``timm_folder.file_overlay`` adds the run's eval transform to the overlay.
 
 Safety: DeepSpeed's loaders unpickle with ``weights_only=False`` (its optimizer shards hold a few
 DeepSpeed objects: ``LossScaler``, ``ZeroStageEnum``, ``fragment_address``). Before handing a

@@ -59,6 +59,15 @@ def data_config(img_size: int, normalize: str = "minus_one_one",
             "crop_pct": crop_pct, "crop_mode": "center", "mean": list(mean), "std": list(std)}
 
 
+def file_overlay(c: Consolidated, path: Union[str, os.PathLike]) -> dict:
+    """``pretrained_cfg_overlay`` for timm to load the backbone file at ``path`` and resolve the
+    run's eval transform from it: timm's config of the name alone says 224 px, bicubic, 0.9."""
+    cfg = data_config(c.spec.img_size, _run_settings(c).get("normalize", "minus_one_one"),
+                      in_chans=c.spec.in_chans)
+    return {"file": str(path), **{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in cfg.items()}}
+
+
 def normalize_of(pretrained_cfg: dict) -> Optional[str]:
     """The ``data.normalize`` whose :func:`data_config` has this mean/std (None: neither).
     The name, not the numbers, is what an evaluation needs: the loader's ``x / 127.5 - 1`` and

@@ -2,6 +2,7 @@
 with no other argument rebuilds our model, and timm's data config is the run's eval transform."""
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,19 @@ def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     with torch.no_grad():
         assert torch.equal(vit(x), model.forward_features(x))
     assert tuple(vit.pretrained_cfg["mean"]) == (0.485, 0.456, 0.406)  # the run's data.normalize
+    # the backbone file, loaded with the very call export.py prints: the same weights and the
+    # same eval transform (timm's config of the name alone says 224 px, bicubic, crop 0.9)
+    import timm
+    call = re.search(r"^wrote .*bb\.safetensors; load it with (timm\.create_model\(.*\))$",
+                     proc.stdout, re.M).group(1)
+    from_file = eval(call, {"timm": timm}).eval()
+    with torch.no_grad():
+        assert torch.equal(from_file(x), model.forward_features(x))
+    resolved = timm.data.resolve_model_data_config(from_file)
+    assert resolved["input_size"] == (3, 32, 32) and resolved["interpolation"] == "bilinear"
+    assert {k: tuple(v) if isinstance(v, list) else v for k, v in resolved.items()} == {
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in timm.data.resolve_model_data_config(vit).items()}
     # the folder is a fine-tune's init as it is: its backbone in, a new head
     from finetune.weights import InitError, load_init
     tuned = create_model(ModelConfig(**{**ARCH, "num_classes": 3})).eval()
