@@ -255,10 +255,37 @@ def tensors_that_differ(expected: dict, got: dict) -> list[str]:
 
 
 def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
-    """Pretraining output dir or checkpoint dir -> the whole ViTClassifier in fp32 + metadata."""
+    """Pretraining output dir or checkpoint dir -> the whole ViTClassifier in fp32 + metadata.
+    A job still saving into the output dir may prune the checkpoint while it is read: then the
+    newest one is read instead (for an output dir), or that is said (for a step named)."""
+    ckpt = resolve_checkpoint(path)
+    for _ in range(3):
+        try:
+            return _consolidate(ckpt)
+        except Exception:
+            if ckpt.exists():
+                raise
+            named = Path(path).resolve() == ckpt.resolve()
+            if not named:
+                try:
+                    newest = resolve_checkpoint(path, warn=False)
+                except CheckpointError:
+                    newest = ckpt
+            if named or newest == ckpt:
+                raise CheckpointError(
+                    f"checkpoint '{ckpt}' was removed while it was read (a job still saving "
+                    f"there prunes old steps: checkpoint.keep_last); name a newer step, or the "
+                    f"output dir for the newest") from None
+            log.warning("checkpoint %s was removed while it was read (pruned by the job "
+                        "saving there); reading %s instead", ckpt, newest)
+            ckpt = newest
+    raise CheckpointError(f"the checkpoints of '{path}' were pruned while each was read; stop "
+                          f"the job saving there, or export one of its steps once it is done")
+
+
+def _consolidate(ckpt: Path) -> Consolidated:
     from pretrain.model import create_model, resolve_spec
 
-    ckpt = resolve_checkpoint(path)
     client = read_client_state(ckpt)
     cfg, config_yaml = _config_of(client, ckpt)
     spec = resolve_spec(cfg.model)

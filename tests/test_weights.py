@@ -123,6 +123,38 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
     assert re.search(r"; exported in \d+\.\d s\)$", proc.stdout, re.MULTILINE), proc.stdout
 
 
+def test_a_checkpoint_pruned_while_it_is_read_gives_way_to_the_newest_or_is_named(
+        pretrained, tmp_path, monkeypatch, caplog):
+    """Exporting (or evaluating) the output dir of a job that is still saving: the job may
+    prune the very checkpoint being read. The prune is made here at the first read."""
+    from pretrain import export
+    from pretrain.checkpoint import CheckpointStore
+
+    run = tmp_path / "run"
+    shutil.copytree(pretrained["out"], run)
+    steps = [c.path for c in CheckpointStore(run / "checkpoints").complete()]
+    assert len(steps) >= 2
+    read = export._consolidate
+
+    def pruned_at_first_read(ckpt):
+        if ckpt.exists() and not hasattr(pruned_at_first_read, "done"):
+            pruned_at_first_read.done = True
+            shutil.rmtree(ckpt)
+        return read(ckpt)
+    monkeypatch.setattr(export, "_consolidate", pruned_at_first_read)
+    with caplog.at_level(logging.WARNING, logger="pretrain.export"):
+        c = consolidate(run)
+    assert c.source == str(steps[1]) and not steps[0].exists()
+    assert f"checkpoint {steps[0]} was removed while it was read (pruned by the job saving " \
+           f"there); reading {steps[1]} instead" in caplog.text
+    del pruned_at_first_read.done  # a step named, pruned meanwhile: said in one line
+    with pytest.raises(CheckpointError) as e:
+        consolidate(steps[1])
+    assert str(e.value) == (f"checkpoint '{steps[1]}' was removed while it was read (a job "
+                            f"still saving there prunes old steps: checkpoint.keep_last); name "
+                            f"a newer step, or the output dir for the newest")
+
+
 def test_the_export_cli_fails_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(tmp_path),
                            "--out", str(tmp_path / "x.safetensors")], cwd=REPO,
