@@ -106,6 +106,10 @@ def resolve_checkpoint(path: Union[str, os.PathLike], warn: bool = True) -> Path
         raise CheckpointError(f"'{p}' is a fine-tune's output dir; it writes its exports itself "
                               f"when it ends: {p / 'final.safetensors'} and {p / 'final'}/ (timm "
                               f"folder), best.* likewise")
+    if TAG_RE.match(p.name) and _is_finetune_dir(p.parent.parent):
+        raise CheckpointError(f"'{p}' is a fine-tune's checkpoint (Accelerate's, for its resume); "
+                              f"evaluate it with launch/evaluate.py, or take its run's exports: "
+                              f"{p.parent.parent / 'final.safetensors'}, best.* likewise")
     if _is_checkpoint_dir(p):
         if TAG_RE.match(p.name):  # one of ours: only a complete one (COMPLETE.json checked)
             valid = {c.path.name for c in CheckpointStore(p.parent).complete()}
