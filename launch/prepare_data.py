@@ -36,7 +36,8 @@ SOURCE and what --src points at:
   imagefolder  ROOT/<class>/<image> (jpg, jpeg, jfif, png, webp, bmp, tif, tiff, gif, any
                case; classes sorted by name); ROOT/train/<class> with ROOT/val/<class> (or
                validation/, valid/) and ROOT/test/<class> give train, validation and test
-               splits; other files and folders are left out with a warning
+               splits (split folder names in any case); other files and folders are left
+               out with a warning
   imagenet1k   ROOT/train/<synset>/*.JPEG and ROOT/val/, either in synset folders or flat with
                LOC_val_solution.csv, val_labels.txt or val.txt (file name, synset or index);
                labels in timm's 1000-synset order

@@ -217,6 +217,18 @@ def test_train_valid_test_exports_give_three_splits_and_left_out_folders_are_nam
     assert set(info.splits) == {"train", "validation"}
     assert f"left out {tmp_path / 'kaggle' / 'test'}: no class folders in it" in caplog.text
 
+    # split folders spelt in capitals (exports from Windows tools): the same splits
+    caplog.clear()
+    write_images(tmp_path / "caps", ["Train/cat/a.jpg", "Train/dog/b.jpg", "Val/cat/c.jpg",
+                                     "TEST/d.jpg"])
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        info = prepare("imagefolder", str(tmp_path / "caps"), str(tmp_path / "out3"),
+                       progress=False)
+    assert set(info.splits) == {"train", "validation"} and info.classes == ["cat", "dog"]
+    assert (info.splits["train"].num_samples, info.splits["validation"].num_samples) == (2, 1)
+    assert f"left out {tmp_path / 'caps' / 'TEST'}: no class folders in it" in caplog.text
+    assert "left out the folders" not in caplog.text
+
 
 def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, caplog):
     from PIL import Image

@@ -75,7 +75,11 @@ class ImageFolder(Source):
     def _split_dirs(root: Path) -> dict:
         if not root.is_dir():
             raise PrepareError(f"--src {root} is not a folder; point it at the dataset root")
-        found = {split: next((root / n for n in names if (root / n).is_dir()), None)
+        # any case (Train/, VAL/: exports from Windows tools), the exact spelling first
+        by_name = {}
+        for p in sorted(_subfolders(root), key=lambda p: p.name != p.name.lower()):
+            by_name.setdefault(p.name.lower(), p)
+        found = {split: next((by_name[n] for n in names if n in by_name), None)
                  for split, names in SPLIT_FOLDERS.items()}
         if found["train"] is None or (found["validation"] is None and found["test"] is None):
             return {"train": root}
@@ -86,7 +90,7 @@ class ImageFolder(Source):
             found["test"] = None
         dirs = {split: folder for split, folder in found.items() if folder is not None}
         others = [p.name for p in _subfolders(root)
-                  if p not in dirs.values() and p != root / "test"]
+                  if p not in dirs.values() and p.name.lower() != "test"]
         if others:
             log.warning("left out the folders %s of %s: the splits are read from %s",
                         ", ".join(others), root, ", ".join(p.name for p in dirs.values()))
