@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
@@ -93,8 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM (a job's time limit, scancel, a preemption): ends the run as Ctrl-C does."""
+
+
+def _stop(signum, frame):
+    raise _Stopped()
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)  # the pool's workers keep the default: they just end
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)
@@ -122,6 +132,9 @@ def main(argv=None) -> int:
     except OSError as e:
         sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
         return 1
+    except _Stopped:
+        sys.stderr.write("stopped by SIGTERM; rerun the same command to resume\n")
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         sys.stderr.write("interrupted; rerun the same command to resume\n")
         return 130

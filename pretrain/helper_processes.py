@@ -80,9 +80,10 @@ def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered
 
 def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
     # A Ctrl-C reaches the whole foreground process group; only the parent acts on it (it ends
-    # the pool), instead of every worker printing a traceback. SIGTERM keeps its default: it is
-    # how the pool's workers are ended.
+    # the pool), instead of every worker printing a traceback. SIGTERM gets its default back
+    # (a forked worker inherits the parent's handler): it is how the pool's workers are ended.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()
     if initializer is not None:
         initializer(*initargs)

@@ -410,3 +410,48 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     assert len(whole) == 6 and whole == sorted(p.name for p in (tmp_path / "late").glob("*.tar"))
     for name in whole:
         assert (tmp_path / "late" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
+# launch/prepare_data.py as a user runs it, sent SIGTERM (a job's time limit) by the system as it
+# sets about its shard number AT
+SIGNALLED_CLI = r'''
+import os, runpy, signal, sys
+from pretrain.data import shard_writer
+at, calls, write = int(sys.argv[1]), [], shard_writer.write_shard
+
+def signalled_at(job):
+    calls.append(job)
+    if len(calls) == at + 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return write(job)
+
+shard_writer.write_shard = signalled_at
+sys.argv = ["launch/prepare_data.py", *sys.argv[2:]]
+sys.path.insert(0, "launch")  # as running the script puts its folder first
+runpy.run_path("launch/prepare_data.py", run_name="__main__")
+'''
+
+
+def test_sigterm_stops_prepare_data_with_a_word_and_the_rerun_finishes_the_same(tmp_path):
+    """A time limit's SIGTERM ended the run in silence; now it says so, as Ctrl-C does."""
+    from conftest import REPO
+
+    raw = tmp_path / "raw"
+    write_images(raw, [f"{c}/{i:04d}.jpg" for c in ("cat", "dog") for i in range(5)])
+    args = ["imagefolder", "--src", str(raw), "--shard-size", "2", "--workers", "1"]
+    proc = subprocess.run([sys.executable, "-c", SIGNALLED_CLI, "2", *args, "--out",
+                           str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("stopped by SIGTERM; rerun the same command "
+                                                    "to resume"), proc.stderr
+    assert not (tmp_path / "out" / "_info.json").exists()
+    again = run_launcher("prepare_data.py", *args, "--out", str(tmp_path / "out"))
+    assert again.returncode == 0 and "resuming: 2 of 5 shards are complete" in again.stderr, \
+        again.stderr
+    whole = run_launcher("prepare_data.py", *args, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0
+    names = sorted(p.name for p in (tmp_path / "whole").glob("*.tar"))
+    assert names == sorted(p.name for p in (tmp_path / "out").glob("*.tar")) and len(names) == 5
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
