@@ -46,8 +46,9 @@ SOURCE and what --src points at:
   cifar100     cifar-100-python (fine labels), splits train and test
 
 Output: DIR/<name>-<split>-000000.tar ... with samples __key__, jpg, cls, json
-({label, class_name, width, height}), DIR/_info.json (timm's layout, written last) and
-DIR/_skipped.json (unreadable files). Rerun the same command to resume an interrupted run.
+({label, class_name, width, height}; width and height of the source image, before any
+--max-size), DIR/_info.json (timm's layout, written last) and DIR/_skipped.json (unreadable
+files). Rerun the same command to resume an interrupted run.
 """
 
 
