@@ -38,6 +38,9 @@ class FlakyHandler(SimpleHTTPRequestHandler):
 
     def do_GET(self):
         server = self.server
+        if server.refuse_get:  # an upload-only endpoint (PUT, no reads)
+            self.send_error(server.refuse_get)
+            return
         path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
@@ -95,7 +98,7 @@ def flaky_http(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), partial(FlakyHandler, directory=str(www)))
     server.rng, server.lock = random.Random(0), threading.Lock()
     server.p_503, server.p_cut = 0.15, 0.35
-    server.requests = server.resumed = server.failures = 0
+    server.requests = server.resumed = server.failures = server.refuse_get = 0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server, www
@@ -356,6 +359,15 @@ def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http
     assert server.failures >= 1  # a retried upload, not a lucky run
     server.p_503 = 0.0
     assert_pets(f"{url}/pets")
+    # an endpoint that takes uploads but no reads: what the prefix holds cannot be checked,
+    # which is said, and the upload goes ahead
+    server.refuse_get = 405
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/put-only")
+    server.refuse_get = 0
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"could not check what {url}/put-only holds (cannot read {url}/put-only/_info.json: " \
+           f"{url}/put-only/_info.json: HTTP 405" in done.stderr
+    assert_pets(f"{url}/put-only")
     piped = tmp_path / "piped"
     piped.mkdir()
     done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")

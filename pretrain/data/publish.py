@@ -23,7 +23,7 @@ import urllib.request
 import uuid
 from typing import Optional
 
-from pretrain.data.info import DatasetInfoError, NoInfo, read_info
+from pretrain.data.info import DatasetInfoError, InfoNotRead, NoInfo, read_info
 from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
                                   fsspec_location, read_bytes)
 from pretrain.data.shard_writer import settings_diff
@@ -128,10 +128,9 @@ def _marker(location: str, policy: RetryPolicy) -> Optional[dict]:
     return marker if isinstance(marker, dict) else {"stage_id": text, "prepare": None}
 
 
-def _last_stage_here(folder: str, location: str, policy: RetryPolicy) -> tuple:
-    """(this stage folder's id, whether it is the one that uploaded to ``location`` last).
-    Another stage folder's upload in between (an edited source) may have replaced files with
-    others of the same size, which this folder's log knows nothing of."""
+def _stage_ids(folder: str, location: str, policy: RetryPolicy) -> tuple:
+    """(this stage folder's id, the marker under ``location`` that says which stage folder
+    uploaded there last, or None)."""
     mine = os.path.join(folder, STAGE_ID)
     if not os.path.isfile(mine):
         with open(mine, "w") as f:
@@ -139,9 +138,9 @@ def _last_stage_here(folder: str, location: str, policy: RetryPolicy) -> tuple:
     with open(mine) as f:
         stage_id = f.read()
     if location.startswith("pipe:"):  # nothing can be read back: everything is sent anyway
-        return stage_id, False
+        return stage_id, None
     there = _marker(location, _quick(policy))
-    return stage_id, there is not None and there["stage_id"] == stage_id
+    return stage_id, there
 
 
 def _holds_files(location: str, timeout_s: float) -> bool:
@@ -179,7 +178,11 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
         info = read_info(location, retry=_quick(policy))
     except NoInfo:
         info = None
-    except DatasetInfoError as e:  # malformed, or unreadable: not a prefix to write over blindly
+    except InfoNotRead as e:  # a PUT-only server, a write-only S3 role, a blip: the upload says
+        log.warning("could not check what %s holds (%s); uploading without that check",
+                    location, e)
+        return
+    except DatasetInfoError as e:  # malformed: not a prefix to write over blindly
         raise PrepareError(f"{e}; choose another --out") from None
     if info is not None:
         recorded, what = info.extra.get("prepare"), "a dataset"
@@ -230,9 +233,14 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
                    and os.path.isfile(os.path.join(folder, n)))
     names.sort(key=lambda n: n == last)
-    stage_id, last_here = _last_stage_here(folder, location, policy)
+    stage_id, there = _stage_ids(folder, location, policy)
+    # Another stage folder's upload in between (an edited source) may have replaced files with
+    # others of the same size, which this folder's log knows nothing of.
+    last_here = there is not None and there.get("stage_id") == stage_id
     sent_before = _sent_before(folder, location) if last_here else {}
-    if not last_here:  # said first: a stage folder that uploads here later replaces it
+    # said first: a stage folder that uploads here later replaces it; a marker an older
+    # version wrote (the id alone) is sent again with the settings, for check_prefix
+    if not last_here or there.get("prepare") is None:
         marker = os.path.join(folder, ".stage_marker.json")
         prepared = read_info(folder).extra.get("prepare")
         with open(marker, "w") as f:
