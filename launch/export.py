@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
         print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        c = consolidate(ckpt)
+        c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
         full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
         timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
     except CheckpointError as e:

@@ -258,24 +258,27 @@ def tensors_that_differ(expected: dict, got: dict) -> list[str]:
                                                  if want[k] != have[k])
 
 
-def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
+def consolidate(path: Union[str, os.PathLike],
+                origin: Optional[Union[str, os.PathLike]] = None) -> Consolidated:
     """Pretraining output dir or checkpoint dir -> the whole ViTClassifier in fp32 + metadata.
+    ``origin``: the path the user gave, when ``path`` is the checkpoint already resolved from it.
     A job still saving into the output dir may prune the checkpoint while it is read: then the
-    newest one is read instead (for an output dir), or that is said (for a step named)."""
+    newest one is read instead (an output dir given), or that is said (a step given)."""
+    origin = Path(origin if origin is not None else path)
     ckpt = resolve_checkpoint(path)
     for _ in range(3):
         try:
             return _consolidate(ckpt)
         except Exception:
-            if ckpt.exists():
+            if not _pruned(ckpt):
                 raise
-            named = Path(path).resolve() == ckpt.resolve()
-            if not named:
+            newest = ckpt
+            if origin.resolve() != ckpt.resolve():
                 try:
-                    newest = resolve_checkpoint(path, warn=False)
+                    newest = resolve_checkpoint(origin, warn=False)
                 except CheckpointError:
-                    newest = ckpt
-            if named or newest == ckpt:
+                    pass
+            if newest == ckpt:
                 raise CheckpointError(
                     f"checkpoint '{ckpt}' was removed while it was read (a job still saving "
                     f"there prunes old steps: checkpoint.keep_last); name a newer step, or the "
@@ -283,8 +286,20 @@ def consolidate(path: Union[str, os.PathLike]) -> Consolidated:
             log.warning("checkpoint %s was removed while it was read (pruned by the job "
                         "saving there); reading %s instead", ckpt, newest)
             ckpt = newest
-    raise CheckpointError(f"the checkpoints of '{path}' were pruned while each was read; stop "
+    raise CheckpointError(f"the checkpoints of '{origin}' were pruned while each was read; stop "
                           f"the job saving there, or export one of its steps once it is done")
+
+
+def _pruned(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is gone or going (a prune deletes its files before the folder)."""
+    if not ckpt.exists():
+        return True
+    if not TAG_RE.match(ckpt.name):  # not in one of our stores: nothing prunes it
+        return False
+    try:
+        return ckpt.name not in {c.path.name for c in CheckpointStore(ckpt.parent).complete()}
+    except OSError:  # a file of its listing went meanwhile
+        return True
 
 
 def _consolidate(ckpt: Path) -> Consolidated:

@@ -220,7 +220,7 @@ def _checkpoint(p: Path) -> ModelFile:
         return _accelerate_checkpoint(ckpt)
     from pretrain.export import consolidate
     try:
-        c = consolidate(ckpt)
+        c = consolidate(ckpt, origin=p)
     except CheckpointError as e:
         raise ModelFileError(str(e)) from None
     import yaml

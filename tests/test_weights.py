@@ -123,36 +123,51 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
     assert re.search(r"; exported in \d+\.\d s\)$", proc.stdout, re.MULTILINE), proc.stdout
 
 
+# launch/export.py as a user runs it on the output dir of a job still saving there, which
+# prunes the checkpoint being read (its files go first, then its folder) at the first read
+PRUNED_EXPORT = r'''
+import runpy, shutil, sys
+from pretrain import export
+read, pruned = export._consolidate, []
+
+def pruned_at_first_read(ckpt):
+    if not pruned:
+        pruned.append(ckpt)
+        for f in sorted(ckpt.iterdir()):  # the files, not yet the folder
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+    return read(ckpt)
+
+export._consolidate = pruned_at_first_read
+sys.argv = ["launch/export.py", *sys.argv[1:]]
+sys.path.insert(0, "launch")  # as running the script puts its folder first
+runpy.run_path("launch/export.py", run_name="__main__")
+'''
+
+
 def test_a_checkpoint_pruned_while_it_is_read_gives_way_to_the_newest_or_is_named(
-        pretrained, tmp_path, monkeypatch, caplog):
-    """Exporting (or evaluating) the output dir of a job that is still saving: the job may
-    prune the very checkpoint being read. The prune is made here at the first read."""
-    from pretrain import export
+        pretrained, tmp_path):
     from pretrain.checkpoint import CheckpointStore
 
     run = tmp_path / "run"
     shutil.copytree(pretrained["out"], run)
     steps = [c.path for c in CheckpointStore(run / "checkpoints").complete()]
     assert len(steps) >= 2
-    read = export._consolidate
-
-    def pruned_at_first_read(ckpt):
-        if ckpt.exists() and not hasattr(pruned_at_first_read, "done"):
-            pruned_at_first_read.done = True
-            shutil.rmtree(ckpt)
-        return read(ckpt)
-    monkeypatch.setattr(export, "_consolidate", pruned_at_first_read)
-    with caplog.at_level(logging.WARNING, logger="pretrain.export"):
-        c = consolidate(run)
-    assert c.source == str(steps[1]) and not steps[0].exists()
+    proc = subprocess.run([sys.executable, "-c", PRUNED_EXPORT, str(run), "--out",
+                           str(tmp_path / "x.safetensors")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"checkpoint {steps[0]} was removed while it was read (pruned by the job saving " \
-           f"there); reading {steps[1]} instead" in caplog.text
-    del pruned_at_first_read.done  # a step named, pruned meanwhile: said in one line
-    with pytest.raises(CheckpointError) as e:
-        consolidate(steps[1])
-    assert str(e.value) == (f"checkpoint '{steps[1]}' was removed while it was read (a job "
-                            f"still saving there prunes old steps: checkpoint.keep_last); name "
-                            f"a newer step, or the output dir for the newest")
+           f"there); reading {steps[1]} instead" in proc.stderr
+    assert f"\ncheckpoint {steps[1]} (step " in "\n" + proc.stdout
+    assert read_metadata(tmp_path / "x.safetensors")["source"] == str(steps[1])
+    # a step named, pruned meanwhile: said in one line
+    proc = subprocess.run([sys.executable, "-c", PRUNED_EXPORT, str(steps[1]), "--out",
+                           str(tmp_path / "y.safetensors")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint '{steps[1]}' was removed while it was read (a job still saving "
+        f"there prunes old steps: checkpoint.keep_last); name a newer step, or the output dir "
+        f"for the newest"), proc.stderr[-2000:]
 
 
 def test_the_export_cli_fails_with_one_line(tmp_path):
