@@ -401,9 +401,13 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"error: {raw} changed (files added, removed or rewritten) since this run listed it, "
         f"and shards of that listing are written in {tmp_path / 'late'}; put the source back "
-        f"as it was to resume, or prepare into a new --out"), proc.stderr
+        f"as it was to resume, or start afresh in a new output folder (--out, or --stage for a "
+        f"remote --out)"), proc.stderr
     assert {p: p.read_bytes() for p in (tmp_path / "late").iterdir() if p.is_file()} == before
-    added.unlink()  # put back: resumes, to what an uninterrupted run writes
+    # put back (an image copied over with new times is no change): the rerun resumes, to
+    # what an uninterrupted run writes
+    added.unlink()
+    os.utime(raw / "cat" / "0001.jpg", ns=(0, 0))
     assert prepared(tmp_path / "late").returncode == 0
     assert prepared(tmp_path / "whole").returncode == 0
     whole = sorted(p.name for p in (tmp_path / "whole").glob("*.tar"))

@@ -12,9 +12,9 @@ state never names data that is not there, after a kill or a power loss alike; wh
 listed after the last state is listed again.
 
 A rerun replays the saved entries, cuts the last spill file back to its saved length and reads on
-from the next inner tar. The state also records the size and modification time of ``--src``
-(of each file in it, for a folder): a source that changed since is scanned again from the
-start, with a warning.
+from the next inner tar. The state also records :func:`source_fingerprint` of ``--src`` (the
+size and modification time of the outer tar, or of each per-synset tar): a source that changed
+since is scanned again from the start, with a warning.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
-from .sources import Entry
+from .sources import Entry, is_image
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,14 @@ STATE = "state.json"
 
 
 def source_fingerprint(src: str) -> str:
-    """Size and modification time of ``src``; of a folder, of every file below it (a tar
-    rewritten in place, by ``rsync --inplace`` say, leaves its folder's time alone, and an image
-    added to a class folder leaves the root's alone). Hidden files are left out, as the sources
-    leave them out; links are followed, as the sources follow them, down to the deepest level a
-    source reads (``ROOT/split/class/image``), so a link loop ends."""
+    """What says that ``src`` changed: the size and modification time of a file (a tar or a
+    pickle, whose byte ranges the index holds, rewritten in place by ``rsync --inplace`` say);
+    below a folder, of each such file, and of each image its path alone (an image is read
+    whole when its shard is written, so an image added, removed or renamed changes the
+    output, one copied over with new times does not; and a name costs no stat, which over
+    millions of images on a network file system would be hours). Hidden files are left out,
+    as the sources leave them out; links are followed, as the sources follow them, down to the
+    deepest level a source reads (``ROOT/split/class/image``), so a link loop ends."""
     if not os.path.isdir(src):
         stat = os.stat(src)
         return f"{stat.st_size}:{stat.st_mtime_ns}"
@@ -56,12 +59,14 @@ def source_fingerprint(src: str) -> str:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(f for f in files if not f.startswith(".")):
             path = os.path.join(folder, name)
-            try:
-                stat = os.stat(path)
-            except FileNotFoundError:  # a link to nothing
-                continue
-            digest.update(f"{os.path.relpath(path, src)}:{stat.st_size}:{stat.st_mtime_ns}\n"
-                          .encode("utf-8", "surrogateescape"))
+            line = os.path.relpath(path, src)
+            if not is_image(name):
+                try:
+                    stat = os.stat(path)
+                except FileNotFoundError:  # a link to nothing
+                    continue
+                line += f":{stat.st_size}:{stat.st_mtime_ns}"
+            digest.update(f"{line}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
@@ -69,12 +74,13 @@ class ScanJournal:
     """The saved progress of one source's index pass, in ``folder``."""
 
     def __init__(self, folder: Path, src: str, fingerprint: str) -> None:
+        """``fingerprint``: :func:`source_fingerprint` of ``src``, computed once per run."""
         self.folder, self.src = Path(folder), src
         self._buffer: List[Entry] = []
         self._chunks: List[str] = []
         self._saved_at = time.monotonic()
         self.state: Optional[dict] = None  # where a resumed pass goes on from; None: the start
-        self._src_was = [src, fingerprint]  # source_fingerprint(src)
+        self._src_was = [src, fingerprint]
         path = self.folder / STATE
         if path.is_file():
             state = json.loads(path.read_text())

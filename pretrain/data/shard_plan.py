@@ -95,7 +95,8 @@ def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
             raise PrepareError(f"{src} changed (files added, removed or rewritten) since this "
                                f"run listed it, and shards of that listing are written in "
                                f"{work.parent}; put the source back as it was to resume, or "
-                               f"prepare into a new --out")
+                               f"start afresh in a new output folder (--out, or --stage for a "
+                               f"remote --out)")
         log.warning("%s changed since this run listed it, before any shard was written: "
                     "listing it again", src)
         cache.unlink()
