@@ -166,12 +166,8 @@ def _safetensors(p: Path) -> ModelFile:
         raise ModelFileError(f"MODEL '{p}' is a timm backbone export without a head; evaluate "
                              f"the full export (launch/export.py --out FILE.safetensors)")
     if meta.get("format") == FULL_FORMAT:  # launch/export.py: spec and config in the header
-        import yaml
-
-        from pretrain.model import ViTSpec
-        spec = ViTSpec(**json.loads(meta["spec"]))
-        run_config = yaml.safe_load(meta.get("config") or "") or {}
-        mf = _built(p, "safetensors file (export)", spec_config(spec), state, run_config,
+        model_cfg, run_config = _header_model(meta)
+        mf = _built(p, "safetensors file (export)", model_cfg, state, run_config,
                     step=_int(meta.get("step")))
         mf.source_run_id = meta.get("tracking_run_id")
         src = Path(meta["source"]) if meta.get("source") else None  # the checkpoint dir
@@ -187,11 +183,7 @@ def _safetensors(p: Path) -> ModelFile:
     if run_config.get("model"):
         model_cfg = _model_config(run_config, p.parent / RUN_CONFIG)
     elif "spec" in meta:  # a file copied out of its run carries its architecture and config
-        import yaml
-
-        from pretrain.model import ViTSpec
-        model_cfg = spec_config(ViTSpec(**json.loads(meta["spec"])))
-        run_config, in_run = yaml.safe_load(meta.get("config") or "") or {}, False
+        (model_cfg, run_config), in_run = _header_model(meta), False
     else:  # written by an older version: the timm folder of the same name knows the rest
         model_cfg, normalize = _from_sibling_folder(p, card)
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
@@ -205,6 +197,16 @@ def _safetensors(p: Path) -> ModelFile:
         mf.notes.append(f"{p} does not say how its inputs were normalised and no {RUN_CONFIG} "
                         f"is next to it: assuming the default, minus_one_one")
     return mf
+
+
+def _header_model(meta: dict) -> tuple[ModelConfig, dict]:
+    """The architecture and run config a file's safetensors header carries (``spec``, ``config``:
+    export.py's full file, and a fine-tune's exports)."""
+    import yaml
+
+    from pretrain.model import ViTSpec
+    spec = ViTSpec(**json.loads(meta["spec"]))
+    return spec_config(spec), yaml.safe_load(meta.get("config") or "") or {}
 
 
 def _checkpoint(p: Path) -> ModelFile:

@@ -143,11 +143,10 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         (tmp_path / "alone").mkdir()
         shutil.copy(tmp_path / "final.safetensors", tmp_path / "alone")
         alone = load_model(tmp_path / "alone" / "final.safetensors")
-        with_folder = load_model(tmp_path / "final.safetensors")
+        folder = load_model(tmp_path / "final")  # what timm's config.json says of the run
         assert alone.run_dir is None and alone.source_run_id == ft.run_id and not alone.notes
         assert (alone.name, alone.img_size, alone.num_classes, alone.normalize) == (
-            with_folder.name, with_folder.img_size, with_folder.num_classes,
-            with_folder.normalize)
+            folder.name, folder.img_size, folder.num_classes, folder.normalize)
         from pretrain import evaluate_model
         ev = evaluate_model.evaluate(alone, str(ft.data), "test", workers=0)
         assert ev.top1 == pytest.approx(ft.top1, abs=1e-9)

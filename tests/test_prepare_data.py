@@ -528,6 +528,22 @@ def test_cli_writes_shards(i21k, tmp_path):
     assert read_info(tmp_path / "cli").splits.keys() == {"train", "validation"}
 
 
+def test_a_synset_tar_cut_between_two_images_is_warned_about(i21k, tmp_path):
+    """A download cut off exactly where a member starts lists as a shorter, valid tar."""
+    raw, _, _ = i21k
+    cut = tmp_path / "cut"
+    shutil.copytree(raw.root, cut)
+    tar_path = cut / f"{I21K_SYNSETS[0]}.tar"
+    with tarfile.open(tar_path) as tar:
+        second = tar.getmembers()[1].offset  # where the second member's header starts
+    tar_path.write_bytes(tar_path.read_bytes()[:second])
+    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(cut), "--out",
+                        str(tmp_path / "out"), "--val-count", "0", "--workers", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{tar_path} does not end as a tar does (a download cut off?): 1 images listed " \
+           f"from it; download it again if it holds more" in proc.stderr
+
+
 def test_cli_bad_input_is_one_line_naming_the_fix(i21k, tmp_path):
     raw, _, _ = i21k
     proc = run_launcher("prepare_data.py", "imagenet21k", "--out", str(tmp_path / "x"))

@@ -73,7 +73,7 @@ def check_reference_reads(urls: List[str]) -> None:
     from webdataset.gopen import gopen_schemes
 
     scheme = urls[0].split("://", 1)[0] if "://" in urls[0] else ""
-    if scheme and scheme not in gopen_schemes:
+    if scheme not in ("", "file", *gopen_schemes):  # file: gopen's own, outside the table
         raise LoaderError(f"--shards {urls[0].rsplit('/', 1)[0]}: the reference pipeline "
                           f"(webdataset's own opener) cannot read {scheme}://; copy a few "
                           f"shards and their _info.json to a local folder and benchmark that")

@@ -208,8 +208,15 @@ def _list_tar(path: str) -> List[Tuple[str, int, int]]:
     """(sample key, byte offset, size) of each image in the tar at ``path``: its headers only."""
     try:
         with tarfile.open(path, "r:") as tar:
-            return [(sample_key(os.path.splitext(os.path.basename(m.name))[0]), m.offset_data,
-                     m.size) for m in tar if m.isfile() and is_image(m.name)]
+            listed = [(sample_key(os.path.splitext(os.path.basename(m.name))[0]), m.offset_data,
+                       m.size) for m in tar if m.isfile() and is_image(m.name)]
+        with open(path, "rb") as f:  # a tar ends in two zero blocks: a cut between members
+            f.seek(max(0, os.path.getsize(path) - 1024))  # lists fine without them
+            if f.read() != bytes(1024):
+                log.warning("%s does not end as a tar does (a download cut off?): %d images "
+                            "listed from it; download it again if it holds more", path,
+                            len(listed))
+        return listed
     except tarfile.TarError as e:  # not an OSError: it would end the run as a traceback
         # an error page saved as the tar, or a download cut off: one of 21k files, named
         raise PrepareError(f"{path} is not a readable tar ({e}); download it again, or move it "
