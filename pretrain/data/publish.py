@@ -196,7 +196,7 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
                 raise PrepareError(f"{location} is not empty and holds no prepare_data output; "
                                    f"choose a new or empty --out prefix")
             return
-        recorded, what = marker["prepare"], "an unfinished upload"
+        recorded, what = marker.get("prepare"), "an unfinished upload"
         if recorded is None:  # an older marker, without settings: nothing to compare
             return
     if recorded != settings:
