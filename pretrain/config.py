@@ -257,9 +257,16 @@ class TrainConfig(Section):
         if accum is None:
             accum, rem = divmod(g, w * micro)
             if rem or accum == 0:
+                fix = f"a train.global_batch_size that is a multiple of {w * micro}"
+                if g % w == 0:  # the micro-batch is what does not fit (more ranks than planned)
+                    fits = max(d for d in range(1, min(micro, g // w) + 1) if (g // w) % d == 0)
+                    fix = (f"set train.micro_batch_size={fits} ({g} / {w} ranks = {g // w} per "
+                           f"rank), or " + fix)
+                else:
+                    fix = "pick " + fix
                 raise ConfigError(
                     f"train.global_batch_size={g} is not divisible by world size {w} x "
-                    f"train.micro_batch_size {micro}; pick a multiple of {w * micro}")
+                    f"train.micro_batch_size {micro}; {fix}")
         if w * micro * accum != g:
             raise ConfigError(
                 f"train.global_batch_size={g} != world size {w} x train.micro_batch_size {micro} "

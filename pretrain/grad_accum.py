@@ -10,7 +10,7 @@ DeepSpeed reduces the gradients across the ranks (with one rank, fp32 summed exa
 and -3). The ImageNet-21k recipes' batch of 4096 makes 4 micro-batches per step on 8 GPUs and
 32 on one, so ``deepspeed.grad_accum_dtype`` defaults to fp32. Its price is memory and one
 addition per micro-batch: at ZeRO-1 an fp32 copy of all the gradients beside the bf16 ones
-(about 1.2 GB for ViT-L/16, 2.5 GB for ViT-H/14), from ZeRO-2 on an fp32 gradient partition
+(about 1.2 GiB for ViT-L/16, 2.5 GiB for ViT-H/14), from ZeRO-2 on an fp32 gradient partition
 instead of a bf16 one.
 
 What DeepSpeed does with fp32 accumulation depends on the stage:

@@ -25,21 +25,26 @@ def _gib(n: float) -> str:
 
 
 def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
-                      gpus_per_node: int) -> int:
-    """Parameters + gradients + Adam states per GPU (mixed precision), without activations."""
+                      gpus_per_node: int, fp32_sums: bool = False) -> int:
+    """Parameters + gradients + Adam states per GPU (mixed precision), without activations.
+    ``fp32_sums``: a step's micro-batch gradients summed in fp32 (see grad_accum)."""
+    # DeepSpeed's estimators divide by nodes x GPUs per node: a world that is no whole number
+    # of nodes is given to them as one node, so the divisor is the world itself
+    per_node, nodes = ((gpus_per_node, world // gpus_per_node) if world % gpus_per_node == 0
+                       else (world, 1))
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         return estimate_zero3_model_states_mem_needs(
-            params, largest_layer, num_gpus_per_node=min(gpus_per_node, world),
-            num_nodes=max(1, world // gpus_per_node), cpu_offload=False)[1]
+            params, largest_layer, num_gpus_per_node=per_node, num_nodes=nodes,
+            cpu_offload=False)[1]
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
         return estimate_zero2_model_states_mem_needs(
-            params, num_gpus_per_node=min(gpus_per_node, world),
-            num_nodes=max(1, world // gpus_per_node), cpu_offload=False)[1]
+            params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False)[1]
     # DeepSpeed has no estimator for these: 16-bit params and grads (2 + 2 bytes) replicated,
-    # fp32 master weights, fp32 grads and Adam's two moments (16 bytes) sharded (ZeRO-1) or not.
-    return 4 * params + 16 * params // (world if stage == 1 else 1)
+    # fp32 master weights, fp32 grads and Adam's two moments (16 bytes) sharded (ZeRO-1) or not;
+    # summing in fp32, ZeRO-1 keeps an fp32 copy of all the gradients besides (4 bytes)
+    return (4 + 4 * fp32_sums) * params + 16 * params // (world if stage == 1 else 1)
 
 
 # A plan tries a remote data.root this often: a run's own data.read_attempts can take minutes.
@@ -117,6 +122,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     ValueError for a world, node size, MFU or epoch size no run can have (the launchers' own
     checks of --world-size, --gpus-per-node, --mfu and --samples reject them first)."""
     from pretrain.deepspeed_json import deepspeed_config, zero_stage
+    from pretrain.grad_accum import HALF, summed_in
 
     if world < 1 or gpus_per_node < 1 or not 0 < mfu <= 1 or (
             samples_per_epoch is not None and samples_per_epoch < 1):
@@ -126,23 +132,27 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
 
     lines, model, params, (micro, accum), info = describe(cfg, world)
     flops = model.spec.train_flops_per_image()
-    stage = zero_stage(deepspeed_config(cfg, micro, accum, world))
+    ds = deepspeed_config(cfg, micro, accum, world)
+    stage = zero_stage(ds)
+    fp32_sums = accum > 1 and summed_in(ds, cfg.train.precision) == "fp32" \
+        and cfg.train.precision in HALF
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node)
+    mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node, fp32_sums)
     ckpt = ", fewer with activation checkpointing" if cfg.train.activation_checkpointing else ""
+    sums = ", the fp32 gradient sums" if fp32_sums and stage <= 1 else ""
     lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
-                 f"(params, grads, optimizer; activations come on top{ckpt})")
+                 f"(params, grads{sums}, optimizer; activations come on top{ckpt})")
 
     samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
                                     if info else None)
     if cfg.train.total_steps:
         steps = cfg.train.total_steps
-        per_epoch = f"{samples // cfg.train.global_batch_size:,}" if samples else "unknown"
+        per_epoch = f"{samples / cfg.train.global_batch_size:,.1f}" if samples else "unknown"
         lines.append(f"steps: {steps:,} (steps per epoch: {per_epoch})")
     elif samples:
         per_epoch = samples / cfg.train.global_batch_size
         steps = int(-(-cfg.train.epochs * samples // cfg.train.global_batch_size))
-        lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x {per_epoch:,.0f} steps "
+        lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x {per_epoch:,.1f} steps "
                      f"per epoch ({samples:,} samples)")
     else:
         steps = None

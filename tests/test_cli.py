@@ -17,16 +17,22 @@ def test_misspelled_key_is_one_line_naming_it_and_the_fix():
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("recipe,params,backbone,tflop", [
-    ("vit_l16_i21k.yaml", "326.7 M", "303.3 M", "0.369 TFLOP"),
-    ("vit_h14_i21k.yaml", "660.4 M", "630.8 M", "1.004 TFLOP"),
+# On one GPU the batch of 4096 is 32 (ViT-L/16) or 64 (ViT-H/14) micro-batches summed in fp32:
+# ZeRO-1 holds bf16 params and grads (2 + 2 bytes), the fp32 gradient sums (4) and the fp32
+# master weights, gradient partition and Adam moments (16): 24 bytes a parameter.
+@pytest.mark.parametrize("recipe,params,backbone,tflop,memory", [
+    ("vit_l16_i21k.yaml", "326.7 M", "303.3 M", "0.369 TFLOP", "7.3 GiB"),
+    ("vit_h14_i21k.yaml", "660.4 M", "630.8 M", "1.004 TFLOP", "14.8 GiB"),
 ])
-def test_dry_run_of_the_i21k_recipes_prints_size_and_flops(recipe, params, backbone, tflop):
+def test_dry_run_of_the_i21k_recipes_prints_size_and_flops(recipe, params, backbone, tflop,
+                                                           memory):
     proc = run_launcher("pretrain.py", "--config", f"configs/pretrain/{recipe}", "--dry-run",
                         "--local_rank=0")  # what the DeepSpeed launcher appends
     assert proc.returncode == 0, proc.stderr
     assert f"params: {params} (backbone {backbone}" in proc.stdout
     assert f"train FLOPs per image: {tflop}" in proc.stdout
+    assert f"memory per GPU, ZeRO-1: {memory} of model states (params, grads, the fp32 " \
+           f"gradient sums, optimizer;" in proc.stdout
     resolved = yaml.safe_load(proc.stdout.split("\nmodel: vit_")[0])
     assert resolved["model"]["num_classes"] == 21843
 
@@ -37,7 +43,15 @@ def test_dry_run_rejects_a_batch_that_does_not_split_over_the_world():
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "error: train.global_batch_size=4096 is not divisible by world size 48 x "
-        "train.micro_batch_size 128; pick a multiple of 6144"]
+        "train.micro_batch_size 128; pick a train.global_batch_size that is a multiple of 6144"]
+    # more ranks than the recipe's micro-batch allows: the micro-batch that fits is named
+    proc = run_launcher("pretrain.py", "--config", "configs/pretrain/vit_l16_i21k.yaml",
+                        "--dry-run", "--world-size", "64")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "error: train.global_batch_size=4096 is not divisible by world size 64 x "
+        "train.micro_batch_size 128; set train.micro_batch_size=64 (4096 / 64 ranks = 64 per "
+        "rank), or a train.global_batch_size that is a multiple of 8192"]
 
 
 def test_print_config_shows_the_resolved_overrides():
