@@ -71,6 +71,11 @@ class FinetuneConfig(RunConfig):
     launcher: ClassVar[str] = "launch/finetune.py"
     # a fine-tune resumed with another init would keep the weights it started from
     identity_keys: ClassVar = ("model", "init")
+    # what a fine-tune's recipe (or an override) must say: a pretraining recipe, whose keys the
+    # fine-tune's config all has, would otherwise plan a fine-tune from scratch into its run
+    recipe_keys: ClassVar = {"init": "a fine-tune starts from a pretraining run (init=runs/NAME) "
+                                     "or from scratch (init=null); a pretraining recipe runs "
+                                     "with launch/pretrain.py"}
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint "
                                 "dir, export file, timm folder or state dict, Google .npz; "
                                 "null: from scratch")

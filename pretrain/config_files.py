@@ -37,9 +37,13 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
         _set_dotted(raw, key, value)
     _keep_section_defaults(schema, raw, getattr(schema, "exclusive_keys", ()))
     try:
-        return schema.model_validate(raw)
+        cfg = schema.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_describe(e, schema)) from None
+    for key, why in getattr(schema, "recipe_keys", {}).items() if path is not None else ():
+        if key not in raw:  # (an override is in raw by now)
+            raise ConfigError(f"config file '{path}' sets no {key}: {why}")
+    return cfg
 
 
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:

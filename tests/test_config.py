@@ -160,6 +160,15 @@ def test_a_config_of_the_other_stage_or_a_dotted_yaml_key_is_named_as_such(tmp_p
     with pytest.raises(ConfigError, match="^'data.dev_fraction', 'init' are keys of "
                                           "launch/finetune.py, not launch/pretrain.py"):
         load_config(PretrainConfig, REPO / "configs/finetune/demo.yaml")
+    # a pretraining recipe holds no key the fine-tune lacks: it is its missing init that tells
+    with pytest.raises(ConfigError) as e:
+        load_config(FinetuneConfig, REPO / "configs/pretrain/vit_l16_i21k.yaml")
+    assert str(e.value) == (f"config file '{REPO / 'configs/pretrain/vit_l16_i21k.yaml'}' sets "
+                            f"no init: a fine-tune starts from a pretraining run "
+                            f"(init=runs/NAME) or from scratch (init=null); a pretraining "
+                            f"recipe runs with launch/pretrain.py")
+    assert load_config(FinetuneConfig, REPO / "configs/pretrain/vit_l16_i21k.yaml",
+                       ["init=null"]).init is None  # said in an override: as meant
     flat = tmp_path / "flat.yaml"
     flat.write_text("optimizer.lr: 1.0e-3\n")
     with pytest.raises(ConfigError, match=r"^config key 'optimizer.lr' is written dotted in a YAML "
@@ -195,7 +204,7 @@ def test_setting_one_train_key_keeps_the_stages_other_train_defaults(tmp_path):
     recipe = tmp_path / "fp32.yaml"
     recipe.write_text("train: {precision: fp32}\n")
     for cfg in (load_config(FinetuneConfig, None, ["train.precision=fp32"]),
-                load_config(FinetuneConfig, recipe)):
+                load_config(FinetuneConfig, recipe, ["init=null"])):  # (a recipe says its init)
         assert cfg.train.precision == "fp32"
         assert (cfg.train.global_batch_size, cfg.train.total_steps, cfg.train.epochs) == (
             512, 20_000, None)
@@ -204,8 +213,8 @@ def test_setting_one_train_key_keeps_the_stages_other_train_defaults(tmp_path):
         4096, None, 90)
     # the run's length given the other way replaces the default one, in a file or an override
     recipe.write_text("train: {epochs: 3}\n")
-    for cfg in (load_config(FinetuneConfig, recipe), load_config(FinetuneConfig, None,
-                                                                 ["train.epochs=3"])):
+    for cfg in (load_config(FinetuneConfig, recipe, ["init=null"]),
+                load_config(FinetuneConfig, None, ["train.epochs=3"])):
         assert (cfg.train.global_batch_size, cfg.train.total_steps, cfg.train.epochs) == (
             512, None, 3)
     recipe.write_text("train: {total_steps: 7}\n")
