@@ -105,9 +105,11 @@ def resolve_spec(cfg: ModelConfig) -> ViTSpec:
     if arch["embed_dim"] % arch["num_heads"]:
         raise ConfigError(f"config key 'model.num_heads': width {arch['embed_dim']} is not "
                           f"divisible by {arch['num_heads']} heads")
-    if arch["img_size"] % arch["patch_size"]:
-        raise ConfigError(f"config key 'model.img_size': {arch['img_size']} is not divisible by "
-                          f"the patch size {arch['patch_size']}")
+    size, patch = arch["img_size"], arch["patch_size"]
+    if size % patch:
+        near = sorted({max(patch, size // patch * patch), (size // patch + 1) * patch})
+        raise ConfigError(f"config key 'model.img_size': {size} is not divisible by the patch "
+                          f"size {patch}; use {' or '.join(map(str, near))}")
     return ViTSpec(name=cfg.name, num_prefix_tokens=1 + _timm_arch(cfg.name)[-1],
                    representation_size=cfg.representation_size, num_classes=cfg.num_classes,
                    **arch)

@@ -171,7 +171,9 @@ def test_any_timm_vit_with_overrides():
 
 @pytest.mark.parametrize("kw,key", [
     (dict(num_heads=5), "model.num_heads"),
-    (dict(img_size=100), "model.img_size"),
+    (dict(img_size=100), "model.img_size': 100 is not divisible by the patch size 16; use 96 "
+                         "or 112"),
+    (dict(name="vit_huge_patch14_224", img_size=384), "use 378 or 392"),
     (dict(name="resnet50"), "model.name"),
     (dict(name="vit_larg_patch16_224"), "did you mean 'vit_large_patch16_224'"),
 ])
