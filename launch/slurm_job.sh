@@ -115,6 +115,9 @@ run_step() {
       2|3) say "not requeued: exit code $rc means a person must look (2 bad input, 3 see the log)" ;;
       *) requeue || true ;;
     esac
+  elif (( GOT_TERM )); then  # scancel, a preemption or the time limit, with REQUEUE_ON_TERM=0
+    say "not requeued: SIGTERM ended the job (scancel, a preemption, the time limit) and" \
+        "REQUEUE_ON_TERM=0; scontrol requeue $SLURM_JOB_ID or resubmit to resume"
   elif (( rc == 4 )); then
     say "not requeued: the ranks stopped on a signal that did not come through this shell;" \
         "scontrol requeue $SLURM_JOB_ID or resubmit to resume"

@@ -263,6 +263,10 @@ def test_sigterm_requeues_only_when_configured(requeue_on_term, standins):
         "the batch shell must not send anything more to the step on SIGTERM"
     assert rc == 4, out
     assert _requeues(tmp_path) == ([["requeue", "4242"]] if requeue_on_term == "1" else []), out
+    if requeue_on_term == "0":  # what ended it, not another signal, is named
+        assert "not requeued: SIGTERM ended the job (scancel, a preemption, the time limit) " \
+               "and REQUEUE_ON_TERM=0; scontrol requeue 4242 or resubmit to resume" in out, out
+        assert "did not come through this shell" not in out
 
 
 def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):
