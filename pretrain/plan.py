@@ -20,6 +20,11 @@ def _m(n: float) -> str:
     return f"{n / 1e6:.1f} M"
 
 
+def _steps_per_epoch(samples: int, batch: int) -> str:
+    # not rounded: the total is the epochs' samples over the batch, rounded up once
+    return f"{samples // batch:,}" if samples % batch == 0 else f"{samples / batch:,.1f}"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:.1f} GiB"
 
@@ -147,13 +152,14 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
                                     if info else None)
     if cfg.train.total_steps:
         steps = cfg.train.total_steps
-        per_epoch = f"{samples / cfg.train.global_batch_size:,.1f}" if samples else "unknown"
+        per_epoch = _steps_per_epoch(samples, cfg.train.global_batch_size) if samples \
+            else "unknown"
         lines.append(f"steps: {steps:,} (steps per epoch: {per_epoch})")
     elif samples:
-        per_epoch = samples / cfg.train.global_batch_size
         steps = int(-(-cfg.train.epochs * samples // cfg.train.global_batch_size))
-        lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x {per_epoch:,.1f} steps "
-                     f"per epoch ({samples:,} samples)")
+        lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x "
+                     f"{_steps_per_epoch(samples, cfg.train.global_batch_size)} steps per epoch "
+                     f"({samples:,} samples)")
     else:
         steps = None
         lines.append("steps: unknown (data.root's info file is not read here; give the "
