@@ -156,6 +156,12 @@ def test_dry_run_plans_with_the_flags_given():
     assert "steps per epoch: 100" in proc.stdout
     assert "time to finish at 100% MFU of 989 TFLOP/s per GPU" in proc.stdout
     assert "on 2 GPU(s)" in proc.stdout
+    # an epoch the batch does not divide: its steps are not rounded (the total is, once)
+    from pretrain.config_files import load_config
+    from pretrain.plan import plan
+    text = plan(load_config(PretrainConfig, None, ["train.global_batch_size=64", "train.epochs=3"]),
+                world=2, samples_per_epoch=6410)
+    assert "steps: 301 = 3 epochs x 100.2 steps per epoch (6,410 samples)" in text
 
 
 def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tiny_data, tmp_path):
