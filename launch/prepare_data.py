@@ -105,7 +105,7 @@ def _stop(signum, frame):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)  # the pool's workers keep the default: they just end
+    signal.signal(signal.SIGTERM, _stop)  # (the pool's workers get the default back: they end)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)

@@ -62,8 +62,7 @@ def data_config(img_size: int, normalize: str = "minus_one_one",
 def file_overlay(c: Consolidated, path: Union[str, os.PathLike]) -> dict:
     """``pretrained_cfg_overlay`` for timm to load the backbone file at ``path`` and resolve the
     run's eval transform from it: timm's config of the name alone says 224 px, bicubic, 0.9."""
-    cfg = data_config(c.spec.img_size, _run_settings(c).get("normalize", "minus_one_one"),
-                      in_chans=c.spec.in_chans)
+    cfg = data_config(c.spec.img_size, _run_normalize(c), in_chans=c.spec.in_chans)
     return {"file": str(path), **{k: tuple(v) if isinstance(v, list) else v
                                   for k, v in cfg.items()}}
 
@@ -110,6 +109,11 @@ def _run_settings(c: Consolidated) -> dict:
     return {k: data[k] for k in ("normalize", "root") if data.get(k)}
 
 
+def _run_normalize(c: Consolidated) -> str:
+    """The run's ``data.normalize``, the project's default where its config does not say."""
+    return _run_settings(c).get("normalize", "minus_one_one")
+
+
 def timm_state(c: Consolidated, head: bool) -> dict:
     """ViTClassifier keys -> timm VisionTransformer keys, with or without the head."""
     state = timm_backbone_state(c.state_dict)
@@ -144,7 +148,7 @@ def write_timm_folder(source: Union[str, os.PathLike, Consolidated], out: Union[
     c = _as_consolidated(source)
     spec = c.spec
     run = _run_settings(c)
-    normalize = normalize or run.get("normalize", "minus_one_one")
+    normalize = normalize or _run_normalize(c)
     name, classes = dataset_description(dataset or run.get("root"))
     num_classes = spec.num_classes if head else 0
     state = timm_state(c, head)
