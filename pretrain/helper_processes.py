@@ -59,6 +59,7 @@ def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
                                initializer=_start_worker, initargs=(initializer, initargs))
     pending = collections.deque()
+    finished = False
     try:
         pending.extend(pool.submit(fn, item) for item in itertools.islice(items, ahead))
         while pending:
@@ -71,11 +72,19 @@ def pool_map(fn: Callable, items: Iterable, workers: int, *, ahead: int, ordered
             for item in itertools.islice(items, 1):
                 pending.append(pool.submit(fn, item))  # raises too once a worker has died
             yield result
+        finished = True
     except BrokenProcessPool:
         raise WorkerDied(f"a worker process of {workers} died (the OOM killer, or a "
                          f"signal)") from None
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if not finished:  # an error, Ctrl-C, or the caller stopped: the tasks under way are
+            # not wanted (a shard in flight is a .tmp file that a rerun removes)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                proc.terminate()
+        # Joined here, the pool's thread is not left to the interpreter's exit, where in
+        # CPython 3.11 its closing races concurrent.futures' exit hook ("OSError: Bad file
+        # descriptor" traceback after the run's own one-line error)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _start_worker(initializer: Optional[Callable], initargs: tuple) -> None:
