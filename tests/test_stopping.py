@@ -18,6 +18,9 @@ RANK = r'''
 import logging, os, sys, time
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+# a rank ends as the launchers end one: without the interpreter's C++ teardown, in which torch
+# 2.14 aborted now and then ("terminate called without an active exception", exit -6)
+from pretrain.interpreter import exit_without_teardown as leave
 from pretrain.stopping import StopSignals
 mode, out = sys.argv[2], sys.argv[3]
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
@@ -36,15 +39,15 @@ if mode == "agree":  # step boundaries every 50 ms until the ranks agree to stop
             stop.report_save(0.0, name)
             stop.restore()
             dist.destroy_process_group()  # as the trainer does (pretrain.distributed.leave)
-            sys.exit(4)
-    sys.exit(99)
+            leave(4)
+    leave(99)
 if mode == "finish":  # the run is over; rank 1 gets there seconds after rank 0
     time.sleep(4 * rank)
     stop.ending()
     stop.restore()
     dist.destroy_process_group()
     print(f"rank {rank} finished", flush=True)
-    sys.exit(0)
+    leave(0)
 if mode == "decoder":  # two ranks of one node build their transforms without simplejpeg
     os.environ["LOCAL_RANK"] = str(rank)
     from pretrain.data import transforms
@@ -53,7 +56,7 @@ if mode == "decoder":  # two ranks of one node build their transforms without si
     stop.ending()
     stop.restore()
     dist.destroy_process_group()
-    sys.exit(0)
+    leave(0)
 # "stuck": rank 1 leaves; rank 0 blocks in a system call that signals restart (as in a
 # collective library's wait), so no Python signal handler runs on its main thread
 if rank == 1:
