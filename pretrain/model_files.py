@@ -180,10 +180,13 @@ def _safetensors(p: Path) -> ModelFile:
     card = json.loads(meta["model_card"])
     run_config, in_run = _run_config(p.parent), True
     normalize = None
-    if run_config.get("model"):
+    if "spec" in meta:  # the file's own architecture and config: it may have left its run, or
+        # been copied into another run's folder, whose config.yaml is then not its settings
+        folder_config = run_config
+        model_cfg, run_config = _header_model(meta)
+        in_run = _same_run(p.parent, folder_config, run_config, card.get("tracking_run_id"))
+    elif run_config.get("model"):  # written by an older version, in its run's folder
         model_cfg = _model_config(run_config, p.parent / RUN_CONFIG)
-    elif "spec" in meta:  # a file copied out of its run carries its architecture and config
-        (model_cfg, run_config), in_run = _header_model(meta), False
     else:  # written by an older version: the timm folder of the same name knows the rest
         model_cfg, normalize = _from_sibling_folder(p, card)
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
@@ -197,6 +200,20 @@ def _safetensors(p: Path) -> ModelFile:
         mf.notes.append(f"{p} does not say how its inputs were normalised and no {RUN_CONFIG} "
                         f"is next to it: assuming the default, minus_one_one")
     return mf
+
+
+def _same_run(folder: Path, folder_config: dict, config: dict, run_id: Optional[str]) -> bool:
+    """Whether ``folder``, holding ``folder_config``, is the output_dir of the run whose config
+    a file carries: the same MLflow run where both name one, else the same model, init, dataset
+    and normalisation (what a run resumed there keeps; a run moved whole is still its run)."""
+    if not folder_config:
+        return False
+    state = _run_state(folder)
+    if run_id and state is not None and state.run_id:
+        return state.run_id == run_id
+    data = [(c.get("data") or {}) for c in (folder_config, config)]
+    return all(folder_config.get(k) == config.get(k) for k in ("model", "init")) and all(
+        data[0].get(k) == data[1].get(k) for k in ("root", "normalize"))
 
 
 def _header_model(meta: dict) -> tuple[ModelConfig, dict]:
@@ -381,15 +398,22 @@ def _attach_run(mf: ModelFile, *candidates: Path) -> None:
             return
 
 
-def _find_source_run(mf: ModelFile) -> None:
+def _run_state(run_dir: Path):
+    """The run's ``tracking/run.json`` (its MLflow run), or None."""
     from pretrain.spool import STATE, TRACKING_DIR, RunState
 
-    if mf.run_dir is None or not (mf.run_dir / TRACKING_DIR / STATE).is_file():
-        return
+    if not (run_dir / TRACKING_DIR / STATE).is_file():
+        return None
     try:
-        state = RunState.load(mf.run_dir / TRACKING_DIR)
+        return RunState.load(run_dir / TRACKING_DIR)
     except (OSError, ValueError, TypeError) as e:
-        log.info("cannot read %s (%s)", mf.run_dir / TRACKING_DIR / STATE, _first_line(e))
+        log.info("cannot read %s (%s)", run_dir / TRACKING_DIR / STATE, _first_line(e))
+        return None
+
+
+def _find_source_run(mf: ModelFile) -> None:
+    state = _run_state(mf.run_dir) if mf.run_dir is not None else None
+    if state is None:
         return
     if mf.source_run_id is None:
         mf.source_run_id = state.run_id

@@ -154,6 +154,44 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         hidden.rename(ft.out)
 
 
+def test_a_file_copied_into_another_runs_folder_is_read_with_its_own_settings(ft, tmp_path):
+    """The folder's config.yaml is another run's: with the same architecture but the other
+    normalisation it would be evaluated with the wrong inputs, a figure silently off."""
+    import shutil
+
+    import yaml
+
+    from pretrain import evaluate_model
+    from pretrain.model_files import load_model
+
+    other = tmp_path / "other-run"
+    other.mkdir()
+    config = yaml.safe_load((ft.out / "config.yaml").read_text())
+    theirs = {"minus_one_one": "imagenet", "imagenet": "minus_one_one"}[config["data"]["normalize"]]
+    config["data"]["normalize"], config["output_dir"] = theirs, str(other)
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.copy(ft.out / "final.safetensors", other)
+    at_home = load_model(ft.out / "final.safetensors")
+    assert at_home.run_dir == ft.out and at_home.source_uri == ft.uri
+
+    mf = load_model(other / "final.safetensors")
+    assert mf.normalize == at_home.normalize != theirs
+    assert mf.run_dir is None and mf.source_run_id == ft.run_id
+    ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
+    assert ev.top1 == pytest.approx(ft.top1, abs=1e-9) and ev.reported is None
+
+    # the same settings but another MLflow run in that folder: still not the file's run
+    config["data"]["normalize"] = at_home.normalize
+    (other / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.copytree(ft.out / "tracking", other / "tracking",
+                    ignore=shutil.ignore_patterns("lock", "spool*", "artifacts"))
+    state = json.loads((other / "tracking/run.json").read_text())
+    (other / "tracking/run.json").write_text(json.dumps({**state, "run_id": "0" * 32}))
+    assert load_model(other / "final.safetensors").run_dir is None
+    (other / "tracking/run.json").write_text(json.dumps(state))  # and with its own run id: its run
+    assert load_model(other / "final.safetensors").run_dir == other
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_long_split_shows_its_progress_with_a_rate_and_an_eta(ft, caplog, workers):
     """Images done count the split's images only: with 2 workers the loader pads each worker's
