@@ -53,6 +53,7 @@ for ROOT in "$(dirname "${BASH_SOURCE[0]}")/.." "$(dirname "${ORIGINAL:-.}")/.."
 done
 [[ -f $ROOT/launch/slurm_job.sh ]] || {
   echo "launch/slurm_job.sh not found: submit from the repository root" >&2; exit 2; }
+ROOT=$(cd "$ROOT" && pwd)   # the trainer by its full path: the job runs in the submit dir
 # shellcheck source=launch/slurm_job.sh
 source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
@@ -60,5 +61,6 @@ source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 # shellcheck disable=SC2016  # expanded on each node, by design
 run_step '
   exec torchrun --nnodes "$1" --node_rank "$SLURM_NODEID" --nproc_per_node "$2" \
-    --master_addr "$3" --master_port "$4" launch/finetune.py --config "$5" "${@:6}"
-' "$SLURM_JOB_NUM_NODES" "$GPUS_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$CONFIG" "$@"
+    --master_addr "$3" --master_port "$4" "$5" --config "$6" "${@:7}"
+' "$SLURM_JOB_NUM_NODES" "$GPUS_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" \
+  "$ROOT/launch/finetune.py" "$CONFIG" "$@"

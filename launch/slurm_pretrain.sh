@@ -49,6 +49,7 @@ for ROOT in "$(dirname "${BASH_SOURCE[0]}")/.." "$(dirname "${ORIGINAL:-.}")/.."
 done
 [[ -f $ROOT/launch/slurm_job.sh ]] || {
   echo "launch/slurm_job.sh not found: submit from the repository root" >&2; exit 2; }
+ROOT=$(cd "$ROOT" && pwd)   # the trainer by its full path: the job runs in the submit dir
 # shellcheck source=launch/slurm_job.sh
 source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
@@ -62,5 +63,5 @@ while read -r node; do echo "$node slots=$GPUS_PER_NODE"; done <<< "$NODES" > "$
 # shellcheck disable=SC2016  # expanded on each node, by design
 run_step '
   exec deepspeed --hostfile "$1" --no_ssh --node_rank "$SLURM_NODEID" \
-    --master_addr "$2" --master_port "$3" launch/pretrain.py --config "$4" "${@:5}"
-' "$HOSTFILE" "$MASTER_ADDR" "$MASTER_PORT" "$CONFIG" "$@"
+    --master_addr "$2" --master_port "$3" "$4" --config "$5" "${@:6}"
+' "$HOSTFILE" "$MASTER_ADDR" "$MASTER_PORT" "$ROOT/launch/pretrain.py" "$CONFIG" "$@"

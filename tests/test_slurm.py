@@ -31,7 +31,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"pretrain": REPO / "launch" / "slurm_pretrain.sh",
            "finetune": REPO / "launch" / "slurm_finetune.sh"}
-TRAINER = {"pretrain": "launch/pretrain.py", "finetune": "launch/finetune.py"}
+# by its full path: the job runs in the submit dir, which need not be the checkout
+TRAINER = {"pretrain": str(REPO / "launch/pretrain.py"),
+           "finetune": str(REPO / "launch/finetune.py")}
 LAUNCHER = {"pretrain": "deepspeed", "finetune": "torchrun"}
 
 # Overrides a shell would mangle if the script pasted them into a command string.
@@ -321,15 +323,20 @@ def test_real_slurm_usr1_stops_every_rank_requeues_and_resumes(stage, standins):
     PartitionName=debug Nodes=<hostname> Default=YES MaxTime=INFINITE State=UP; then start
     munged (as user munge), slurmctld and slurmd."""
     tmp_path, env = standins
-    (tmp_path / "launch").mkdir()  # the job runs in tmp_path: its launch/*.py are rank stand-ins
-    shutil.copy(env["STANDIN_RANK"], tmp_path / TRAINER[stage])
+    # a checkout in tmp_path whose launch/*.py are rank stand-ins; the scripts find it through
+    # SLURM (the submitted script's path), as they find the real one
+    (tmp_path / "launch").mkdir()
+    for script in (SCRIPTS[stage], REPO / "launch/slurm_job.sh"):
+        shutil.copy(script, tmp_path / "launch")
+    shutil.copy(env["STANDIN_RANK"], tmp_path / "launch" / Path(TRAINER[stage]).name)
     job_env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     job_env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
                                       if p != str(tmp_path / "bin"))
     job_env.update(GPUS_PER_NODE="2", RANK_FINISH_ON_RESTART="1", NCCL_SOCKET_IFNAME="lo")
     submit = subprocess.run(
         ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=1",
-         "--time=30", f"--output={tmp_path}/job-%j.out", str(SCRIPTS[stage]),
+         "--time=30", f"--output={tmp_path}/job-%j.out",
+         str(tmp_path / "launch" / SCRIPTS[stage].name),
          "configs/x.yaml", *OVERRIDES],
         cwd=tmp_path, env=job_env, capture_output=True, text=True, timeout=30)
     assert submit.returncode == 0, submit.stderr
