@@ -166,7 +166,7 @@ class Remote:
     def connect(self, reopen: bool = True) -> str:
         """Find or create the run; ``reopen`` marks an ended run RUNNING again (a resumed job)."""
         from mlflow import MlflowClient
-        from mlflow.entities import Param
+        from mlflow.entities import Param, RunTag
         if self.client is None:
             self.client = MlflowClient(self.state.uri)
         s = self.state
@@ -181,6 +181,11 @@ class Remote:
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
+                # a resumed job's own tags (its ranks and hosts) replace the earlier job's
+                retag = {k: v for k, v in s.tags.items() if run.data.tags.get(k) != v}
+                if retag:
+                    self.client.log_batch(s.run_id, tags=[RunTag(k, v)
+                                                          for k, v in sorted(retag.items())])
                 # MLflow's count wins when this output_dir's run.json does not know the stops
                 s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
                 if reopen and run.info.status != "RUNNING":

@@ -293,9 +293,15 @@ class MlflowTracker:
                     return
                 if not self._down:
                     self._down = True
-                    log.warning("MLflow at %s unreachable (%s); training continues, metrics "
-                                "are kept and spooled to %s until it is back",
-                                redacted(self.state.uri), one_line(e), self.dir / SPOOL)
+                    if _from_the_server(e):
+                        log.warning("MLflow at %s unreachable (%s); training continues, "
+                                    "metrics are kept and spooled to %s until it is back",
+                                    redacted(self.state.uri), one_line(e), self.dir / SPOOL)
+                    else:  # not an outage: say so, with where, or it reads as one forever
+                        log.error("MLflow tracking failed on an error of this program, not of "
+                                  "the server at %s; training continues, metrics are kept and "
+                                  "spooled to %s; please report this", redacted(self.state.uri),
+                                  self.dir / SPOOL, exc_info=True)
                 wait = min(max(2 * wait, self.flush_every_s),
                            min(MAX_RETRY_WAIT_S, 10 * self.flush_every_s))
             else:
@@ -367,3 +373,10 @@ class MlflowTracker:
         if self._monitor is not None:
             self._monitor.finish()
         self._remote.finish(self.state.ended or "FINISHED")
+
+
+def _from_the_server(exc: BaseException) -> bool:
+    """Whether a failure can be the server's or the network's (MLflow's errors, a refused
+    connection, a timeout, a locked database), as opposed to a programming error here."""
+    return not isinstance(exc, (NameError, AttributeError, TypeError, ImportError, KeyError,
+                                IndexError, AssertionError))

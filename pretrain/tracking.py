@@ -6,7 +6,8 @@ Where runs go: :func:`pretrain.tracking_store.resolve_uri`.
 
 What a run records (made by :mod:`pretrain.run_info`): the resolved config flattened into
 params (``optimizer.lr``, ...); tags ``stage``, ``model``, ``dataset``, ``git.commit``,
-``git.dirty``, ``world_size``, ``hosts`` (+ lineage tags for fine-tunes); artifacts
+``git.dirty``, ``world_size``, ``hosts`` (the newest job's, with ``world_size.history`` once a
+resume changes it; + lineage tags for fine-tunes); artifacts
 ``config.yaml``, ``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the
 trainer's metrics against the global step; MLflow's own ``system/*`` metrics.
 
@@ -98,13 +99,12 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         state = earlier
         state.uri = uri
         state.run_id = run_id or earlier.run_id
+        state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
     else:
-        hosts = sorted(set(hosts))
         dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,
-                "dataset": dataset,
-                "world_size": str(world_size), "hosts": ",".join(hosts)[:4000],
-                "num_hosts": str(len(hosts)), "output_dir": str(Path(output_dir).resolve()),
+                "dataset": dataset, **_job_tags(world_size, hosts),
+                "output_dir": str(Path(output_dir).resolve()),
                 **git_info(REPO_ROOT), **(extra_tags or {})}
         params = flatten(cfg.model_dump(mode="json"))
         params.update({k: str(v) for k, v in (resolved or {}).items()
@@ -136,6 +136,24 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
+
+
+def _job_tags(world_size: int, hosts: Iterable[str]) -> dict:
+    hosts = sorted(set(hosts))
+    return {"world_size": str(world_size), "hosts": ",".join(hosts)[:4000],
+            "num_hosts": str(len(hosts))}
+
+
+def _resumed_job_tags(tags: Mapping[str, str], world_size: int, hosts: Iterable[str],
+                      resumed_at: int) -> dict:
+    """The ranks and hosts of the job now running the run (a requeued job may get other nodes,
+    or fewer); where the number of ranks changed, ``world_size.history`` says from which step
+    each ran (``8@0,4@1200``): throughput figures compare only within one stretch."""
+    new = _job_tags(world_size, hosts)
+    if tags.get("world_size") not in (None, new["world_size"]):
+        history = tags.get("world_size.history") or f"{tags['world_size']}@0"
+        new["world_size.history"] = f"{history},{world_size}@{resumed_at}"
+    return new
 
 
 def _set_aside(track_dir: Path) -> Optional[RunState]:

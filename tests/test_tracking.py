@@ -320,7 +320,8 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
         first.log({"train/loss": float(step)}, step)
     first.close()
     rid = first.run_id
-    second = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"],
+    # requeued onto two nodes of 4 ranks each
+    second = start_tracking(cfg, "pretrain", out, 0, world_size=8, hosts=["node3", "node1"] * 4,
                             run_id=rid, resumed_at=4)
     for step in range(5, 10):
         second.log({"train/loss": 10.0 + step}, step)
@@ -329,7 +330,36 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     # steps 5 and 6 keep the first job's values; 7-9 come from the resumed one
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.0),
                        (7, 17.0), (8, 18.0), (9, 19.0)]
-    assert the_run(client, exp).info.status == "FINISHED"
+    run = the_run(client, exp)
+    assert run.info.status == "FINISHED"
+    # the tags say what ran the run last, and from which step each number of ranks ran it
+    tags = run.data.tags
+    assert (tags["world_size"], tags["hosts"], tags["num_hosts"]) == ("8", "node1,node3", "2")
+    assert tags["world_size.history"] == "1@0,8@4"
+
+
+def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
+        tmp_path, monkeypatch, caplog):
+    """A bug in the delivery reads otherwise as "MLflow unreachable" for the whole run."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.spool import Remote
+    from pretrain.tracking import start_tracking
+
+    def broken(self, reopen=True):
+        raise AttributeError("'NoneType' object has no attribute 'run_id'")
+    monkeypatch.setattr(Remote, "connect", broken)
+    cfg = load_config(PretrainConfig, None, [
+        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.system_metrics=false",
+        "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5"])
+    with caplog.at_level(logging.INFO, logger="pretrain.tracking"):
+        tracker = start_tracking(cfg, "pretrain", tmp_path / "run", 0, world_size=1)
+        tracker.log({"train/loss": 1.0}, 1)
+        tracker.close()
+    errors = [r for r in caplog.records if "error of this program" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info[0] is AttributeError
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert read_jsonl(tmp_path / "run/tracking/spool.jsonl")[0]["metrics"] == {"train/loss": 1.0}
 
 
 KILLED_BEFORE_ITS_FIRST_CHECKPOINT = """
