@@ -266,6 +266,10 @@ def _rank_main(rank: int, world: int, port: int, kwargs: dict, queue) -> None:
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises
         queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
         raise
+    # as the trainer's ranks end: torch 2.14's gloo can abort the interpreter's teardown after
+    # destroy_process_group (exit -6), which would read as a failed rank
+    from pretrain.interpreter import exit_without_teardown
+    exit_without_teardown(0)
 
 
 def _measure_here(cfg_json: str, **kwargs) -> dict:
