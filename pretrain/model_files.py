@@ -22,7 +22,6 @@ refused with :class:`ModelFileError`: one line naming the problem and the fix.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from itertools import chain
@@ -33,11 +32,10 @@ from torch import nn
 
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, ModelConfig
-
-log = logging.getLogger(__name__)
+from pretrain.producing_run import (RUN_CONFIG, attach_run, find_source_run, run_config_at,
+                                    same_run)
 
 EMA_STATE = "custom_checkpoint_0.pkl"  # Accelerate's file for the first registered object
-RUN_CONFIG = "config.yaml"
 
 
 class ModelFileError(ConfigError):
@@ -97,7 +95,7 @@ def load_model(path) -> ModelFile:
         raise ModelFileError(
             f"MODEL '{path}' is a backbone without a classifier head (num_classes=0), nothing to "
             f"take top-1 of; evaluate the run's checkpoint or its full .safetensors export")
-    _find_source_run(mf)
+    find_source_run(mf)
     return mf
 
 
@@ -147,7 +145,7 @@ def _timm_folder(p: Path) -> ModelFile:
                    source_run_id=source.get("tracking_run_id"))
     # the card's source is the run's file or checkpoint: its run dir is one or two levels up
     src = Path(str(source["checkpoint"])) if source.get("checkpoint") else None
-    _attach_run(mf, *([src.parent, src.parent.parent] if src else []), p.parent)
+    attach_run(mf, *([src.parent, src.parent.parent] if src else []), p.parent)
     return mf
 
 
@@ -171,20 +169,20 @@ def _safetensors(p: Path) -> ModelFile:
                     step=_int(meta.get("step")))
         mf.source_run_id = meta.get("tracking_run_id")
         src = Path(meta["source"]) if meta.get("source") else None  # the checkpoint dir
-        _attach_run(mf, *([src.parent.parent] if src else []))
+        attach_run(mf, *([src.parent.parent] if src else []))
         return mf
     if "model_card" not in meta:
         raise ModelFileError(f"MODEL '{p}' carries no vitscale header (a fine-tune's "
                              f"model_card or export.py's format/spec); this command evaluates "
                              f"this project's models")
     card = json.loads(meta["model_card"])
-    run_config, in_run = _run_config(p.parent), True
+    run_config, in_run = run_config_at(p.parent), True
     normalize = None
     if "spec" in meta:  # the file's own architecture and config: it may have left its run, or
         # been copied into another run's folder, whose config.yaml is then not its settings
         folder_config = run_config
         model_cfg, run_config = _header_model(meta)
-        in_run = _same_run(p.parent, folder_config, run_config, card.get("tracking_run_id"))
+        in_run = same_run(p.parent, folder_config, run_config, card.get("tracking_run_id"))
     elif run_config.get("model"):  # written by an older version, in its run's folder
         model_cfg = _model_config(run_config, p.parent / RUN_CONFIG)
     else:  # written by an older version: the timm folder of the same name knows the rest
@@ -200,20 +198,6 @@ def _safetensors(p: Path) -> ModelFile:
         mf.notes.append(f"{p} does not say how its inputs were normalised and no {RUN_CONFIG} "
                         f"is next to it: assuming the default, minus_one_one")
     return mf
-
-
-def _same_run(folder: Path, folder_config: dict, config: dict, run_id: Optional[str]) -> bool:
-    """Whether ``folder``, holding ``folder_config``, is the output_dir of the run whose config
-    a file carries: the same MLflow run where both name one, else the same model, init, dataset
-    and normalisation (what a run resumed there keeps; a run moved whole is still its run)."""
-    if not folder_config:
-        return False
-    state = _run_state(folder)
-    if run_id and state is not None and state.run_id:
-        return state.run_id == run_id
-    data = [(c.get("data") or {}) for c in (folder_config, config)]
-    return all(folder_config.get(k) == config.get(k) for k in ("model", "init")) and all(
-        data[0].get(k) == data[1].get(k) for k in ("root", "normalize"))
 
 
 def _header_model(meta: dict) -> tuple[ModelConfig, dict]:
@@ -247,7 +231,7 @@ def _checkpoint(p: Path) -> ModelFile:
     mf = _built(ckpt, "pretraining checkpoint", spec_config(c.spec), c.state_dict, run_config,
                 step=c.step)
     mf.source_run_id = c.tracking_run_id
-    _attach_run(mf, ckpt.parent.parent)
+    attach_run(mf, ckpt.parent.parent)
     return mf
 
 
@@ -291,7 +275,7 @@ def _accelerate_checkpoint(ckpt: Path) -> ModelFile:
                 _model_config(run_config, ckpt / CLIENT_STATE), state, run_config,
                 step=_int(client.get("step")))
     mf.source_run_id = client.get("tracking_run_id")
-    _attach_run(mf, ckpt.parent.parent)
+    attach_run(mf, ckpt.parent.parent)
     return mf
 
 
@@ -374,51 +358,6 @@ def _from_sibling_folder(p: Path, card: dict) -> tuple[ModelConfig, Optional[str
                       num_classes=int(config.get("num_classes") or card.get("num_classes") or 0),
                       **{k: args[k] for k in keys if k in args})
     return cfg, normalize_of(config.get("pretrained_cfg") or {})
-
-
-# --------------------------------------------------------------------------------------------
-# The run that produced it
-# --------------------------------------------------------------------------------------------
-def _run_config(run_dir: Path) -> dict:
-    import yaml
-    try:
-        data = yaml.safe_load((run_dir / RUN_CONFIG).read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _attach_run(mf: ModelFile, *candidates: Path) -> None:
-    """The first candidate holding a run's config.yaml is the producing run's output_dir."""
-    for d in candidates:
-        cfg = _run_config(d)
-        if cfg:
-            mf.run_dir = d
-            mf.run_config = mf.run_config or cfg
-            return
-
-
-def _run_state(run_dir: Path):
-    """The run's ``tracking/run.json`` (its MLflow run), or None."""
-    from pretrain.spool import STATE, TRACKING_DIR, RunState
-
-    if not (run_dir / TRACKING_DIR / STATE).is_file():
-        return None
-    try:
-        return RunState.load(run_dir / TRACKING_DIR)
-    except (OSError, ValueError, TypeError) as e:
-        log.info("cannot read %s (%s)", run_dir / TRACKING_DIR / STATE, _first_line(e))
-        return None
-
-
-def _find_source_run(mf: ModelFile) -> None:
-    state = _run_state(mf.run_dir) if mf.run_dir is not None else None
-    if state is None:
-        return
-    if mf.source_run_id is None:
-        mf.source_run_id = state.run_id
-    if state.run_id and state.run_id == mf.source_run_id:
-        mf.source_uri = state.uri
 
 
 def _int(value) -> Optional[int]:
