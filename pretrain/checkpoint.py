@@ -186,11 +186,18 @@ class CheckpointStore:
     def load(self, backend, ckpt: Checkpoint) -> dict:
         """Load model/optimizer state into ``backend``; returns the client state (step, loader
         position, RNG, ...). A DeepSpeed backend on another world size than the one that saved
-        ``ckpt`` reads the universal copy :meth:`prepare_universal` made."""
+        ``ckpt`` reads the universal copy :meth:`prepare_universal` made.
+
+        The optimizer's settings stay this job's config's: loading its state puts the saved
+        ones back too, so a relaunch with another ``optimizer.weight_decay`` (``betas``,
+        ``eps``, ``momentum``) would otherwise go on with the old (the scheduler sets lr)."""
+        configured = _settings(backend.optimizer)
         client = backend.load_checkpoint(self.root, ckpt)
         if not client or "step" not in client:  # DeepSpeed carries it through ds_to_universal
             raise RuntimeError(f"checkpoint {ckpt.path} has no client state (step, loader "
                                f"position); it was not written by this trainer")
+        for group, settings in zip(_innermost(backend.optimizer).param_groups, configured):
+            group.update(settings)
         return client
 
     def prepare_universal(self, ckpt: Checkpoint) -> None:
@@ -220,6 +227,23 @@ class CheckpointStore:
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
             log.info("converted to %s in %.1f s", out, time.monotonic() - started)
         barrier()
+
+
+# the optimizer settings a run's config gives (per parameter group: no decay on norms and biases)
+OPTIMIZER_SETTINGS = ("weight_decay", "betas", "eps", "momentum")
+
+
+def _innermost(optimizer):
+    """The torch optimizer under the backend's wrappers (Accelerate's, DeepSpeed's), whose
+    param_groups its step reads."""
+    while getattr(optimizer, "optimizer", None) is not None:
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _settings(optimizer) -> list[dict]:
+    return [{k: g[k] for k in OPTIMIZER_SETTINGS if k in g}
+            for g in _innermost(optimizer).param_groups]
 
 
 class CheckpointError(ConfigError):

@@ -421,6 +421,11 @@ class RunConfig(Section):
     # is refused (pretrain/run_dir.py, check_same_run).
     identity_keys: ClassVar = ("model",)
 
+    def checkpoint_layout(self) -> dict:
+        """Settings whose state the checkpoints hold in their own form: a relaunch that changes
+        one cannot load them (refused, with the fix, by check_same_run)."""
+        return {"optimizer.name": self.optimizer.name}
+
     output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")
     seed: int = Field(0, description="initial weights, data order and augmentation")
     model: ModelConfig = ModelConfig()

@@ -151,6 +151,14 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
                 f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
                 f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
                 f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
+    was, now = old.checkpoint_layout(), cfg.checkpoint_layout()
+    for key in was:
+        if was[key] != now.get(key):
+            raise ConfigError(
+                f"output_dir '{out}' holds a run whose checkpoints need {key} {was[key]} (now "
+                f"{now.get(key)}): they hold its optimizer state and weights in that form; keep "
+                f"{key} {was[key]}, pick a new output_dir, or set checkpoint.resume=false to "
+                f"start a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
     from pretrain.spool import redacted  # a tracking.uri's password is for no log
     was, now = flatten(old.model_dump(mode="json")), flatten(cfg.model_dump(mode="json"))
     return [redacted(f"{k}: {was.get(k)} -> {now.get(k)}") for k in sorted(was.keys() | now.keys())

@@ -316,6 +316,41 @@ def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
         check_same_run(out, load_config(FinetuneConfig, None, ["init=runs/pretrain-b"]), ckpt)
 
 
+def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp_path,
+                                                                          tiny_cifar):
+    """Loading the checkpoint's optimizer state puts its saved settings back: the relaunch's
+    weight decay and momentum, which the log says apply, must be the ones it trains with. An
+    EMA switched on has no weights in the checkpoint to resume (a traceback, before)."""
+    import torch
+
+    out = tmp_path / "ft"
+
+    def launch(*extra):
+        return subprocess.run(
+            [sys.executable, str(REPO / "launch/finetune.py"), "--config",
+             str(REPO / "configs/finetune/demo.yaml"), *finetune_args(out, tiny_cifar, "null"),
+             "data.num_workers=0", "eval.every_steps=100", "tracking.enabled=false",
+             "checkpoint.every_steps=2", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    first = launch("train.total_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = launch("train.total_steps=4", "optimizer.weight_decay=0.3", "optimizer.momentum=0.5")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "optimizer.momentum: 0.9 -> 0.5; optimizer.weight_decay: 0.0 -> 0.3" in again.stderr
+    groups = torch.load(out / "checkpoints/step_00000004/optimizer.bin",
+                        weights_only=True)["param_groups"]
+    assert [(g["weight_decay"], g["momentum"]) for g in groups] == [(0.3, 0.5), (0.0, 0.5)]
+
+    ema = launch("train.total_steps=6", "train.ema_decay=0.9")
+    assert ema.returncode == 2
+    assert ema.stderr.strip().splitlines()[-1] == (
+        f"error: output_dir '{out}' holds a run whose checkpoints need train.ema_decay null "
+        f"(now set): they hold its optimizer state and weights in that form; keep "
+        f"train.ema_decay null, pick a new output_dir, or set checkpoint.resume=false to start "
+        f"a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
+
+
 def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tiny_cifar,
                                                                             tmp_path):
     """As in pretraining, train.compile compiles the model (in place: the state dict, hence the
