@@ -50,6 +50,7 @@ class Evaluation:
     batch_size: int
     reported: Optional[dict] = None  # the run's own figure for this split, when it has one
     notes: list = field(default_factory=list)
+    started: Optional[float] = None  # unix time the evaluation began: its MLflow run's start
 
     @property
     def samples(self) -> int:
@@ -64,6 +65,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
              precision: str = "auto", progress_every_s: float = 30.0) -> Evaluation:
     """``progress_every_s``: a line of images done, rate and ETA that often (a split of 50,000
     images takes an hour on a CPU; the figures come only at the end)."""
+    started = time.time()
     from pretrain.config import DataConfig
     from pretrain.data.device_batch import normalize
     from pretrain.data.eval_loader import build_eval_loader
@@ -143,7 +145,8 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                       top1=result["top1"], top5=result.get("top5", result["top1"]),
                       per_class=per_class, cells=evaluator.confusion, device=str(dev),
                       precision=precision, batch_size=batch_size,
-                      reported=reported_figure(mf, root, split), notes=notes)
+                      reported=reported_figure(mf, root, split), notes=notes,
+                      started=started)
 
 
 def dataset_info(root: str, split: str):

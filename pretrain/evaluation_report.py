@@ -225,6 +225,8 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
         log.info("no source run known for %s (no run id in the model, no tracking/run.json "
                  "in its run dir): the evaluation is not nested", mf.path)
     state = RunState(uri=uri, experiment=experiment, ended="FINISHED",
+                     start_time=int(ev.started * 1000) if ev.started else None,
+                     end_time=int(time.time() * 1000),
                      run_name=f"eval {ev.split}: {'/'.join(Path(mf.path).resolve().parts[-2:])}",
                      params=_params(ev), tags=_tags(ev, parent))
     (track / ARTIFACTS).mkdir(parents=True)

@@ -65,6 +65,10 @@ class RunState:
     params_logged: bool = False
     uploaded: list = field(default_factory=list)  # artifact paths already in MLflow
     ended: Optional[str] = None  # FINISHED / FAILED / KILLED once the job is over
+    # the run's start and its job's end (unix ms), for MLflow's times: a run delivered later
+    # (the server was down, upload_spool.py) would otherwise start and end at its delivery
+    start_time: Optional[int] = None
+    end_time: Optional[int] = None
     end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
     stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
     # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
@@ -202,7 +206,8 @@ class Remote:
             else:
                 exp_id = exp.experiment_id
                 self._mark_experiment(exp_id, exp)
-            run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags)
+            run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags,
+                                         start_time=s.start_time)
             s.run_id = run.info.run_id
             self.save_state()  # from now on a retry re-attaches instead of creating another
             self.last_step = {}
@@ -307,7 +312,7 @@ class Remote:
         if tags:
             self.client.log_batch(self.state.run_id, tags=[
                 RunTag(k, str(v)) for k, v in sorted(tags.items())])
-        self.client.set_terminated(self.state.run_id, status)
+        self.client.set_terminated(self.state.run_id, status, end_time=self.state.end_time)
 
 
 def _int(text: Optional[str]) -> int:

@@ -83,7 +83,7 @@ class MlflowTracker:
         self.state = state
         self._abandoned = abandoned  # an earlier run here whose job died: ended FAILED by us
         self._remote = Remote(self.dir, state, on_write_error=self._write_failed)
-        state.ended = None
+        state.ended = state.end_time = None
         self._remote.save_state()
         self.flush_every_s = flush_every_s
         self.close_timeout_s = close_timeout_s
@@ -231,7 +231,7 @@ class MlflowTracker:
         self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
         if status == "KILLED":
             self.state.stops += 1
-        self.state.ended = status
+        self.state.ended, self.state.end_time = status, int(time.time() * 1000)
         self._stop.set()
         self._thread.join(2.0)
         if self._thread.is_alive():  # the server is slow or away: say why the job is not over

@@ -116,6 +116,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
             from pretrain.deepspeed_json import zero_stage
             params["deepspeed.zero_stage"] = str(zero_stage(ds_config))
         state = RunState(uri=uri, experiment=t.experiment, run_id=run_id,
+                         start_time=int(time.time() * 1000),
                          run_name=t.run_name or Path(output_dir).resolve().name,
                          params=params, tags=tags)
     tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,

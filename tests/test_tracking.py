@@ -225,6 +225,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
         f"tracking.uri={dead}", f"tracking.experiment={exp}", "tracking.flush_every_s=0.05",
         "tracking.close_timeout_s=3", "tracking.system_metrics=false", "data.root=cifar10"])
     caplog.set_level(logging.INFO, logger="pretrain.tracking")
+    started = int(time.time() * 1000)
     tracker = start_tracking(cfg, "finetune", out, 0, world_size=1, hosts=["node0"],
                              extra_tags=lineage_tags(pre, "/ckpt/step_00000008", 8))
     for step in range(1, 6):
@@ -237,6 +238,8 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     tracker.log_model(write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
                                         head=True, normalize="imagenet"), register_as="late")
     tracker.close()
+    ended = int(time.time() * 1000)
+    time.sleep(1.0)  # the upload comes later: the run's times must be the job's, not its own
     # the job's end waits for the server a while: said, with what it waits for
     assert re.search(r"tracking: waiting for MLflow to take \d+ pending records \(up to 3 s\)",
                      caplog.text), caplog.text[-2000:]
@@ -258,6 +261,8 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert len(runs) == 1
     ft = runs[0]
     assert ft.info.status == "FINISHED" and ft.data.tags["stage"] == "finetune"
+    # the run started and ended with its job (UI's Duration), not at its delivery
+    assert started <= ft.info.start_time <= ft.info.end_time <= ended
     assert ft.data.tags["mlflow.parentRunId"] == pre  # nested under the pretraining run
     assert ft.data.tags["pretrain.step"] == "8"
     assert ft.data.tags["pretrain.checkpoint"] == "/ckpt/step_00000008"
