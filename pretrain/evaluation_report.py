@@ -211,8 +211,11 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     track = out / TRACKING_DIR
     if track.exists():  # --overwrite: the old evaluation's record goes with its files
         shutil.rmtree(track)
-    parent, experiment = None, DEFAULT_EXPERIMENT
-    if mf.source_run_id:
+    parent, experiment, parent_dir = None, DEFAULT_EXPERIMENT, None
+    source = _unsent_source(mf)
+    if source is not None:  # its run is in its spool only: nested once that is uploaded
+        parent_dir, experiment = str(mf.run_dir / TRACKING_DIR), source.experiment
+    elif mf.source_run_id:
         try:
             parent, experiment = _source_run(uri, mf.source_run_id)
         except Exception as e:  # noqa: BLE001 -- unreachable: upload_spool below says it once
@@ -228,7 +231,7 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
                      start_time=int(ev.started * 1000) if ev.started else None,
                      end_time=int(time.time() * 1000),
                      run_name=f"eval {ev.split}: {'/'.join(Path(mf.path).resolve().parts[-2:])}",
-                     params=_params(ev), tags=_tags(ev, parent))
+                     params=_params(ev), tags=_tags(ev, parent), parent_dir=parent_dir)
     (track / ARTIFACTS).mkdir(parents=True)
     for f in written:
         shutil.copy2(f, track / ARTIFACTS / f.name)
@@ -245,6 +248,16 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     run_id = RunState.load(track).run_id
     return [f"MLflow  run {run_id} ('{state.run_name}') in experiment '{experiment}' at {uri}"
             + (f", nested under run {parent}" if parent else "")]
+
+
+def _unsent_source(mf: ModelFile):
+    """The run state of the model's run when that run never reached MLflow (its run.json has
+    no run id yet) and the model names no other run; else None."""
+    from pretrain.producing_run import run_state
+    if mf.source_run_id or mf.run_dir is None:
+        return None
+    state = run_state(mf.run_dir)
+    return state if state is not None and state.run_id is None else None
 
 
 def _source_run(uri: str, run_id: str) -> tuple[Optional[str], str]:

@@ -69,6 +69,9 @@ class RunState:
     # (the server was down, upload_spool.py) would otherwise start and end at its delivery
     start_time: Optional[int] = None
     end_time: Optional[int] = None
+    # an evaluation of a model whose run had not reached MLflow yet: that run's tracking dir,
+    # where its run id appears once it is uploaded; the evaluation is nested under it then
+    parent_dir: Optional[str] = None
     end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
     stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
     # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
@@ -211,6 +214,8 @@ class Remote:
             s.run_id = run.info.run_id
             self.save_state()  # from now on a retry re-attaches instead of creating another
             self.last_step = {}
+        if s.parent_dir:
+            self._nest()
         if not s.params_logged:
             items = sorted(s.params.items())
             for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
@@ -220,6 +225,32 @@ class Remote:
             self.save_state()
         self.connected = True
         return s.run_id
+
+    def _nest(self) -> None:
+        """Nest the run under the run of ``parent_dir`` once that one is in this store."""
+        from mlflow.entities import RunTag
+        s = self.state
+        try:
+            parent = RunState.load(Path(s.parent_dir)).run_id
+        except (OSError, ValueError, TypeError):
+            return
+        if parent is None:
+            log.info("the run of %s has not reached MLflow yet: `python launch/upload_spool.py "
+                     "%s` sends it, then `python launch/upload_spool.py %s` nests this one under "
+                     "it", Path(s.parent_dir).parent, Path(s.parent_dir).parent, self.dir.parent)
+            return
+        try:
+            self.client.get_run(parent)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise
+            return  # in another store
+        tags = {"mlflow.parentRunId": parent, "eval.source_run_id": parent}
+        self.client.log_batch(s.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        s.tags.update(tags)
+        s.parent_dir = None
+        self.save_state()
+        log.info("nested under run %s", parent)
 
     def _mark_experiment(self, exp_id: str, exp=None) -> None:
         """Tag an experiment made before this tag existed (or by someone else); a user's own

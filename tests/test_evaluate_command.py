@@ -192,6 +192,55 @@ def test_a_file_copied_into_another_runs_folder_is_read_with_its_own_settings(ft
     assert load_model(other / "final.safetensors").run_dir == other
 
 
+def test_an_evaluation_of_a_run_not_yet_in_mlflow_is_nested_once_both_are_uploaded(ft,
+                                                                                   tmp_path):
+    """The fine-tune ran with the server down (its run.json has no run id, its records are in
+    its spool): the evaluation cannot name its parent yet, and must not stay un-nested after
+    the documented uploads."""
+    import shutil
+
+    from mlflow import MlflowClient
+
+    run = tmp_path / "ft"
+    shutil.copytree(ft.out, run, ignore=shutil.ignore_patterns("checkpoints"))
+    uri = sqlite_store(tmp_path)  # the server the job never reached
+    state = json.loads((run / "tracking/run.json").read_text())
+    (run / "tracking/run.json").write_text(json.dumps(
+        {**state, "run_id": None, "uri": uri, "params_logged": False, "uploaded": []}))
+    (run / "tracking/delivered").unlink()
+    for card in ("final.json", "best.json"):  # as such a job writes them: no run id
+        data = json.loads((run / card).read_text())
+        (run / card).write_text(json.dumps({**data, "tracking_run_id": None}))
+    shutil.rmtree(run / "final")  # the folder's README names the run too; evaluate the file
+    from safetensors.torch import load_file, save_file
+
+    from pretrain.export import read_metadata
+    meta = read_metadata(ft.out / "final.safetensors")
+    card = json.loads(meta["model_card"])
+    save_file(load_file(str(ft.out / "final.safetensors")), str(run / "final.safetensors"),
+              metadata={**meta, "model_card": json.dumps({**card, "tracking_run_id": None})})
+
+    out = tmp_path / "eval"
+    proc = run_launcher("evaluate.py", str(run / "final.safetensors"), "--data", str(ft.data),
+                        "--split", "test", "--out", str(out), "--tracking-uri", uri)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"`python launch/upload_spool.py {run}` sends it, then `python " \
+           f"launch/upload_spool.py {out}` nests this one under it" in proc.stderr
+    client = MlflowClient(uri)
+    eval_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    assert "mlflow.parentRunId" not in client.get_run(eval_id).data.tags
+
+    for folder in (run, out):
+        up = run_launcher("upload_spool.py", str(folder), timeout=120)
+        assert up.returncode == 0, up.stderr[-2000:]
+    source_id = json.loads((run / "tracking/run.json").read_text())["run_id"]
+    evaluation = client.get_run(eval_id)
+    assert evaluation.data.tags["mlflow.parentRunId"] == source_id
+    assert evaluation.data.tags["eval.source_run_id"] == source_id
+    # in the source run's experiment, where the UI shows it under its parent
+    assert evaluation.info.experiment_id == client.get_run(source_id).info.experiment_id
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_long_split_shows_its_progress_with_a_rate_and_an_eta(ft, caplog, workers):
     """Images done count the split's images only: with 2 workers the loader pads each worker's
