@@ -132,9 +132,27 @@ class FinetuneStage(Stage):
         if backend.rank == 0 and t.logs_model(by_default=True):
             # the model a user would pick: best by dev top-1 (final without a dev split)
             out = Path(self.cfg.output_dir)
-            tracker.log_model(out / "best" if (out / "best").is_dir() else out / "final",
-                              t.register_as)
+            name = "best" if (out / "best").is_dir() else "final"
+            tracker.log_model(out / name, t.register_as,
+                              *self._about(out, name, steps, results))
         return results
+
+    def _about(self, out: Path, name: str, steps: int, results: dict) -> tuple[dict, str]:
+        """Which weights the logged model is, for its run's tags and its registered version:
+        the run's test figures are of the final weights, which best may not be."""
+        card = json.loads((out / f"{name}.json").read_text())
+        about = {"export": name, "step": card["step"],
+                 **{k: f"{v:.6g}" for k, v in card["metrics"].items()}}
+        if name == "final" or card["step"] == steps:
+            return about, f"{name}: the weights after step {steps}, of which the run's figures are"
+        text = (f"best: the weights at step {card['step']} of {steps}, with the highest "
+                f"eval/dev/top1 ({card['metrics'].get('eval/dev/top1', float('nan')):.4f})")
+        if results:
+            d = self.cfg.data
+            text += (f"; the run's {', '.join(sorted(results))} are of its final weights (step "
+                     f"{steps}); `python launch/evaluate.py {out / 'best'} --data {d.root} "
+                     f"--split {d.val_split}` gives this model's")
+        return about, text
 
     def state_dict(self) -> dict:
         return {"best": self.best, "lineage": self.lineage}

@@ -20,7 +20,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,11 @@ def package(folder: Union[str, os.PathLike], dest: Union[str, os.PathLike]) -> P
     return dest
 
 
-def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT) -> str:
-    """A new version of registered model ``name`` from ``runs:/<run_id>/<artifact_path>``; the
-    version already made from that run and path when there is one. Returns the version."""
+def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT,
+             tags: Optional[dict] = None, description: Optional[str] = None) -> str:
+    """A new version of registered model ``name`` from ``runs:/<run_id>/<artifact_path>``, with
+    ``tags`` and ``description`` (which weights these are); the version already made from that
+    run and path when there is one. Returns the version."""
     source = f"runs:/{run_id}/{artifact_path}"
     try:
         client.create_registered_model(name)
@@ -86,7 +88,9 @@ def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
         if mv.source == source:
             return str(mv.version)
-    version = str(client.create_model_version(name, source=source, run_id=run_id).version)
+    version = str(client.create_model_version(
+        name, source=source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()},
+        description=description).version)
     log.info("registered model '%s' version %s: mlflow.pyfunc.load_model('models:/%s/%s')",
              name, version, name, version)
     return version

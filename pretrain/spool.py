@@ -291,7 +291,8 @@ class Remote:
         for m in self.state.models:
             if m.get("register_as") and not m.get("version"):
                 m["version"] = register(self.client, self.state.run_id, m["register_as"],
-                                        m["path"])
+                                        m["path"], tags=m.get("tags"),
+                                        description=m.get("description"))
                 self.save_state()
                 done += 1
         return done

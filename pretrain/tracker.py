@@ -52,7 +52,9 @@ class NoTracking:
     def log_sample_grid(self, images) -> None:
         pass
 
-    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None,
+                  about: Optional[Mapping[str, str]] = None,
+                  description: Optional[str] = None) -> None:
         pass
 
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
@@ -177,10 +179,15 @@ class MlflowTracker:
                 else:
                     del self._held[name]
 
-    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None) -> None:
+    def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None,
+                  about: Optional[Mapping[str, str]] = None,
+                  description: Optional[str] = None) -> None:
         """Log the timm ``folder`` as the run's MLflow model ``model`` (and register it as a new
         version of ``register_as``); see :mod:`pretrain.model_registry`. Packaged here, uploaded
-        and registered by the thread. A failure is one warning: the files on disk stay."""
+        and registered by the thread. A failure is one warning: the files on disk stay.
+        ``about``: which weights they are (``{"export": "best", "step": "20"}``), tags of the
+        run (``model.export``, ...) and of the registered version; ``description``: the
+        version's."""
         import shutil
 
         from pretrain.model_registry import MODEL_ARTIFACT, package
@@ -196,7 +203,9 @@ class MlflowTracker:
             self.state.uploaded = [u for u in self.state.uploaded if not u.startswith(prefix)]
             self.state.models = [m for m in self.state.models if m["path"] != MODEL_ARTIFACT]
             self.state.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
-                                      "version": None})
+                                      "version": None, "tags": dict(about or {}),
+                                      "description": description})
+            self.state.end_tags.update({f"model.{k}": str(v) for k, v in (about or {}).items()})
             self._remote.save_state()
         except Exception as e:  # noqa: BLE001 -- the exported files are there; MLflow is extra
             log.warning("could not log %s as an MLflow model (%s); the files on disk are "

@@ -2,6 +2,7 @@
 ``tracking.register_as``: ``mlflow.pyfunc.load_model("models:/NAME/1").predict(images)`` gives
 the classes (and scores) the project's own model gives, and loading it unpickles nothing."""
 import io
+import json
 import os
 import pickle
 from pathlib import Path
@@ -70,6 +71,25 @@ def test_the_finetunes_best_model_is_registered_and_predicts_the_projects_classe
     (version,) = client.search_model_versions("name = 'tiny-cifar'")
     assert int(version.version) == 1 and version.run_id == run.info.run_id
     assert version.source == f"runs:/{run.info.run_id}/model"
+    # which weights: their step and figures, on the version and the run
+    best = json.loads((out / "best.json").read_text())
+    assert version.tags == {"export": "best", "step": str(best["step"]),
+                            **{k: f"{v:.6g}" for k, v in best["metrics"].items()}}
+    assert "eval/dev/top1" in version.tags
+    assert (run.data.tags["model.export"], run.data.tags["model.step"]) == (
+        "best", str(best["step"]))
+    assert version.description.startswith("best: the weights ")
+    # best before the last step: the run's test figures are not this model's, and it says so
+    from finetune.stage import FinetuneStage
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "best.json").write_text(json.dumps({**best, "step": 4}))
+    about, text = FinetuneStage(cfg)._about(earlier, "best", 8, {"eval/test/top1": 0.5})
+    assert about["step"] == 4 and text == (
+        f"best: the weights at step 4 of 8, with the highest eval/dev/top1 "
+        f"({best['metrics']['eval/dev/top1']:.4f}); the run's eval/test/top1 are of its final "
+        f"weights (step 8); `python launch/evaluate.py {earlier / 'best'} --data {tiny_cifar} "
+        f"--split test` gives this model's")
     # a model from code: the package holds the code file and safetensors, no pickle at all
     pkg = mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model",
                                               dst_path=str(tmp_path / "pkg"))
