@@ -24,10 +24,11 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are re-validated."""
+    """Base of every config section: unknown keys are errors, assignments are re-validated,
+    and no number is infinite or NaN (YAML's .inf and .nan pass any bound pydantic checks)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
-                              validate_default=True)
+                              validate_default=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,8 +235,15 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check_duration(self) -> "TrainConfig":
-        if (self.total_steps is None) == (self.epochs is None):
+        if self.total_steps is None and self.epochs is None:
             raise ValueError("set exactly one of train.total_steps and train.epochs")
+        if self.total_steps is not None and self.epochs is not None:
+            # a recipe's file inheriting the other one meets this: on the command line an
+            # override of one clears the other, in a file it must be cleared by hand
+            raise ValueError(f"set exactly one of train.total_steps ({self.total_steps}) and "
+                             f"train.epochs ({self.epochs}); to replace the one a recipe "
+                             f"inherits, set it to null in the file (train: {{epochs: "
+                             f"{self.epochs}, total_steps: null}})")
         if self.checkpointed_blocks is not None and not self.activation_checkpointing:
             raise ValueError("train.checkpointed_blocks needs train.activation_checkpointing=true")
         if self.compile_mode != "default" and not self.compile:

@@ -69,6 +69,10 @@ def test_recipe_inheritance():
     ("data.crop_scale=0.5", "config key 'data.crop_scale' takes 2 values"),
     ("checkpoint.stop_signals=SIGTERM", "config key 'checkpoint.stop_signals' takes a list, "
      "e.g. checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR1] (the default)"),
+    # YAML's infinities and NaN pass every bound: a traceback later, or a run of NaN losses
+    ("train.epochs=.inf", "config key 'train.epochs': input should be a finite number (got inf)"),
+    ("optimizer.lr=.inf", "config key 'optimizer.lr': input should be a finite number"),
+    ("model.head_bias_init=.nan", "config key 'model.head_bias_init': input should be a finite"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -91,8 +95,18 @@ def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp
     assert cfg.train.total_steps == 1000 and cfg.train.epochs is None
     bad = tmp_path / "both.yaml"
     bad.write_text("train: {total_steps: 10, epochs: 2}\n")
-    with pytest.raises(ConfigError, match="exactly one of train.total_steps and train.epochs"):
+    with pytest.raises(ConfigError, match=r"exactly one of train.total_steps \(10\) and "
+                                          r"train.epochs \(2.0\)"):
         load_config(PretrainConfig, bad)
+    # a recipe inheriting total_steps, setting epochs: the error says how to replace it
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"inherit: {REPO / 'configs/pretrain/demo.yaml'}\ntrain: {{epochs: 10}}\n")
+    with pytest.raises(ConfigError, match=r"set it to null in the file \(train: \{epochs: "
+                                          r"10.0, total_steps: null\}\)"):
+        load_config(PretrainConfig, mine)
+    mine.write_text(f"inherit: {REPO / 'configs/pretrain/demo.yaml'}\n"
+                    f"train: {{epochs: 10, total_steps: null}}\n")
+    assert load_config(PretrainConfig, mine).train.epochs == 10
 
 
 def test_bad_files_are_one_line_errors(tmp_path):
