@@ -380,7 +380,7 @@ class TrackingConfig(Section):
     uri: Optional[str] = Field(None, description="tracking server/store URI (beats "
                                "MLFLOW_TRACKING_URI; unset: that, else ./mlflow.db)")
     # One experiment for both stages: fine-tunes can then nest under their pretraining run.
-    experiment: str = Field("vitscale", description="MLflow experiment name")
+    experiment: str = Field("vitscale", min_length=1, description="MLflow experiment name")
     run_name: Optional[str] = Field(None, description="unset: the output_dir's name")
     system_metrics: bool = Field(True, description="MLflow's CPU/memory/GPU system metrics")
     flush_every_s: float = Field(2.0, gt=0, description="send queued metrics this often")

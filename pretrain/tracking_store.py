@@ -63,6 +63,11 @@ def check_store(tracking) -> None:
     try:
         # MLflow opens a file store for a bare path or a file: URI
         scheme = urlparse(uri).scheme
+        if scheme not in ("", "file") and scheme.split("+")[0] not in _store_schemes():
+            # a typo (htps://) would train on with every metric in the spool alone
+            raise TrackingError(f"{key}={uri}: '{scheme}' is no MLflow tracking store; write "
+                                f"http(s)://HOST:PORT for a server, sqlite:///PATH.db, or a "
+                                f"database URL (postgresql://, mysql://, mssql://)")
         if scheme not in ("", "file") or _file_store_allowed():
             return
     except ValueError as e:  # a malformed URI, or MLFLOW_ALLOW_FILE_STORE not true/false
@@ -75,6 +80,13 @@ def check_store(tracking) -> None:
                         f"{key}=sqlite:///{path.parent / 'mlflow.db'} (`mlflow "
                         f"migrate-filestore` moves runs already there), or set "
                         f"MLFLOW_ALLOW_FILE_STORE=true")
+
+
+def _store_schemes() -> set:
+    """URI schemes MLflow's tracking client opens: its own and those of installed plugins."""
+    from importlib.metadata import entry_points
+    return {"http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "uc",
+            "databricks-uc", *(e.name for e in entry_points(group="mlflow.tracking_store"))}
 
 
 def _file_store_allowed() -> bool:

@@ -623,7 +623,15 @@ def test_a_file_store_this_mlflow_refuses_stops_both_stages_at_the_start(tmp_pat
     from pretrain.tracking_store import check_store
     for uri, said in (("10.0.0.5:5000", "tracking.uri=10.0.0.5:5000 is read as a file store "
                        "path; for a tracking server write tracking.uri=http://10.0.0.5:5000"),
-                      ("http://[::1:5000", "tracking.uri=http://[::1:5000: Invalid IPv6 URL")):
+                      ("http://[::1:5000", "tracking.uri=http://[::1:5000: Invalid IPv6 URL"),
+                      # a typo: the run trained on with its metrics in the spool alone
+                      ("htps://mlflow.example.org", "tracking.uri=htps://mlflow.example.org: "
+                       "'htps' is no MLflow tracking store; write http(s)://HOST:PORT for a "
+                       "server, sqlite:///PATH.db, or a database URL (postgresql://, mysql://, "
+                       "mssql://)")):
         with pytest.raises(TrackingError) as refused:
             check_store(TrackingConfig(uri=uri))
         assert str(refused.value) == said
+    for uri in ("https://mlflow.example.org", "postgresql+psycopg2://u:p@db/mlflow",
+                f"sqlite:///{tmp_path}/mlflow.db", "databricks"):
+        check_store(TrackingConfig(uri=uri))  # what MLflow opens passes
