@@ -84,8 +84,8 @@ class FinetuneConfig(RunConfig):
     init: Optional[str] = Field(None, description="pretraining output dir, DeepSpeed checkpoint "
                                 "dir, export file, timm folder or state dict, Google .npz; "
                                 "null: from scratch")
-    output_dir: str = Field("runs/finetune", description="checkpoints, logs, exports, resolved "
-                            "config")
+    output_dir: str = Field("runs/finetune", min_length=1, description="checkpoints, logs, "
+                            "exports, resolved config")
     model: FinetuneModelConfig = FinetuneModelConfig()
     data: FinetuneDataConfig = FinetuneDataConfig()
     optimizer: FinetuneOptimizerConfig = FinetuneOptimizerConfig()

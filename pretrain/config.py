@@ -434,7 +434,8 @@ class RunConfig(Section):
         one cannot load them (refused, with the fix, by check_same_run)."""
         return {"optimizer.name": self.optimizer.name}
 
-    output_dir: str = Field("runs/pretrain", description="checkpoints, logs, resolved config")
+    output_dir: str = Field("runs/pretrain", min_length=1,
+                            description="checkpoints, logs, resolved config")
     seed: int = Field(0, description="initial weights, data order and augmentation")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

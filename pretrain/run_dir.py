@@ -2,7 +2,8 @@
 
 A relaunch into an ``output_dir`` continues the run there (``checkpoint.resume``, the default).
 With ``checkpoint.resume=false`` a new run starts there instead, and the earlier one's files are
-first moved, whole, into ``output_dir/earlier-<time>/``. Left in place they would be overwritten
+first moved, whole, into ``output_dir/earlier-<time>/`` (what runs write, ``RUN_FILES``; other
+files there are the user's and stay). Left in place they would be overwritten
 (a checkpoint of the same step, ``config.yaml``, a fine-tune's ``best`` export), pruned by the
 new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
 the new run's at the next relaunch.
@@ -15,6 +16,7 @@ leaves no empty ``output_dir`` behind.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import time
@@ -34,6 +36,11 @@ log = logging.getLogger(__name__)
 EARLIER = "earlier-"
 # what makes a folder hold a run: the trainer writes both before anything else
 RUN_MARKERS = ("config.yaml", "checkpoints")
+# what runs and the commands on their models write in an output_dir; anything else there (a
+# user's notes, the code of a job launched with output_dir=.) is the user's, and stays put
+RUN_FILES = ("config.yaml", "config.resume_step_*.yaml", "checkpoints", "metrics.jsonl",
+             "tracking", "tracking.*", "best", "best.*", "final", "final.*",
+             "per_class_top1.json", "backbone", "*-eval-*")
 # how a run was launched, not how it trains: the same folder named anew, a fresh start's flag
 HOW_LAUNCHED = ("output_dir", "checkpoint.resume")
 
@@ -64,7 +71,10 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
 
     if not any((out / m).exists() for m in RUN_MARKERS):
         return None
-    entries = [p for p in sorted(out.iterdir()) if not p.name.startswith(EARLIER)]
+    entries, kept = [], []
+    for p in sorted(out.iterdir()):
+        if not p.name.startswith(EARLIER):
+            (entries if any(fnmatch.fnmatchcase(p.name, f) for f in RUN_FILES) else kept).append(p)
     for given in inputs:
         path = Path(given).resolve()
         if path == out.resolve() or any(path == p.resolve() or p.resolve() in path.parents
@@ -98,7 +108,9 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
                           f"{', '.join(moved) or 'nothing'}") from None
         moved.append(p.name)
     log.warning("checkpoint.resume=false: a new run starts in %s; the earlier run there (%s) "
-                "was moved to %s, nothing of it deleted%s", out, ", ".join(moved), aside,
+                "was moved to %s, nothing of it deleted%s%s", out, ", ".join(moved), aside,
+                f"; left in place, as no run writes them: {', '.join(p.name for p in kept)}"
+                if kept else "",
                 f"; `python launch/upload_spool.py {aside}` sends its {left} MLflow records "
                 f"that never reached the server" if left else "")
     return aside

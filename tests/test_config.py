@@ -69,6 +69,7 @@ def test_recipe_inheritance():
     ("data.crop_scale=0.5", "config key 'data.crop_scale' takes 2 values"),
     ("checkpoint.stop_signals=SIGTERM", "config key 'checkpoint.stop_signals' takes a list, "
      "e.g. checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR1] (the default)"),
+    ("output_dir=''", "config key 'output_dir': string should have at least 1 character"),
     ("tracking.experiment=''", "config key 'tracking.experiment': string should have at least "
      "1 character"),
     # YAML's infinities and NaN pass every bound: a traceback later, or a run of NaN losses

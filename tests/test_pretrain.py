@@ -242,12 +242,17 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
         f"earlier one is moved into '{out}/earlier-<time>/')")
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [8, 4]
 
-    # checkpoint.resume=false: a new run; the earlier one moved aside whole, nothing overwritten
+    # checkpoint.resume=false: a new run; the earlier one moved aside whole, nothing overwritten;
+    # what no run writes (a user's notes and code, output_dir=. in a project) stays where it is
+    (out / "notes.txt").write_text("lr sweep\n")
+    (out / "my_code").mkdir()
     fresh = launch("train.total_steps=6", "model.depth=3", "checkpoint.resume=false")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     [aside] = out.glob("earlier-*")
     assert f"the earlier run there (checkpoints, config.yaml, metrics.jsonl, tracking) was moved " \
-           f"to {aside}" in fresh.stderr
+           f"to {aside}, nothing of it deleted; left in place, as no run writes them: my_code, " \
+           f"notes.txt" in fresh.stderr
+    assert (out / "notes.txt").read_text() == "lr sweep\n" and (out / "my_code").is_dir()
     assert [c.step for c in CheckpointStore(aside / "checkpoints").complete()] == [8, 4]
     assert losses(aside) == first_losses and "depth: 2" in (aside / "config.yaml").read_text()
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [6, 4]
