@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import interpreter  # noqa: E402
-from pretrain.cli import fail, positive_int, whole_number  # noqa: E402
+from pretrain.cli import OneLineParser, fail, positive_int, whole_number  # noqa: E402
 
 
 def run_loader(args) -> dict:
@@ -226,8 +226,8 @@ def print_overhead_table(r: dict) -> None:
 
 # --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     photos = sub.add_parser(

@@ -36,8 +36,8 @@ from pretrain import cli, interpreter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.OneLineParser(prog="evaluate.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL",
                    help="model folder (timm layout), .safetensors file, or checkpoint "
                         "(output dir or checkpoints/step_N)")

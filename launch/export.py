@@ -31,8 +31,8 @@ from pretrain import cli, interpreter
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="export.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.OneLineParser(prog="export.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_OUTPUT_DIR",
                    help="pretraining output dir (newest complete checkpoint) or one "
                         "checkpoint dir")

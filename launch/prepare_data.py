@@ -17,7 +17,7 @@ import sys
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
-from pretrain.cli import positive_int
+from pretrain.cli import OneLineParser, positive_int
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import check_prefix, publish
 from pretrain.data.remote import is_remote
@@ -52,15 +52,9 @@ files). Rerun the same command to resume an interrupted run.
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of argparse's usage block
-        sys.stderr.write(f"error: {message}; see {self.prog} --help\n")
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="prepare_data.py", description=__doc__.splitlines()[0], epilog=SOURCE_HELP,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="prepare_data.py", description=__doc__.splitlines()[0],
+                      epilog=SOURCE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", metavar="SOURCE", choices=SOURCES, help=f"raw layout: {', '.join(SOURCES)}")
     p.add_argument("--src", required=True, metavar="PATH", help="the raw data (see below)")
     p.add_argument("--out", required=True, metavar="DIR|URL",

@@ -22,8 +22,8 @@ from pretrain.spool import TrackingError, upload_spool
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="upload_spool.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.OneLineParser(prog="upload_spool.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("output_dir", help="the run's output_dir (holds tracking/)")
     p.add_argument("--uri", help="tracking URI to send to (default: the one the job used)")
     args = p.parse_args(argv)

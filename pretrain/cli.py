@@ -84,9 +84,11 @@ def fraction(text: str) -> float:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line naming --help, as every other bad input of
+    the launchers is, instead of its usage block (which every rank of a job prints)."""
+
     def error(self, message: str) -> typing.NoReturn:
-        # one line instead of argparse's usage block: every rank of a job prints it
         fail(f"{message}; see {self.prog} --help")
 
 
@@ -96,7 +98,7 @@ def build_parser(prog: str, description: str, schema: Type[Section],
               "model.drop_path_rate=0.2 data.crop_scale=[0.08,1]\n\nconfig keys and defaults "
               "(a recipe sets its own; --print-config shows what a run gets):\n"
               + _describe_keys(schema))
-    p = _Parser(prog=prog, description=description, epilog=epilog,
+    p = OneLineParser(prog=prog, description=description, epilog=epilog,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=default_config,
                    help="YAML recipe from configs/ (may 'inherit:' another); "

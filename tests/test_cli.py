@@ -105,6 +105,23 @@ def test_finetune_dry_run_refuses_a_world_of_no_ranks():
         "see finetune.py --help"]
 
 
+@pytest.mark.parametrize("args,line", [
+    (("evaluate.py", "runs/x/final", "--batch-size", "0"), "error: argument --batch-size: "
+     "expected a whole number of at least 1, got '0'; see evaluate.py --help"),
+    (("export.py", "runs/x"), "error: the following arguments are required: --out; see "
+     "export.py --help"),
+    (("upload_spool.py",), "error: the following arguments are required: output_dir; see "
+     "upload_spool.py --help"),
+    (("benchmark.py", "train", "--batch", "0"), "error: argument --batch: expected a whole "
+     "number of at least 1, got '0'; see benchmark.py train --help"),
+])
+def test_every_launchers_bad_arguments_are_one_line(args, line):
+    """As the trainers' and prepare_data's: not argparse's usage block (six lines before)."""
+    proc = run_launcher(*args)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [line]
+
+
 def test_finetune_dry_run_checks_the_init_as_the_run_would(tmp_path):
     """A typo in init= is found by the dry-run before sbatch, not by the job on the cluster."""
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
