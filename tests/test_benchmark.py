@@ -77,21 +77,21 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
         (["loader", "--shards", str(ph), "--split", "nope"],
          f"error: --split nope: not a split of {ph} (its splits: train)"),
         (["loader", "--shards", str(ph), "--batches", "0"],
-         "benchmark.py loader: error: argument --batches: expected a whole number of at least 1, "
-         "got '0'"),
+         "error: argument --batches: expected a whole number of at least 1, got '0'; see "
+         "benchmark.py loader --help"),
         (["loader", "--shards", str(ph), "--decoders", "--decoder-quality", "500"],
          "error: --decoder-quality 500: a JPEG quality is 1 to 100"),
         (["train", "--batch", "2", "--warmup", "-1"],
-         "benchmark.py train: error: argument --warmup: expected a whole number of at least 0, "
-         "got '-1'"),
+         "error: argument --warmup: expected a whole number of at least 0, got '-1'; see "
+         "benchmark.py train --help"),
         (["train", "--batch", "2", "--record", str(tmp_path / "a-folder")],
          f"error: --record {tmp_path / 'a-folder'} is a folder or under a file; name a .jsonl "
          f"file (made if missing, appended to if there)"),
         (["train", "--batch", "2", "--profile", str(mine)],
          f"error: --profile {mine} is a file; name a folder for the trace (made if missing)"),
         (["overhead", "--repeats", "0"],
-         "benchmark.py overhead: error: argument --repeats: expected a whole number of at least "
-         "1, got '0'"),
+         "error: argument --repeats: expected a whole number of at least 1, got '0'; see "
+         "benchmark.py overhead --help"),
         (["table", str(odd)], f"error: {odd}, line 1: not a record of `benchmark.py train "
                               f"--record` (it lacks command, commit, date, device, model, "
                               f"image_size, batch_per_rank, ranks, precision, zero_stage, "
