@@ -92,6 +92,10 @@ class OneLineParser(argparse.ArgumentParser):
         fail(f"{message}; see {self.prog} --help")
 
 
+# the options of --dry-run's plan, with their defaults
+PLAN_FLAGS = {"world_size": None, "gpus_per_node": 8, "mfu": 0.45, "samples": None}
+
+
 def build_parser(prog: str, description: str, schema: Type[Section],
                  default_config: Optional[Path] = None) -> argparse.ArgumentParser:
     epilog = ("overrides: any config key as key=value, YAML-typed, e.g. optimizer.lr=3e-4 "
@@ -99,7 +103,7 @@ def build_parser(prog: str, description: str, schema: Type[Section],
               "(a recipe sets its own; --print-config shows what a run gets):\n"
               + _describe_keys(schema))
     p = OneLineParser(prog=prog, description=description, epilog=epilog,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=default_config,
                    help="YAML recipe from configs/ (may 'inherit:' another); "
                         + (f"default: {default_config.relative_to(REPO_ROOT)}"
@@ -120,14 +124,16 @@ def build_parser(prog: str, description: str, schema: Type[Section],
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="with --dry-run: plan for N >= 1 ranks (default: $WORLD_SIZE or 1)")
     if plans:
-        p.add_argument("--gpus-per-node", type=positive_int, default=8, metavar="N",
+        p.add_argument("--gpus-per-node", type=positive_int, default=PLAN_FLAGS["gpus_per_node"],
+                       metavar="N",
                        help="with --dry-run: GPUs per node, for the memory estimate (default 8)")
-        p.add_argument("--mfu", type=fraction, default=0.45, metavar="F",
+        p.add_argument("--mfu", type=fraction, default=PLAN_FLAGS["mfu"], metavar="F",
                        help="with --dry-run: the model FLOPs utilisation the time-to-finish "
                             "estimate assumes, a fraction in (0, 1] (default 0.45)")
         p.add_argument("--samples", type=positive_int, default=None, metavar="N",
-                       help="with --dry-run: samples per epoch when data.root is not readable "
-                            "here (ImageNet-21k fall11: about 14.15 M after the 50k held out)")
+                       help="with --dry-run: samples per epoch to plan with (default: "
+                            "data.root's train split, when readable here; ImageNet-21k fall11: "
+                            "about 14.15 M after the 50k held out)")
     # The DeepSpeed launcher appends --local_rank=N; torchrun sets $LOCAL_RANK instead.
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help=argparse.SUPPRESS)
@@ -147,6 +153,13 @@ def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Seq
           default_config: Optional[Path] = None):
     """Parse the command line into (args, validated config); exits with one line on bad input."""
     args = build_parser(prog, description, schema, default_config).parse_args(argv)
+    plan_only = [f"--{k.replace('_', '-')}" for k, default in PLAN_FLAGS.items()
+                 if getattr(args, k, default) != default]
+    if plan_only and not args.dry_run:  # a run's world is its launcher's: it would be ignored
+        one = len(plan_only) == 1
+        fail(f"{', '.join(plan_only)} only {'shapes' if one else 'shape'} the --dry-run plan; "
+             f"add --dry-run, or drop {'it' if one else 'them'} (a run's ranks are its "
+             f"launcher's)")
     if args.config is None:
         fail("--config is required, e.g. --config configs/finetune/demo.yaml")
     try:

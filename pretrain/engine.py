@@ -79,10 +79,7 @@ def apply_train_options(model: ViTClassifier, cfg: RunConfig) -> None:
     if not t.activation_checkpointing:
         return
     blocks = model.backbone.blocks
-    count = len(blocks) if t.checkpointed_blocks is None else t.checkpointed_blocks
-    if count > len(blocks):
-        raise ConfigError(f"config key 'train.checkpointed_blocks': {count} is more than the "
-                          f"model's {len(blocks)} blocks")
+    count = checkpointed_blocks(t, len(blocks))
     if count == len(blocks):  # recompute every block's activations in backward (timm's own)
         model.backbone.set_grad_checkpointing(True)
         return
@@ -96,6 +93,16 @@ def checkpoint_module(module: nn.Module) -> None:
     stochastic depth draw the same numbers again (the RNG state is replayed). A bound method,
     not a closure, so that a deep copy (the EMA's) runs its own weights."""
     module.forward = types.MethodType(_checkpointed_forward, module)
+
+
+def checkpointed_blocks(t, depth: int) -> int:
+    """How many of ``depth`` blocks ``train.activation_checkpointing`` recomputes (``t``: the
+    train section); more than the model has is a config error."""
+    count = depth if t.checkpointed_blocks is None else t.checkpointed_blocks
+    if t.activation_checkpointing and count > depth:
+        raise ConfigError(f"config key 'train.checkpointed_blocks': {count} is more than the "
+                          f"model's {depth} blocks")
+    return count
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):

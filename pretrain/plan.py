@@ -63,7 +63,10 @@ def read_dataset(cfg: RunConfig):
     DatasetInfoError, as it stops the run."""
     from pretrain.data.info import INFO_NAMES, InfoNotRead, join, read_info
     from pretrain.data.remote import RetryPolicy
+    from pretrain.data.shards import LoaderError
     if not cfg.data.root:
+        if not cfg.data.generate_demo:  # as the run's loader says it
+            raise LoaderError("data.root is not set; point it at a directory with _info.json")
         return None, "the demo's data is made by the run"
     retry = RetryPolicy(attempts=min(cfg.data.read_attempts, PLAN_READ_ATTEMPTS),
                         backoff_s=cfg.data.retry_backoff_s,
@@ -98,6 +101,7 @@ def describe(cfg: RunConfig, world: int):
     Raises ConfigError for an impossible architecture or batch layout, DatasetInfoError for
     data the run would refuse.
     """
+    from pretrain.engine import checkpointed_blocks
     from pretrain.model import count_parameters, create_model
     from pretrain.trainer import batch_layout
 
@@ -106,6 +110,7 @@ def describe(cfg: RunConfig, world: int):
     data = data_line(cfg, info, why)
     model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
     spec, params = model.spec, count_parameters(model)
+    checkpointed_blocks(cfg.train, spec.depth)  # what the run would refuse at its start
     flops = spec.train_flops_per_image()
     lines = [
         f"model: {spec.name}: {spec.img_size} px, patch {spec.patch_size}, width "
@@ -117,8 +122,28 @@ def describe(cfg: RunConfig, world: int):
         f"batch: global {cfg.train.global_batch_size} = {world} rank(s) x micro {micro} "
         f"x accumulation {accum}",
         data,
+        *fewshot_line(cfg),
     ]
     return lines, model, params, (micro, accum), info
+
+
+def fewshot_line(cfg: RunConfig) -> list[str]:
+    """The few-shot probe's data, as :func:`data_line`: what the run would refuse is raised, a
+    root not readable from here (a cluster's storage) is said."""
+    from pretrain.data.info import InfoNotRead, read_info
+    from pretrain.data.remote import RetryPolicy
+    from pretrain.stage import in_probe_keys, check_fewshot_root
+    e = cfg.eval
+    if not e.fewshot_root:
+        return []
+    try:
+        info = read_info(e.fewshot_root, RetryPolicy(attempts=PLAN_READ_ATTEMPTS, timeout_s=30.0))
+    except InfoNotRead as err:
+        return [f"few-shot probe: not read here ({in_probe_keys(err)})"]
+    check_fewshot_root(cfg, info)
+    sizes = ", ".join(f"{info.split(s).num_samples:,} '{s}'"
+                      for s in (e.fewshot_train_split, e.fewshot_test_split))
+    return [f"few-shot probe: {e.fewshot_root}: {sizes} samples"]
 
 
 def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
@@ -150,16 +175,17 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
 
     samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
                                     if info else None)
+    given = ", --samples" if samples_per_epoch else ""  # which may differ from data.root's
     if cfg.train.total_steps:
         steps = cfg.train.total_steps
-        per_epoch = _steps_per_epoch(samples, cfg.train.global_batch_size) if samples \
-            else "unknown"
+        per_epoch = (f"{_steps_per_epoch(samples, cfg.train.global_batch_size)} ({samples:,} "
+                     f"samples{given})") if samples else "unknown"
         lines.append(f"steps: {steps:,} (steps per epoch: {per_epoch})")
     elif samples:
         steps = int(-(-cfg.train.epochs * samples // cfg.train.global_batch_size))
         lines.append(f"steps: {steps:,} = {cfg.train.epochs:g} epochs x "
                      f"{_steps_per_epoch(samples, cfg.train.global_batch_size)} steps per epoch "
-                     f"({samples:,} samples)")
+                     f"({samples:,} samples{given})")
     else:
         steps = None
         lines.append("steps: unknown (data.root's info file is not read here; give the "

@@ -151,23 +151,45 @@ def fewshot_name(root: str) -> str:
     return "fewshot_" + re.sub(r"[^\w\-.]", "_", Path(root.rstrip("/")).name)
 
 
-def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) -> list:
-    """The few-shot linear probe on eval.fewshot_root, when it is set (either stage)."""
+def check_fewshot_root(cfg: RunConfig, info=None):
+    """eval.fewshot_root's info (None when unset; ``info``: read already), refused as the run
+    refuses it, in the probe's own keys (``--dry-run`` checks a root it can read too)."""
     from pretrain.data.info import DatasetInfoError, read_info
-    from pretrain.fewshot import FewShotEvaluator
 
     e = cfg.eval
     if not e.fewshot_root:
-        return []
+        return None
     try:
-        classes = read_info(e.fewshot_root).classes
+        info = info or read_info(e.fewshot_root)
+        for split in (e.fewshot_train_split, e.fewshot_test_split):
+            info.split(split)
+    except DatasetInfoError as err:
+        raise in_probe_keys(err) from None
+    return info
+
+
+def in_probe_keys(err):
+    """A data error whose fix names the data.* keys, naming the probe's, which are meant."""
+    return type(err)(str(err).replace("data.train_split / data.val_split",
+                                      "eval.fewshot_train_split / eval.fewshot_test_split")
+                     .replace("data.root", "eval.fewshot_root"))
+
+
+def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) -> list:
+    """The few-shot linear probe on eval.fewshot_root, when it is set (either stage)."""
+    from pretrain.data.info import DatasetInfoError
+    from pretrain.fewshot import FewShotEvaluator
+
+    e = cfg.eval
+    info = check_fewshot_root(cfg)
+    if info is None:
+        return []
+    classes = info.classes
+    try:
         train, test = (eval_data(cfg, spec, rank, world, split, root=e.fewshot_root)
                        for split in (e.fewshot_train_split, e.fewshot_test_split))
-    except DatasetInfoError as err:  # its fix names the data.* keys; here the probe's are meant
-        raise DatasetInfoError(
-            str(err).replace("data.train_split / data.val_split",
-                             "eval.fewshot_train_split / eval.fewshot_test_split")
-            .replace("data.root", "eval.fewshot_root")) from None
+    except DatasetInfoError as err:
+        raise in_probe_keys(err) from None
     return [FewShotEvaluator(
         train, test, name=fewshot_name(e.fewshot_root),
         every_steps=e.fewshot_every_steps, shots=e.fewshot_shots, l2_reg=e.fewshot_l2_reg,

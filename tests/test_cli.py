@@ -96,6 +96,20 @@ def test_dry_run_refuses_an_impossible_plan_flag_in_one_line(flag, value):
     assert ("(0, 1]" if flag == "--mfu" else "at least 1") in line
 
 
+def test_plan_options_without_dry_run_are_refused_not_ignored():
+    """A run's world is its launcher's: --world-size 4 on a plain start trained on one rank."""
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--world-size",
+                        "4")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --world-size only shapes the --dry-run plan; add --dry-run, or drop it (a run's "
+        "ranks are its launcher's)"]
+    proc = run_launcher("pretrain.py", "--samples", "1000", "--mfu", "0.5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --mfu, --samples only shape the --dry-run plan; add --dry-run, or drop them")
+
+
 def test_finetune_dry_run_refuses_a_world_of_no_ranks():
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
                         "--world-size", "0")
@@ -170,15 +184,16 @@ def test_dry_run_plans_with_the_flags_given():
                         "--samples", "6400", "train.global_batch_size=64")
     assert proc.returncode == 0, proc.stderr
     assert "batch: global 64 = 2 rank(s) x micro 32" in proc.stdout
-    assert "steps per epoch: 100" in proc.stdout
+    assert "steps per epoch: 100 (6,400 samples, --samples)" in proc.stdout
     assert "time to finish at 100% MFU of 989 TFLOP/s per GPU" in proc.stdout
     assert "on 2 GPU(s)" in proc.stdout
     # an epoch the batch does not divide: its steps are not rounded (the total is, once)
     from pretrain.config_files import load_config
     from pretrain.plan import plan
-    text = plan(load_config(PretrainConfig, None, ["train.global_batch_size=64", "train.epochs=3"]),
+    text = plan(load_config(PretrainConfig, None, ["train.global_batch_size=64", "train.epochs=3",
+                                                   "data.root=/cluster/shards/in21k"]),
                 world=2, samples_per_epoch=6410)
-    assert "steps: 301 = 3 epochs x 100.2 steps per epoch (6,410 samples)" in text
+    assert "steps: 301 = 3 epochs x 100.2 steps per epoch (6,410 samples, --samples)" in text
 
 
 def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tiny_data, tmp_path):
@@ -234,6 +249,32 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
     assert proc.returncode == 0, proc.stderr
     assert (f"data: not read here (cannot read http://127.0.0.1:{port}/shards/_info.json: "
             in proc.stdout) and "3 attempts in a row failed" in proc.stdout
+
+
+def test_dry_run_refuses_what_the_run_refuses_at_its_start(tiny_data, tmp_path):
+    """Each passed the plan with exit code 0, and then stopped the job on the cluster."""
+    cases = [
+        (["data.root=null", "data.generate_demo=false"],
+         "error: data.root is not set; point it at a directory with _info.json"),
+        (["train.activation_checkpointing=true", "train.checkpointed_blocks=9"],
+         "error: config key 'train.checkpointed_blocks': 9 is more than the model's 4 blocks"),
+        ([f"eval.fewshot_root={tiny_data}", "eval.fewshot_test_split=test"],
+         "error: split 'test' not found in dataset 'tiny' (splits: train, validation); set "
+         "eval.fewshot_train_split / eval.fewshot_test_split"),
+    ]
+    for overrides, line in cases:
+        proc = run_launcher("pretrain.py", "--dry-run", *overrides)
+        assert proc.returncode == 2 and proc.stdout == "", (overrides, proc.stdout[-2000:])
+        assert proc.stderr.strip().splitlines() == [line]
+    # the probe's data, read or not readable here, is said as the training data's is
+    proc = run_launcher("pretrain.py", "--dry-run", f"eval.fewshot_root={tiny_data}",
+                        "eval.fewshot_test_split=validation")
+    assert proc.returncode == 0, proc.stderr
+    assert f"few-shot probe: {tiny_data}: 256 'train', 64 'validation' samples" in proc.stdout
+    proc = run_launcher("pretrain.py", "--dry-run", f"eval.fewshot_root={tmp_path / 'cluster'}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"few-shot probe: not read here (no _info.json or info.json in " \
+           f"'{tmp_path / 'cluster'}'; point eval.fewshot_root at" in proc.stdout
 
 
 def test_help_documents_the_plan_flags_where_they_count():
