@@ -102,6 +102,12 @@ class FinetuneStage(Stage):
         # model selection on the dev split held out of train, every eval.every_steps
         dev = [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
             if cfg.data.dev_fraction else []
+        if not dev and "every_steps" in cfg.eval.model_fields_set and rank == 0:
+            log.warning("eval.every_steps=%d evaluates nothing: the fine-tune's periodic "
+                        "evaluation (and its best export) is on the dev split, and "
+                        "data.dev_fraction=0 holds none out; %s", cfg.eval.every_steps,
+                        f"'{cfg.data.val_split}' is evaluated once, after the last step"
+                        if cfg.data.val_split else "no split is evaluated")
         return dev + fewshot_evaluators(cfg, spec, rank, world, **common)
 
     def evaluated(self, backend):

@@ -330,11 +330,15 @@ def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp
             [sys.executable, str(REPO / "launch/finetune.py"), "--config",
              str(REPO / "configs/finetune/demo.yaml"), *finetune_args(out, tiny_cifar, "null"),
              "data.num_workers=0", "eval.every_steps=100", "tracking.enabled=false",
-             "checkpoint.every_steps=2", *extra],
+             "checkpoint.every_steps=2", "data.dev_fraction=0", *extra],
             cwd=REPO, capture_output=True, text=True, timeout=300)
 
     first = launch("train.total_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
+    # (no dev split: the periodic evaluation has nothing to evaluate, which is said)
+    assert "eval.every_steps=100 evaluates nothing: the fine-tune's periodic evaluation (and " \
+           "its best export) is on the dev split, and data.dev_fraction=0 holds none out; " \
+           "'test' is evaluated once, after the last step" in first.stderr
     again = launch("train.total_steps=4", "optimizer.weight_decay=0.3", "optimizer.momentum=0.5")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "optimizer.momentum: 0.9 -> 0.5; optimizer.weight_decay: 0.0 -> 0.3" in again.stderr
