@@ -570,6 +570,17 @@ def test_cli_bad_input_is_one_line_naming_the_fix(i21k, tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: the output folder {tmp_path / 'a-file'} is a file; name a new or empty folder"]
     assert (tmp_path / "a-file").read_text() == "mine"
+    # an option the source has no use for is refused, not ignored
+    folder = tmp_path / "folder"
+    for c in ("cat", "dog"):  # refused before any image is read
+        (folder / c).mkdir(parents=True)
+        (folder / c / "a.jpg").write_bytes(b"")
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(folder), "--out",
+                        str(tmp_path / "f"), "--skip-unknown")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: --skip-unknown applies to imagenet21k and imagenet1k (a fixed label list) only; "
+        "drop it")
+    assert not (tmp_path / "f").exists()
     # a damaged synset tar among 21k (an error page saved as the tar, a download cut off) is
     # named, in one line, whichever process read its headers
     for workers, damage in (("1", b"<html>403 Forbidden</html>\n"),

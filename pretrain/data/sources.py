@@ -402,8 +402,11 @@ def open_source(kind: str, src: str, *, synsets: str = "goog", skip_unknown: boo
         return OuterTarStream(src, synsets, skip_unknown, os.path.join(work_dir or ".", "spill"))
     if synsets != "goog":
         raise PrepareError("--synsets applies to imagenet21k only; drop it")
+    if skip_unknown and kind != "imagenet1k":  # the others have no label list to miss
+        raise PrepareError("--skip-unknown applies to imagenet21k and imagenet1k (a fixed label "
+                           "list) only; drop it")
     if kind == "imagefolder":
-        return ImageFolder(src, skip_unknown=skip_unknown)
+        return ImageFolder(src)
     if kind == "imagenet1k":
         return ImageNet1k(src, skip_unknown=skip_unknown)
     if kind in ("cifar10", "cifar100"):
