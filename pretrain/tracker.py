@@ -252,10 +252,18 @@ class MlflowTracker:
         self._remote.save_state()
         left = list(self._pending) + list(self._outbox)
         lost = sum(end is None for _, end in left)
-        if left:
-            log.warning("%d metric records not delivered to MLflow at %s; %d of them are in %s: "
-                        "`python launch/upload_spool.py %s` sends them", len(left),
-                        redacted(self.state.uri), len(left) - lost, self.dir / SPOOL,
+        files = self._remote.pending_artifacts()
+        unregistered = [m["register_as"] for m in self.state.models
+                        if m.get("register_as") and not m.get("version")]
+        undelivered = ([] if self.state.run_id else ["the run itself (never created there)"]) \
+            + ([f"{len(left)} metric records ({len(left) - lost} of them in {self.dir / SPOOL})"]
+               if left else []) \
+            + ([f"{len(files)} artifact files "
+                f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)"] if files else []) \
+            + [f"the registration as '{name}'" for name in unregistered]
+        if undelivered:
+            log.warning("not delivered to MLflow at %s: %s; `python launch/upload_spool.py %s` "
+                        "sends them", redacted(self.state.uri), ", ".join(undelivered),
                         self.dir.parent)
         if self.unwritten:
             log.warning("%d metric records were not written to %s (%s); %s", self.unwritten,

@@ -246,6 +246,12 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("unreachable" in r.getMessage() for r in warnings) == 1
     assert tracker.run_id is None and undelivered(out / "tracking") == 5
+    # everything left for the upload is said: not only the metrics
+    assert re.search(
+        rf"not delivered to MLflow at {re.escape(dead)}: the run itself \(never created there\), "
+        rf"5 metric records \(5 of them in {re.escape(str(out / 'tracking/spool.jsonl'))}\), "
+        rf"[1-9]\d* artifact files \(\d+\.\d MiB\), the registration as 'late'; `python "
+        rf"launch/upload_spool.py {re.escape(str(out))}` sends them", caplog.text), caplog.text
 
     up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
     assert up.returncode == 0, up.stderr[-2000:]
