@@ -70,7 +70,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                    world_size: int, hosts: Iterable[str] = (), ds_config: Optional[dict] = None,
                    run_id: Optional[str] = None, resumed_at: Optional[int] = None,
                    dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None,
-                   resolved: Optional[Mapping[str, object]] = None):
+                   resolved: Optional[Mapping[str, object]] = None, changed: Iterable[str] = ()):
     """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere.
 
     ``run_id``/``resumed_at``: the MLflow run id from the checkpoint being resumed and its
@@ -78,7 +78,9 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     unset (``train.total_steps`` from epochs, the batch layout, the architecture from the model
     name), logged as those params instead of "None". ``extra_tags``: e.g.
     :func:`pretrain.run_info.lineage_tags` for a fine-tune. Call it on every rank (cheap: rank 0
-    does the work).
+    does the work). ``changed``: the settings a resumed job changed (``"optimizer.lr: 0.002 ->
+    0.001"``), which the params (MLflow's are immutable) cannot show: the ``config.changed`` tag
+    and a ``resume_step_N/config.yaml`` artifact say them.
     """
     t = cfg.tracking
     if rank != 0 or not t.enabled:
@@ -100,6 +102,12 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         state.uri = uri
         state.run_id = run_id or earlier.run_id
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
+        changed = list(changed)
+        if changed:
+            said = f"from step {resumed_at}: {'; '.join(changed)}"
+            earlier_changes = state.tags.get("config.changed")
+            state.tags["config.changed"] = (f"{earlier_changes} | {said}" if earlier_changes
+                                            else said)[-5000:]  # MLflow's limit for a tag
     else:
         dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,
@@ -122,12 +130,14 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,
                             flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s,
                             abandoned=abandoned)
-    # a resumed job's config and DeepSpeed config go next to the first ones
+    # a resumed job's config (when it changed a setting) and DeepSpeed config go next to the
+    # first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"
     config_text = to_yaml(cfg)
     if t.uri and redacted(t.uri) != t.uri:
         config_text = config_text.replace(t.uri, redacted(t.uri))
-    tracker.log_artifact_bytes(prefix + "config.yaml", config_text.encode())
+    if resumed_at is None or changed:
+        tracker.log_artifact_bytes(prefix + "config.yaml", config_text.encode())
     if ds_config is not None:
         tracker.log_artifact_bytes(prefix + "deepspeed_config.json",
                                    json.dumps(ds_config, indent=1, default=str).encode())

@@ -188,7 +188,7 @@ def _train(cfg: RunConfig, stage) -> dict:
                              ds_config=backend.config_artifact(),
                              hosts=gather(socket.gethostname(), world), run_id=run_id,
                              resumed_at=step if resume is not None else None,
-                             extra_tags=stage.tracking_tags(),
+                             extra_tags=stage.tracking_tags(), changed=changed,
                              resolved={"train.total_steps": steps, "train.micro_batch_size": micro,
                                        "train.grad_accum_steps": accum,
                                        **{f"model.{k}": v for k, v in asdict(spec).items()}})

@@ -333,7 +333,7 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     rid = first.run_id
     # requeued onto two nodes of 4 ranks each
     second = start_tracking(cfg, "pretrain", out, 0, world_size=8, hosts=["node3", "node1"] * 4,
-                            run_id=rid, resumed_at=4)
+                            run_id=rid, resumed_at=4, changed=["optimizer.lr: 0.001 -> 0.0005"])
     for step in range(5, 10):
         second.log({"train/loss": 10.0 + step}, step)
     second.close()
@@ -347,6 +347,17 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     tags = run.data.tags
     assert (tags["world_size"], tags["hosts"], tags["num_hosts"]) == ("8", "node1,node3", "2")
     assert tags["world_size.history"] == "1@0,8@4"
+    # the params are the start's (MLflow's cannot change): what the relaunch changed is a tag,
+    # and its config an artifact beside the first
+    assert run.data.params["optimizer.lr"] == "0.001"
+    assert tags["config.changed"] == "from step 4: optimizer.lr: 0.001 -> 0.0005"
+    assert {"config.yaml", "resume_step_00000004"} <= {a.path for a in client.list_artifacts(rid)}
+    third = start_tracking(cfg, "pretrain", out, 0, world_size=8, hosts=["node3", "node1"] * 4,
+                           run_id=rid, resumed_at=9)  # the same settings again: nothing to say
+    third.close()
+    assert [a.path for a in client.list_artifacts(rid, "resume_step_00000009")] == [
+        "resume_step_00000009/environment.json"]  # the job's machines, as each job's
+    assert client.get_run(rid).data.tags["config.changed"] == tags["config.changed"]
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
