@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from pretrain.atomic_write import fsync_fd, fsync_path
@@ -190,14 +191,18 @@ class CheckpointStore:
 
         The optimizer's settings stay this job's config's: loading its state puts the saved
         ones back too, so a relaunch with another ``optimizer.weight_decay`` (``betas``,
-        ``eps``, ``momentum``) would otherwise go on with the old (the scheduler sets lr)."""
-        configured = _settings(backend.optimizer)
+        ``eps``, ``momentum``, and DeepSpeed's ``grad_clip``) would otherwise go on with the
+        old (the scheduler sets lr)."""
+        configured = _settings(backend)
         client = backend.load_checkpoint(self.root, ckpt)
         if not client or "step" not in client:  # DeepSpeed carries it through ds_to_universal
             raise RuntimeError(f"checkpoint {ckpt.path} has no client state (step, loader "
                                f"position); it was not written by this trainer")
-        for group, settings in zip(_innermost(backend.optimizer).param_groups, configured):
-            group.update(settings)
+        for optimizer, groups, clip in configured:
+            for group, settings in zip(optimizer.param_groups, groups):
+                group.update(settings)
+            if clip is not None:
+                optimizer.clip_grad = clip
         return client
 
     def prepare_universal(self, ckpt: Checkpoint) -> None:
@@ -233,17 +238,32 @@ class CheckpointStore:
 OPTIMIZER_SETTINGS = ("weight_decay", "betas", "eps", "momentum")
 
 
-def _innermost(optimizer):
-    """The torch optimizer under the backend's wrappers (Accelerate's, DeepSpeed's), whose
-    param_groups its step reads."""
-    while getattr(optimizer, "optimizer", None) is not None:
-        optimizer = optimizer.optimizer
-    return optimizer
+def _optimizers(backend) -> list:
+    """The backend's optimizer and every wrapper around or under it (DeepSpeed's engine holds
+    its ZeRO or bf16 optimizer, Accelerate's wraps DeepSpeed's or torch's): each may restore
+    settings of its own from a checkpoint."""
+    chain = []
+    engine = getattr(backend, "engine", None)
+    for opt in (getattr(engine, "optimizer", None), getattr(backend, "optimizer", None)):
+        while opt is not None and all(opt is not o for o in chain):
+            chain.append(opt)
+            opt = getattr(opt, "optimizer", None)
+    return chain
 
 
-def _settings(optimizer) -> list[dict]:
-    return [{k: g[k] for k in OPTIMIZER_SETTINGS if k in g}
-            for g in _innermost(optimizer).param_groups]
+def _settings(backend) -> list[tuple]:
+    """(optimizer, its param groups' OPTIMIZER_SETTINGS or [], its clip_grad or None) for each
+    of :func:`_optimizers`: the torch optimizers' groups, which their step reads, and the
+    gradient clipping DeepSpeed's optimizers keep (and load) themselves."""
+    out = []
+    for o in _optimizers(backend):
+        innermost = isinstance(o, torch.optim.Optimizer) and getattr(o, "optimizer", None) is None
+        groups = [{k: g[k] for k in OPTIMIZER_SETTINGS if k in g}
+                  for g in o.param_groups] if innermost else []
+        clip = getattr(o, "clip_grad", None)
+        if groups or clip is not None:
+            out.append((o, groups, clip))
+    return out
 
 
 class CheckpointError(ConfigError):

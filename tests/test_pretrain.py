@@ -262,19 +262,19 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     # a relaunch continues the new run, not the earlier one's newer step 8; the settings it
     # changes (more steps, a lower learning rate) are said, and kept next to the start's
     again = launch("train.total_steps=10", "model.depth=3", "optimizer.lr=0.0005",
-                   "optimizer.weight_decay=0.3")
+                   "optimizer.weight_decay=0.3", "optimizer.grad_clip=0.25")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_00000006 at step 6" in again.stderr
     assert sorted(losses(out)) == list(range(1, 11))
     kept = out / "config.resume_step_00000006.yaml"
-    assert f"resumed with settings other than the run's config.yaml: optimizer.lr: 0.002 -> " \
-           f"0.0005; optimizer.weight_decay: 0.05 -> 0.3; train.total_steps: 6 -> 10; they " \
-           f"apply from step 6 on (this relaunch's config: {kept})" in again.stderr, \
-        again.stderr[-3000:]
+    assert f"resumed with settings other than the run's config.yaml: optimizer.grad_clip: 1.0 " \
+           f"-> 0.25; optimizer.lr: 0.002 -> 0.0005; optimizer.weight_decay: 0.05 -> 0.3; " \
+           f"train.total_steps: 6 -> 10; they apply from step 6 on (this relaunch's config: " \
+           f"{kept})" in again.stderr, again.stderr[-3000:]
     assert "lr: 0.0005" in kept.read_text() and "lr: 0.002" in (out / "config.yaml").read_text()
     # and they did: the optimizer that trained steps 7-10 decayed with 0.3 (none on norms and
-    # biases), where loading step 6's state put the saved 0.05 back
-    assert optimizer_weight_decays(out / "checkpoints/step_00000010") == [0.3, 0.0]
+    # biases) and clipped at 0.25, where loading step 6's state put the saved 0.05 and 1.0 back
+    assert optimizer_settings(out / "checkpoints/step_00000010") == ([0.3, 0.0], 0.25)
 
     # another optimizer cannot load this one's state: refused in one line, nothing touched
     other = launch("train.total_steps=12", "model.depth=3", "optimizer.name=sgd")
@@ -287,11 +287,13 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [10, 8, 6]
 
 
-def optimizer_weight_decays(step_dir: Path) -> list[float]:
-    """The weight decay of each parameter group of the optimizer state a checkpoint holds."""
+def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
+    """The weight decay of each parameter group and the gradient clipping of the optimizer
+    state a checkpoint holds (DeepSpeed's ZeRO optimizer saves its clip_grad)."""
     [states] = step_dir.glob("*optim_states.pt")  # one rank's: the groups are the same on all
     state = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-    return [g["weight_decay"] for g in state["base_optimizer_state"]["param_groups"]]
+    return ([g["weight_decay"] for g in state["base_optimizer_state"]["param_groups"]],
+            state["clip_grad"])
 
 
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
