@@ -309,23 +309,30 @@ class MlflowTracker:
                                 redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
                     return
                 if not self._down:
-                    self._down = True
-                    if _from_the_server(e):
+                    self._down = _failure_kind(e)
+                    if self._down == "missing module":
+                        log.error("MLflow at %s needs a module that is not installed here (%s); "
+                                  "install it (pip install ...) and relaunch, or send the "
+                                  "metrics spooled to %s later with launch/upload_spool.py",
+                                  redacted(self.state.uri), one_line(e), self.dir / SPOOL)
+                    elif self._down == "bug":  # not an outage: said, or it reads as one forever
+                        log.error("MLflow tracking failed on an error of this program, not of "
+                                  "the server at %s (%s); training continues, metrics are kept "
+                                  "and spooled to %s; please report this",
+                                  redacted(self.state.uri), one_line(e), self.dir / SPOOL,
+                                  exc_info=True)
+                    else:
                         log.warning("MLflow at %s unreachable (%s); training continues, "
                                     "metrics are kept and spooled to %s until it is back",
                                     redacted(self.state.uri), one_line(e), self.dir / SPOOL)
-                    else:  # not an outage: say so, with where, or it reads as one forever
-                        log.error("MLflow tracking failed on an error of this program, not of "
-                                  "the server at %s; training continues, metrics are kept and "
-                                  "spooled to %s; please report this", redacted(self.state.uri),
-                                  self.dir / SPOOL, exc_info=True)
                 wait = min(max(2 * wait, self.flush_every_s),
                            min(MAX_RETRY_WAIT_S, 10 * self.flush_every_s))
             else:
                 if self._down:
+                    log.info("MLflow at %s %s; pending metrics delivered",
+                             redacted(self.state.uri), "reachable again"
+                             if self._down == "outage" else "taking the run's records now")
                     self._down = False
-                    log.info("MLflow at %s reachable again; pending metrics delivered",
-                             redacted(self.state.uri))
                 wait = self.flush_every_s
                 if stopping:
                     return
@@ -392,8 +399,16 @@ class MlflowTracker:
         self._remote.finish(self.state.ended or "FINISHED")
 
 
-def _from_the_server(exc: BaseException) -> bool:
-    """Whether a failure can be the server's or the network's (MLflow's errors, a refused
-    connection, a timeout, a locked database), as opposed to a programming error here."""
-    return not isinstance(exc, (NameError, AttributeError, TypeError, ImportError, KeyError,
-                                IndexError, AssertionError))
+def _failure_kind(exc: BaseException) -> str:
+    """Why a delivery failed: "missing module" (an optional package the store needs: boto3,
+    psycopg2), "bug" (raised in this project's own code, not by MLflow or the network), else
+    "outage" (the server, a proxy in front of it, the network: retried until it is back)."""
+    if isinstance(exc, ImportError):
+        return "missing module"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = (here, os.path.join(os.path.dirname(here), "finetune"))  # the packages of both stages
+    return "bug" if where.startswith(tuple(d + os.sep for d in ours)) else "outage"

@@ -365,12 +365,10 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
     """A bug in the delivery reads otherwise as "MLflow unreachable" for the whole run."""
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
-    from pretrain.spool import Remote
     from pretrain.tracking import start_tracking
 
-    def broken(self, reopen=True):
-        raise AttributeError("'NoneType' object has no attribute 'run_id'")
-    monkeypatch.setattr(Remote, "connect", broken)
+    # a bad constant in the delivery code: its params batches raise TypeError there
+    monkeypatch.setattr("pretrain.spool.MAX_PARAMS_PER_BATCH", None)
     cfg = load_config(PretrainConfig, None, [
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.system_metrics=false",
         "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5"])
@@ -379,9 +377,24 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
         tracker.log({"train/loss": 1.0}, 1)
         tracker.close()
     errors = [r for r in caplog.records if "error of this program" in r.getMessage()]
-    assert len(errors) == 1 and errors[0].exc_info[0] is AttributeError
+    assert len(errors) == 1 and errors[0].exc_info[0] is TypeError
     assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert read_jsonl(tmp_path / "run/tracking/spool.jsonl")[0]["metrics"] == {"train/loss": 1.0}
+
+
+def test_failures_raised_by_mlflow_or_a_missing_package_are_not_called_bugs():
+    """A proxy answering 200 with a JSON null makes MLflow's parser raise TypeError: an outage,
+    retried; a store's missing package (psycopg2, boto3) is its own case, with its fix."""
+    from mlflow.protos.service_pb2 import GetRun
+    from mlflow.utils.proto_json_utils import parse_dict
+
+    from pretrain.tracker import _failure_kind
+    with pytest.raises(TypeError) as parsed:
+        parse_dict(None, GetRun.Response())
+    assert _failure_kind(parsed.value) == "outage"
+    with pytest.raises(ImportError) as missing:
+        import psycopg2_not_installed_here  # noqa: F401
+    assert _failure_kind(missing.value) == "missing module"
 
 
 KILLED_BEFORE_ITS_FIRST_CHECKPOINT = """
