@@ -214,7 +214,7 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     parent, experiment, parent_dir = None, DEFAULT_EXPERIMENT, None
     source = _unsent_source(mf)
     if source is not None:  # its run is in its spool only: nested once that is uploaded
-        parent_dir, experiment = str(mf.run_dir / TRACKING_DIR), source.experiment
+        parent_dir, experiment = str((mf.run_dir / TRACKING_DIR).resolve()), source.experiment
     elif mf.source_run_id:
         try:
             parent, experiment = _source_run(uri, mf.source_run_id)
@@ -231,7 +231,8 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
                      start_time=int(ev.started * 1000) if ev.started else None,
                      end_time=int(time.time() * 1000),
                      run_name=f"eval {ev.split}: {'/'.join(Path(mf.path).resolve().parts[-2:])}",
-                     params=_params(ev), tags=_tags(ev, parent), parent_dir=parent_dir)
+                     params=_params(ev), tags=_tags(ev, parent), parent_dir=parent_dir,
+                     parent_started=source.start_time if source is not None else None)
     (track / ARTIFACTS).mkdir(parents=True)
     for f in written:
         shutil.copy2(f, track / ARTIFACTS / f.name)

@@ -52,6 +52,10 @@ class TrackingError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Local state: run.json, the spool and its delivery cursor
 # --------------------------------------------------------------------------------------------
+# the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
+JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed")
+
+
 @dataclass
 class RunState:
     """``tracking/run.json``: everything needed to create (or find) the MLflow run later."""
@@ -70,8 +74,10 @@ class RunState:
     start_time: Optional[int] = None
     end_time: Optional[int] = None
     # an evaluation of a model whose run had not reached MLflow yet: that run's tracking dir,
-    # where its run id appears once it is uploaded; the evaluation is nested under it then
+    # where its run id appears once it is uploaded (the evaluation is nested under it then),
+    # and its start_time, which tells that run from a new one started in the same output_dir
     parent_dir: Optional[str] = None
+    parent_started: Optional[int] = None
     end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
     stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
     # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
@@ -188,8 +194,10 @@ class Remote:
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
-                # a resumed job's own tags (its ranks and hosts) replace the earlier job's
-                retag = {k: v for k, v in s.tags.items() if run.data.tags.get(k) != v}
+                # a resumed job's own tags (its ranks and hosts) replace the earlier job's; the
+                # others are left as they are in MLflow (a user may have corrected one there)
+                retag = {k: v for k, v in s.tags.items()
+                         if k in JOB_TAGS and run.data.tags.get(k) != v}
                 if retag:
                     self.client.log_batch(s.run_id, tags=[RunTag(k, v)
                                                           for k, v in sorted(retag.items())])
@@ -230,27 +238,37 @@ class Remote:
         """Nest the run under the run of ``parent_dir`` once that one is in this store."""
         from mlflow.entities import RunTag
         s = self.state
+        there = Path(s.parent_dir).parent
         try:
-            parent = RunState.load(Path(s.parent_dir)).run_id
-        except (OSError, ValueError, TypeError):
+            parent = RunState.load(Path(s.parent_dir))
+        except (OSError, ValueError, TypeError) as e:
+            log.info("not nested: the run that made the model, in %s, cannot be read (%s)",
+                     there, one_line(e))
             return
-        if parent is None:
+        if parent.start_time != s.parent_started:  # checkpoint.resume=false started another
+            log.info("not nested: %s holds another run than the one that made the model", there)
+            s.parent_dir = None
+            self.save_state()
+            return
+        if parent.run_id is None:
             log.info("the run of %s has not reached MLflow yet: `python launch/upload_spool.py "
                      "%s` sends it, then `python launch/upload_spool.py %s` nests this one under "
-                     "it", Path(s.parent_dir).parent, Path(s.parent_dir).parent, self.dir.parent)
+                     "it", there, there, self.dir.parent)
             return
         try:
-            self.client.get_run(parent)
+            self.client.get_run(parent.run_id)
         except Exception as e:  # noqa: BLE001
             if not is_permanent(e):
                 raise
-            return  # in another store
-        tags = {"mlflow.parentRunId": parent, "eval.source_run_id": parent}
+            log.info("not nested: the run of %s (%s) is not in the store at %s", there,
+                     parent.run_id, redacted(s.uri))
+            return
+        tags = {"mlflow.parentRunId": parent.run_id, "eval.source_run_id": parent.run_id}
         self.client.log_batch(s.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         s.tags.update(tags)
         s.parent_dir = None
         self.save_state()
-        log.info("nested under run %s", parent)
+        log.info("nested under run %s", parent.run_id)
 
     def _mark_experiment(self, exp_id: str, exp=None) -> None:
         """Tag an experiment made before this tag existed (or by someone else); a user's own

@@ -220,10 +220,12 @@ def test_an_evaluation_of_a_run_not_yet_in_mlflow_is_nested_once_both_are_upload
     save_file(load_file(str(ft.out / "final.safetensors")), str(run / "final.safetensors"),
               metadata={**meta, "model_card": json.dumps({**card, "tracking_run_id": None})})
 
-    out = tmp_path / "eval"
-    proc = run_launcher("evaluate.py", str(run / "final.safetensors"), "--data", str(ft.data),
-                        "--split", "test", "--out", str(out), "--tracking-uri", uri)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, other = tmp_path / "eval", tmp_path / "eval-2"
+    for folder in (other, out):
+        proc = run_launcher("evaluate.py", str(run / "final.safetensors"), "--data",
+                            str(ft.data), "--split", "test", "--out", str(folder),
+                            "--tracking-uri", uri)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"`python launch/upload_spool.py {run}` sends it, then `python " \
            f"launch/upload_spool.py {out}` nests this one under it" in proc.stderr
     client = MlflowClient(uri)
@@ -239,6 +241,15 @@ def test_an_evaluation_of_a_run_not_yet_in_mlflow_is_nested_once_both_are_upload
     assert evaluation.data.tags["eval.source_run_id"] == source_id
     # in the source run's experiment, where the UI shows it under its parent
     assert evaluation.info.experiment_id == client.get_run(source_id).info.experiment_id
+
+    # a new run started in that output_dir since (checkpoint.resume=false): not the parent
+    state = json.loads((run / "tracking/run.json").read_text())
+    (run / "tracking/run.json").write_text(json.dumps({**state, "start_time": 1}))
+    up = run_launcher("upload_spool.py", str(other), timeout=120)
+    assert up.returncode == 0, up.stderr[-2000:]
+    assert f"not nested: {run} holds another run than the one that made the model" in up.stderr
+    other_id = json.loads((other / "tracking/run.json").read_text())["run_id"]
+    assert "mlflow.parentRunId" not in client.get_run(other_id).data.tags
 
 
 @pytest.mark.parametrize("workers", [0, 2])
