@@ -62,6 +62,8 @@ from pretrain.tracking_store import resolve_uri
 
 log = logging.getLogger(__name__)
 
+MAX_TAG_CHARS = 5000  # of a tag value: this MLflow takes 8000, older servers 5000
+
 
 # --------------------------------------------------------------------------------------------
 # Wiring for a stage's trainer
@@ -104,10 +106,11 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
         changed = list(changed)
         if changed:
-            said = f"from step {resumed_at}: {'; '.join(changed)}"
-            earlier_changes = state.tags.get("config.changed")
-            state.tags["config.changed"] = (f"{earlier_changes} | {said}" if earlier_changes
-                                            else said)[-5000:]  # MLflow's limit for a tag
+            said = [*filter(None, state.tags.get("config.changed", "").split(" | ")),
+                    f"from step {resumed_at}: {'; '.join(changed)}"]
+            while len(said) > 1 and len(" | ".join(said)) > MAX_TAG_CHARS:
+                said.pop(0)  # the oldest relaunch's changes: its resume_step_N/ still has them
+            state.tags["config.changed"] = " | ".join(said)[-MAX_TAG_CHARS:]
     else:
         dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,
@@ -136,7 +139,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     config_text = to_yaml(cfg)
     if t.uri and redacted(t.uri) != t.uri:
         config_text = config_text.replace(t.uri, redacted(t.uri))
-    if resumed_at is None or changed:
+    if earlier is None or changed:  # a run this job made (its first), or one it changed
         tracker.log_artifact_bytes(prefix + "config.yaml", config_text.encode())
     if ds_config is not None:
         tracker.log_artifact_bytes(prefix + "deepspeed_config.json",
