@@ -60,6 +60,22 @@ class NoTracking:
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
+    def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
+        """What MLflow lacks of this run at its end, for upload_spool.py to send."""
+        files = self._remote.pending_artifacts()
+        out = [] if self.state.run_id else ["the run itself (never created there)"]
+        if records:
+            out.append(f"{records} metric records ({records - lost} of them in "
+                       f"{self.dir / SPOOL})")
+        if files:
+            out.append(f"{len(files)} artifact files "
+                       f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
+        out += [f"the registration as '{m['register_as']}'" for m in self.state.models
+                if m.get("register_as") and not m.get("version")]
+        if self.state.run_id and not self._ended_there:
+            out.append(f"the run's end (status {status} and its tags)")
+        return out
+
     def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
@@ -98,6 +114,7 @@ class MlflowTracker:
         self._down = False
         self._monitor = None
         self._closed = False
+        self._ended_there = False  # the run ended in MLflow (its status and end tags set)
         self._close_done = threading.Event()
         self.seconds_in_log = 0.0  # training-thread time inside log(), for the closing note
         self.seconds_setup = 0.0  # ... and in start_tracking / log_sample_grid (once per job)
@@ -252,15 +269,7 @@ class MlflowTracker:
         self._remote.save_state()
         left = list(self._pending) + list(self._outbox)
         lost = sum(end is None for _, end in left)
-        files = self._remote.pending_artifacts()
-        unregistered = [m["register_as"] for m in self.state.models
-                        if m.get("register_as") and not m.get("version")]
-        undelivered = ([] if self.state.run_id else ["the run itself (never created there)"]) \
-            + ([f"{len(left)} metric records ({len(left) - lost} of them in {self.dir / SPOOL})"]
-               if left else []) \
-            + ([f"{len(files)} artifact files "
-                f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)"] if files else []) \
-            + [f"the registration as '{name}'" for name in unregistered]
+        undelivered = self._undelivered(status, len(left), lost)
         if undelivered:
             log.warning("not delivered to MLflow at %s: %s; `python launch/upload_spool.py %s` "
                         "sends them", redacted(self.state.uri), ", ".join(undelivered),
@@ -278,6 +287,22 @@ class MlflowTracker:
                      "call); setup %.1f ms once", self.log_calls, 1e3 * self.seconds_in_log,
                      1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
         self._lock.close()
+
+    def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
+        """What MLflow lacks of this run at its end, for upload_spool.py to send."""
+        files = self._remote.pending_artifacts()
+        out = [] if self.state.run_id else ["the run itself (never created there)"]
+        if records:
+            out.append(f"{records} metric records ({records - lost} of them in "
+                       f"{self.dir / SPOOL})")
+        if files:
+            out.append(f"{len(files)} artifact files "
+                       f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
+        out += [f"the registration as '{m['register_as']}'" for m in self.state.models
+                if m.get("register_as") and not m.get("version")]
+        if self.state.run_id and not self._ended_there:
+            out.append(f"the run's end (status {status} and its tags)")
+        return out
 
     def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
         """The job is going down (the training loop raised, the rank stalled): send what we
@@ -397,6 +422,7 @@ class MlflowTracker:
         if self._monitor is not None:
             self._monitor.finish()
         self._remote.finish(self.state.ended or "FINISHED")
+        self._ended_there = True
 
 
 def _failure_kind(exc: BaseException) -> str:

@@ -382,6 +382,39 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
     assert read_jsonl(tmp_path / "run/tracking/spool.jsonl")[0]["metrics"] == {"train/loss": 1.0}
 
 
+def test_a_server_lost_before_the_end_is_said_to_lack_the_runs_end(
+        tmp_path, client, mlflow_server, monkeypatch, caplog):
+    """The run exists, the server goes away: its status (RUNNING in the UI until then) and its
+    last records are what upload_spool.py must send."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.tracking import start_tracking
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    out = tmp_path / "run"
+    cfg = load_config(PretrainConfig, None, [
+        f"tracking.uri={mlflow_server.uri}", "tracking.experiment=lost-at-the-end",
+        "tracking.flush_every_s=0.05", "tracking.system_metrics=false",
+        "tracking.close_timeout_s=1"])
+    tracker = start_tracking(cfg, "pretrain", out, 0, world_size=1, hosts=["node0"])
+    try:
+        assert tracker.settled_run_id() is not None
+        mlflow_server.stop()
+        tracker.log({"train/loss": 1.0}, 1)
+        with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+            tracker.close()
+    finally:
+        mlflow_server.start()
+    assert re.search(r"not delivered to MLflow at .*: 1 metric records \(1 of them in .*\), the "
+                     r"run's end \(status FINISHED and its tags\); `python "
+                     r"launch/upload_spool.py .*` sends them", caplog.text), caplog.text
+    assert client.get_run(tracker.run_id).info.status == "RUNNING"
+    up = run_launcher("upload_spool.py", str(out), timeout=120)
+    assert up.returncode == 0, up.stderr[-2000:]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
 def test_failures_raised_by_mlflow_or_a_missing_package_are_not_called_bugs():
     """A proxy answering 200 with a JSON null makes MLflow's parser raise TypeError: an outage,
     retried; a store's missing package (psycopg2, boto3) is its own case, with its fix."""
