@@ -71,11 +71,6 @@ class FinetuneConfig(RunConfig):
     launcher: ClassVar[str] = "launch/finetune.py"
     # a fine-tune resumed with another init would keep the weights it started from
     identity_keys: ClassVar = ("model", "init")
-
-    def checkpoint_layout(self) -> dict:
-        # the EMA weights are one more object in Accelerate's checkpoint, or none
-        return {**super().checkpoint_layout(),
-                "train.ema_decay": "set" if self.train.ema_decay is not None else "null"}
     # what a fine-tune's recipe (or an override) must say: a pretraining recipe, whose keys the
     # fine-tune's config all has, would otherwise plan a fine-tune from scratch into its run
     recipe_keys: ClassVar = {"init": "a fine-tune starts from a pretraining run (init=runs/NAME) "
@@ -92,6 +87,11 @@ class FinetuneConfig(RunConfig):
     schedule: FinetuneScheduleConfig = FinetuneScheduleConfig()
     train: FinetuneTrainConfig = FinetuneTrainConfig(global_batch_size=512, total_steps=20_000)
     eval: FinetuneEvalConfig = FinetuneEvalConfig()
+
+    def checkpoint_layout(self) -> dict:
+        # the EMA weights are one more object in Accelerate's checkpoint, or none
+        return {**super().checkpoint_layout(),
+                "train.ema_decay": "set" if self.train.ema_decay is not None else "null"}
 
     @model_validator(mode="after")
     def _check_reported_split(self) -> "FinetuneConfig":

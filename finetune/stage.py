@@ -139,8 +139,13 @@ class FinetuneStage(Stage):
             # the model a user would pick: best by dev top-1 (final without a dev split)
             out = Path(self.cfg.output_dir)
             name = "best" if (out / "best").is_dir() else "final"
-            tracker.log_model(out / name, t.register_as,
-                              *self._about(out, name, steps, results))
+            try:
+                about, description = self._about(out, name, steps, results)
+            except (OSError, ValueError, KeyError) as e:  # a card gone or edited: still logged
+                log.warning("cannot read %s (%s); the MLflow model is logged without its step "
+                            "and figures", out / f"{name}.json", e)
+                about, description = {"export": name}, None
+            tracker.log_model(out / name, t.register_as, about, description)
         return results
 
     def _about(self, out: Path, name: str, steps: int, results: dict) -> tuple[dict, str]:

@@ -429,11 +429,6 @@ class RunConfig(Section):
     # is refused (pretrain/run_dir.py, check_same_run).
     identity_keys: ClassVar = ("model",)
 
-    def checkpoint_layout(self) -> dict:
-        """Settings whose state the checkpoints hold in their own form: a relaunch that changes
-        one cannot load them (refused, with the fix, by check_same_run)."""
-        return {"optimizer.name": self.optimizer.name}
-
     output_dir: str = Field("runs/pretrain", min_length=1,
                             description="checkpoints, logs, resolved config")
     seed: int = Field(0, description="initial weights, data order and augmentation")
@@ -469,6 +464,11 @@ class RunConfig(Section):
                              f"data.root={root!r} is a URL; set data.generate_demo=false to "
                              f"train on the data there")
         return self
+
+    def checkpoint_layout(self) -> dict:
+        """Settings whose state the checkpoints hold in their own form: a relaunch that changes
+        one cannot load them (refused, with the fix, by check_same_run)."""
+        return {"optimizer.name": self.optimizer.name}
 
     def to_yaml(self) -> str:
         # Imported here: pretrain.config_files builds on this module's Section and ConfigError.
