@@ -69,6 +69,7 @@ class Checkpoint:
     step: int
     world_size: int
     zero_stage: int
+    precision: Optional[str] = None  # train.precision (None: a manifest from before it was kept)
 
     @property
     def tag(self) -> str:
@@ -114,7 +115,8 @@ class CheckpointStore:
                 fsync_path(self.root)  # holds the entry of the step directory
             except OSError as e:  # EIO or ENOSPC surface here when the data reach the disk late
                 error = f"rank {rank()}: fsync: {type(e).__name__}: {e}"
-        ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage)
+        ckpt = Checkpoint(path, step, backend.world_size, backend.zero_stage,
+                          getattr(backend, "precision", None))
         errors = _errors_on_any_rank(error)  # a collective: past it, every node has synced
         if not errors and rank() == 0:
             try:
@@ -132,7 +134,8 @@ class CheckpointStore:
 
     def _write_manifest(self, ckpt: Checkpoint, files: dict[str, int]) -> None:
         manifest = {"step": ckpt.step, "world_size": ckpt.world_size,
-                    "zero_stage": ckpt.zero_stage, "time": time.time(), "files": files}
+                    "zero_stage": ckpt.zero_stage, "precision": ckpt.precision,
+                    "time": time.time(), "files": files}
         _write_durably(ckpt.path / MANIFEST, json.dumps(manifest, indent=1))
 
     def _write_failure(self, tag: str, errors: list[str]) -> str:
@@ -175,7 +178,7 @@ class CheckpointStore:
             if problem is None:
                 m = json.loads((d / MANIFEST).read_text())
                 out.append(Checkpoint(d, int(m["step"]), int(m["world_size"]),
-                                      int(m["zero_stage"])))
+                                      int(m["zero_stage"]), m.get("precision")))
             elif warn and rank() == 0:
                 log.warning("skipping checkpoint %s: %s", d, problem)
         return out
@@ -205,15 +208,14 @@ class CheckpointStore:
                 optimizer.clip_grad = clip
         return client
 
-    def prepare_universal(self, ckpt: Checkpoint) -> None:
-        """Convert ``ckpt`` for a new world size (rank 0 converts, the others wait)."""
+    def prepare_universal(self, ckpt: Checkpoint, why: str) -> None:
+        """Convert ``ckpt`` for another world size, ZeRO stage or precision (``why`` says which;
+        rank 0 converts, the others wait)."""
         out = ckpt.path.with_name(ckpt.tag + "_universal")
         if rank() == 0 and not (out / MANIFEST).exists():
             from pretrain.pickle_screen import check_pickles_are_inert  # (imports this module)
             check_pickles_are_inert(ckpt.path)  # the conversion unpickles it
-            log.warning("world size changed (%d -> %d ranks): converting %s to DeepSpeed's "
-                        "universal checkpoint", ckpt.world_size,
-                        dist.get_world_size() if dist.is_initialized() else 1, ckpt.path)
+            log.warning("%s: converting %s to DeepSpeed's universal checkpoint", why, ckpt.path)
             shutil.rmtree(out, ignore_errors=True)
             started = time.monotonic()
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",

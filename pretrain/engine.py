@@ -274,6 +274,7 @@ class DeepSpeedBackend:
         deepspeed_config(cfg, *cfg.train.batch_layout(self.world_size), self.world_size)
         self.on_gpu = get_accelerator().device_name() == "cuda"
         self.engine = self.optimizer = self.ds_config = None
+        self.precision = cfg.train.precision  # the checkpoints' manifests keep it
 
     def build(self, cfg: RunConfig, micro: int, accum: int, resume, store,
               init_weights=None) -> None:
@@ -282,9 +283,10 @@ class DeepSpeedBackend:
         if init_weights is not None:
             raise NotImplementedError("pretraining starts from the model's own initialisation")
         self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
-        if resume is not None and resume.world_size != self.world_size:
+        self.zero_stage = zero_stage(self.ds_config)
+        if resume is not None and self._needs_universal(resume):
             self.ds_config["checkpoint"] = {"load_universal": True}
-            store.prepare_universal(resume)
+            store.prepare_universal(resume, self._needs_universal(resume))
         model = build_model(cfg, self.ds_config)
         self.optimizer = build_optimizer(model, cfg)
         self.engine = initialize(cfg, model, self.optimizer, self.ds_config)
@@ -292,8 +294,20 @@ class DeepSpeedBackend:
             self.engine.compile(compile_kwargs=compile_options(cfg))
         self.device = self.engine.device
         self.dtype = input_dtype(cfg.train.precision)
-        self.zero_stage = zero_stage(self.ds_config)
         self.defer_check = defers_check(cfg, self.engine.optimizer)
+
+    def _needs_universal(self, ckpt) -> str:
+        """Why ``ckpt`` is read through DeepSpeed's universal layout ("" when it is not): its own
+        files name and shard the state for the ranks, ZeRO stage and precision that wrote them
+        (a ZeRO-2 checkpoint resumed under ZeRO-1, or an fp32 one in bf16, failed on a missing
+        file)."""
+        return ", ".join(what for what, changed in (
+            (f"world size changed ({ckpt.world_size} -> {self.world_size} ranks)",
+             ckpt.world_size != self.world_size),
+            (f"ZeRO stage changed ({ckpt.zero_stage} -> {self.zero_stage})",
+             ckpt.zero_stage != self.zero_stage),
+            (f"precision changed ({ckpt.precision} -> {self.precision})",
+             ckpt.precision not in (None, self.precision))) if changed)
 
     @property
     def module(self) -> nn.Module:
@@ -320,7 +334,7 @@ class DeepSpeedBackend:
 
     def load_checkpoint(self, root: Path, ckpt) -> dict:
         from pretrain.pickle_screen import check_pickles_are_inert
-        universal = ckpt.world_size != self.world_size
+        universal = bool(self._needs_universal(ckpt))
         tag = ckpt.tag + "_universal" if universal else ckpt.tag
         # DeepSpeed unpickles with weights_only=False: every file it may read is screened first,
         # a universal copy's zero/<param>/*.pt included

@@ -74,6 +74,7 @@ def deepspeed_backend_on(world_size: int):
 
     backend = DeepSpeedBackend.__new__(DeepSpeedBackend)
     backend.world_size, backend.engine = world_size, _NeverLoads()
+    backend.zero_stage, backend.precision = 1, "fp32"
     return backend
 
 

@@ -286,6 +286,16 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
         f"a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [10, 8, 6]
 
+    # another ZeRO stage and precision: DeepSpeed's files of step 10 are named and sharded for
+    # the ones that wrote them (a traceback on a missing file): read through the universal copy
+    layout = launch("train.total_steps=12", "model.depth=3", "deepspeed.zero_stage=2",
+                    "train.precision=bf16")
+    assert layout.returncode == 0, layout.stderr[-3000:]
+    assert f"ZeRO stage changed (1 -> 2), precision changed (fp32 -> bf16): converting " \
+           f"{out}/checkpoints/step_00000010 to DeepSpeed's universal checkpoint" in layout.stderr
+    assert f"resumed from {out}/checkpoints/step_00000010 at step 10" in layout.stderr
+    assert sorted(losses(out)) == list(range(1, 13))
+
 
 def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
     """The weight decay of each parameter group and the gradient clipping of the optimizer
