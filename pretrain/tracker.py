@@ -60,22 +60,6 @@ class NoTracking:
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
-    def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
-        """What MLflow lacks of this run at its end, for upload_spool.py to send."""
-        files = self._remote.pending_artifacts()
-        out = [] if self.state.run_id else ["the run itself (never created there)"]
-        if records:
-            out.append(f"{records} metric records ({records - lost} of them in "
-                       f"{self.dir / SPOOL})")
-        if files:
-            out.append(f"{len(files)} artifact files "
-                       f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
-        out += [f"the registration as '{m['register_as']}'" for m in self.state.models
-                if m.get("register_as") and not m.get("version")]
-        if self.state.run_id and not self._ended_there:
-            out.append(f"the run's end (status {status} and its tags)")
-        return out
-
     def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
         pass
 
