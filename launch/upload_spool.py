@@ -18,7 +18,8 @@ import sys
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import cli, interpreter
-from pretrain.spool import TrackingError, upload_spool
+from pretrain.mlflow_delivery import upload_spool
+from pretrain.spool import TrackingError
 
 
 def main(argv=None) -> None:

@@ -4,7 +4,7 @@ evaluation run. Kept apart from :mod:`pretrain.evaluate_model`, which computes t
 writes nothing: what is written, printed and logged can change without touching the figures.
 
 MLflow: the evaluation is written as a run record into ``OUT/tracking/`` (run.json, one spool
-line, the artifacts) and delivered by :func:`pretrain.spool.upload_spool`, the mechanism
+line, the artifacts) and delivered by :func:`pretrain.mlflow_delivery.upload_spool`, the mechanism
 training's tracker and ``launch/upload_spool.py`` share. So a server that is down costs one
 warning, and ``python launch/upload_spool.py OUT`` sends the evaluation later. The run goes into
 the source run's experiment, nested under it.
@@ -203,8 +203,8 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     Never raises for MLflow's sake: a failure is one warning (the record stays for
     ``launch/upload_spool.py``)."""
     from pretrain.atomic_write import write_atomic
-    from pretrain.spool import (ARTIFACTS, HTTP_DEFAULTS, SPOOL, TRACKING_DIR, RunState,
-                                TrackingError, one_line, upload_spool)
+    from pretrain.mlflow_delivery import HTTP_DEFAULTS, upload_spool
+    from pretrain.spool import ARTIFACTS, SPOOL, TRACKING_DIR, RunState, TrackingError, one_line
     for k, v in HTTP_DEFAULTS.items():  # fail fast when the server is down
         os.environ.setdefault(k, v)
     mf = ev.mf
@@ -266,7 +266,7 @@ def _source_run(uri: str, run_id: str) -> tuple[Optional[str], str]:
     store does not hold it. Raises when the store cannot be reached."""
     from mlflow import MlflowClient
 
-    from pretrain.spool import is_permanent
+    from pretrain.mlflow_delivery import is_permanent
     client = MlflowClient(uri)
     try:
         run = client.get_run(run_id)

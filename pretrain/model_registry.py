@@ -8,7 +8,7 @@ that file and reads safetensors; nothing is unpickled, unlike a pickled ``Python
 The package is written locally, under the run's ``tracking/artifacts/model/``, and reaches
 MLflow the way every artifact of a run does: the tracker's thread uploads it, retrying while
 the server is down, and ``launch/upload_spool.py`` sends it after the job if need be
-(:mod:`pretrain.spool`). The registration (``tracking.register_as``) is queued in the run's
+(:mod:`pretrain.mlflow_delivery`). The registration (``tracking.register_as``) is queued in the run's
 ``run.json`` and made once the upload is complete, so a registered version never points at a
 half-uploaded model, and a registration interrupted by a crash is not made twice.
 """

@@ -1,24 +1,20 @@
-"""A run's MLflow records kept on disk, and their delivery: what :mod:`pretrain.tracking`'s
-tracker and ``launch/upload_spool.py`` share.
+"""A run's MLflow records kept on disk: what :mod:`pretrain.tracking`'s tracker writes and
+``launch/upload_spool.py`` reads.
 
 ``output_dir/tracking/`` holds ``run.json`` (:class:`RunState`: everything needed to create or
 find the MLflow run later), ``spool.jsonl`` (every metric record, appended by the training
 thread), ``delivered`` (the spool's byte offset up to which everything reached MLflow),
-``artifacts/`` (files waiting for upload) and ``lock``. :class:`Remote` is one run's connection:
-it creates or re-attaches the run, sends records (one value per step, except the steps a
-rollback trains again: a ``"rewind"`` record lets those through once more) and artifacts, and
-ends the run with its end tags. See :mod:`pretrain.tracking` for how a job uses them.
+``artifacts/`` (files waiting for upload) and ``lock``. Their delivery to MLflow is
+:mod:`pretrain.mlflow_delivery`; how a job uses both, :mod:`pretrain.tracking`.
 """
 from __future__ import annotations
 
-import collections
 import json
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 from pretrain.atomic_write import write_atomic
 from pretrain.file_lock import try_lock
@@ -31,18 +27,6 @@ STATE = "run.json"
 CURSOR = "delivered"
 ARTIFACTS = "artifacts"
 LOCK = "lock"
-# MLflow 3's UI picks its view per experiment from this tag (JS: ExperimentKind); without it
-# an experiment opens in the GenAI view, where training runs do not show
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-STOP_COUNT_TAG = "stop.count"
-
-# MLflow's HTTP client retries 7 times with exponential backoff (minutes) and waits 120 s per
-# request by default; our thread retries by itself, so each attempt should fail fast. Set only
-# when the user has not chosen values.
-HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
-MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
-MAX_PARAMS_PER_BATCH = 100
 
 
 class TrackingError(RuntimeError):
@@ -131,247 +115,6 @@ def lock(track_dir: Path):
     return try_lock(track_dir / LOCK)
 
 
-# --------------------------------------------------------------------------------------------
-# Talking to MLflow: shared by the background thread and launch/upload_spool.py
-# --------------------------------------------------------------------------------------------
-def is_permanent(exc: BaseException) -> bool:
-    """A request MLflow rejected (4xx other than 429): retrying cannot help."""
-    from mlflow.exceptions import MlflowException
-    if not isinstance(exc, MlflowException):
-        return False
-    status = exc.get_http_status_code()
-    return 400 <= status < 500 and status != 429
-
-
-class Remote:
-    """One run's connection: create or re-attach the run, upload artifacts, send records.
-    Every method may raise when the server is unreachable; the state on disk stays consistent.
-    With ``on_write_error``, failing writes of run.json and the cursor go there instead of
-    raising (the running job: its state in memory is what counts; the files only help a resume
-    or upload_spool.py do less work)."""
-
-    def __init__(self, track_dir: Path, state: RunState,
-                 on_write_error: Optional[Callable[[Path, OSError], None]] = None):
-        for k, v in HTTP_DEFAULTS.items():
-            os.environ.setdefault(k, v)
-        self.dir = track_dir
-        self.state = state
-        self.on_write_error = on_write_error
-        self.client = None  # made on first connect: importing mlflow takes seconds
-        self.connected = False
-        self.resumed = state.run_id is not None  # attaching to a run that exists already
-        self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
-
-    def save_state(self) -> None:
-        self._write(self.dir / STATE, lambda: self.state.save(self.dir))
-
-    def _save_cursor(self, offset: int) -> None:
-        self._write(self.dir / CURSOR, lambda: write_cursor(self.dir, offset))
-
-    def _write(self, path: Path, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except OSError as e:
-            if self.on_write_error is None:
-                raise
-            self.on_write_error(path, e)
-
-    def connect(self, reopen: bool = True) -> str:
-        """Find or create the run; ``reopen`` marks an ended run RUNNING again (a resumed job)."""
-        from mlflow import MlflowClient
-        from mlflow.entities import Param, RunTag
-        if self.client is None:
-            self.client = MlflowClient(self.state.uri)
-        s = self.state
-        if s.run_id is not None:
-            try:
-                run = self.client.get_run(s.run_id)
-            except Exception as e:  # noqa: BLE001
-                if not is_permanent(e):
-                    raise
-                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id,
-                            redacted(s.uri))
-                s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
-            else:
-                self.last_step = {m.key: m.step for m in run.data._metric_objs}
-                # a resumed job's own tags (its ranks and hosts) replace the earlier job's; the
-                # others are left as they are in MLflow (a user may have corrected one there)
-                retag = {k: v for k, v in s.tags.items()
-                         if k in JOB_TAGS and run.data.tags.get(k) != v}
-                if retag:
-                    self.client.log_batch(s.run_id, tags=[RunTag(k, v)
-                                                          for k, v in sorted(retag.items())])
-                # MLflow's count wins when this output_dir's run.json does not know the stops
-                s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
-                if reopen and run.info.status != "RUNNING":
-                    self.client.update_run(s.run_id, status="RUNNING")
-                self._mark_experiment(run.info.experiment_id)
-        if s.run_id is None:
-            exp = self.client.get_experiment_by_name(s.experiment)
-            if exp is None:
-                try:
-                    exp_id = self.client.create_experiment(
-                        s.experiment, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-                except Exception:  # noqa: BLE001 -- another job created it meanwhile
-                    exp_id = self.client.get_experiment_by_name(s.experiment).experiment_id
-            else:
-                exp_id = exp.experiment_id
-                self._mark_experiment(exp_id, exp)
-            run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags,
-                                         start_time=s.start_time)
-            s.run_id = run.info.run_id
-            self.save_state()  # from now on a retry re-attaches instead of creating another
-            self.last_step = {}
-        if s.parent_dir:
-            self._nest()
-        if not s.params_logged:
-            items = sorted(s.params.items())
-            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-                self.client.log_batch(s.run_id, params=[
-                    Param(k, v) for k, v in items[i:i + MAX_PARAMS_PER_BATCH]])
-            s.params_logged = True
-            self.save_state()
-        self.connected = True
-        return s.run_id
-
-    def _nest(self) -> None:
-        """Nest the run under the run of ``parent_dir`` once that one is in this store."""
-        from mlflow.entities import RunTag
-        s = self.state
-        there = Path(s.parent_dir).parent
-        try:
-            parent = RunState.load(Path(s.parent_dir))
-        except (OSError, ValueError, TypeError) as e:
-            log.info("not nested: the run that made the model, in %s, cannot be read (%s)",
-                     there, one_line(e))
-            return
-        if parent.start_time != s.parent_started:  # checkpoint.resume=false started another
-            log.info("not nested: %s holds another run than the one that made the model", there)
-            s.parent_dir = None
-            self.save_state()
-            return
-        if parent.run_id is None:
-            log.info("the run of %s has not reached MLflow yet: `python launch/upload_spool.py "
-                     "%s` sends it, then `python launch/upload_spool.py %s` nests this one under "
-                     "it", there, there, self.dir.parent)
-            return
-        try:
-            self.client.get_run(parent.run_id)
-        except Exception as e:  # noqa: BLE001
-            if not is_permanent(e):
-                raise
-            log.info("not nested: the run of %s (%s) is not in the store at %s", there,
-                     parent.run_id, redacted(s.uri))
-            return
-        tags = {"mlflow.parentRunId": parent.run_id, "eval.source_run_id": parent.run_id}
-        self.client.log_batch(s.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-        s.tags.update(tags)
-        s.parent_dir = None
-        self.save_state()
-        log.info("nested under run %s", parent.run_id)
-
-    def _mark_experiment(self, exp_id: str, exp=None) -> None:
-        """Tag an experiment made before this tag existed (or by someone else); a user's own
-        choice of kind stays. Best effort: a server that refuses it must not cost the run."""
-        try:
-            exp = exp or self.client.get_experiment(exp_id)
-            if EXPERIMENT_KIND_TAG not in exp.tags:
-                self.client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
-        except Exception as e:  # noqa: BLE001
-            if not is_permanent(e):
-                raise  # the server is down: the whole attempt is retried
-            log.info("could not tag experiment %s with %s (%s); the MLflow 3 UI shows its runs "
-                     "with ?workflowType=machine_learning", exp_id, EXPERIMENT_KIND_TAG,
-                     one_line(e))
-
-    def pending_artifacts(self) -> list[Path]:
-        root = self.dir / ARTIFACTS
-        done = set(self.state.uploaded)
-        return [p for p in sorted(root.rglob("*")) if p.is_file()
-                and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
-
-    def upload_artifacts(self) -> int:
-        root = self.dir / ARTIFACTS
-        new = self.pending_artifacts()
-        for p in new:
-            sub = p.parent.relative_to(root).as_posix()
-            self.client.log_artifact(self.state.run_id, str(p),
-                                     artifact_path=None if sub == "." else sub)
-            self.state.uploaded.append(p.relative_to(root).as_posix())
-            self.save_state()
-        return len(new)
-
-    def register_models(self) -> int:
-        """Register the uploaded models that ask for it (call after :meth:`upload_artifacts`:
-        a version must not point at a half-uploaded model). Returns how many were registered."""
-        from pretrain.model_registry import register
-        done = 0
-        for m in self.state.models:
-            if m.get("register_as") and not m.get("version"):
-                m["version"] = register(self.client, self.state.run_id, m["register_as"],
-                                        m["path"], tags=m.get("tags"),
-                                        description=m.get("description"))
-                self.save_state()
-                done += 1
-        return done
-
-    def send(self, records: collections.deque) -> int:
-        """Send ``records`` ((record, spool end offset or None if it is not in the spool), oldest
-        first), popping each once it is in MLflow and advancing the cursor. Returns how many were
-        sent."""
-        from mlflow.entities import Metric
-        sent = 0
-        while records:
-            batch, metrics, last = [], [], dict(self.last_step)
-            for rec, end in records:
-                if rec.get("rewind"):  # a rollback: the steps after rec["step"] are new values
-                    last = {k: min(s, int(rec["step"])) for k, s in last.items()}
-                new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
-                       for k, v in rec["metrics"].items()
-                       if rec["step"] > last.get(k, -1 << 62)]
-                if metrics and len(metrics) + len(new) > MAX_METRICS_PER_BATCH:
-                    break
-                for m in new:
-                    last[m.key] = m.step
-                batch.append(end)
-                metrics += new
-            try:
-                if metrics:
-                    self.client.log_batch(self.state.run_id, metrics=metrics)
-            except Exception as e:  # noqa: BLE001
-                if not is_permanent(e):
-                    raise
-                # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones
-                log.warning("MLflow rejected %d metrics (%s); they are not in MLflow, but in %s "
-                            "and metrics.jsonl", len(metrics), one_line(e), self.dir / SPOOL)
-            self.last_step = last
-            for _ in batch:
-                records.popleft()
-            spooled = [end for end in batch if end is not None]
-            if spooled:
-                self._save_cursor(spooled[-1])
-            sent += len(batch)
-        return sent
-
-    def finish(self, status: str) -> None:
-        """End the run; its end tags go on first, so a run never shows KILLED without why."""
-        from mlflow.entities import RunTag
-        tags = dict(self.state.end_tags)
-        if self.state.stops:
-            tags[STOP_COUNT_TAG] = str(self.state.stops)
-        if tags:
-            self.client.log_batch(self.state.run_id, tags=[
-                RunTag(k, str(v)) for k, v in sorted(tags.items())])
-        self.client.set_terminated(self.state.run_id, status, end_time=self.state.end_time)
-
-
-def _int(text: Optional[str]) -> int:
-    try:
-        return int(text or 0)
-    except ValueError:
-        return 0
-
-
 def redacted(text: str) -> str:
     """``text`` fit to print or log as a param: the password of any URL in it
     (``postgresql://u:pw@host/db``, ``https://u:token@host``) becomes ``***``."""
@@ -386,48 +129,3 @@ def one_line(exc: BaseException) -> str:
     if len(text) > 200 and cause > 0:
         return text[:150].rstrip() + " ... " + text[cause:][:150]
     return text[:200]
-
-
-# --------------------------------------------------------------------------------------------
-# Uploading a spool afterwards
-# --------------------------------------------------------------------------------------------
-def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> list[str]:
-    """Send every undelivered record (and artifact) of ``output_dir``'s tracking directories to
-    MLflow, creating the run if it never was; returns one summary line per directory."""
-    out = Path(output_dir)
-    dirs = [d for d in [out / TRACKING_DIR, *sorted(out.glob(TRACKING_DIR + ".*"))]
-            if (d / STATE).is_file()]
-    if not dirs:
-        raise TrackingError(f"no MLflow spool in '{out}' (expected {out / TRACKING_DIR / STATE})")
-    lines = []
-    for d in dirs:
-        held = lock(d)
-        if held is None:
-            raise TrackingError(f"{d} is in use by a running job; run this after it ends")
-        try:
-            state = RunState.load(d)
-            if uri:
-                state.uri = uri
-            remote = Remote(d, state)
-            try:
-                remote.connect(reopen=False)
-                pending = collections.deque(read_spool(d / SPOOL, read_cursor(d)))
-                files = remote.pending_artifacts()
-                # a model's files can be GBs: what is sent, before the minutes it may take
-                log.info("%s: sending %d records and %d artifact files (%.1f MiB) to run %s",
-                         d, len(pending), len(files),
-                         sum(f.stat().st_size for f in files) / 2 ** 20, state.run_id)
-                n = remote.send(pending)
-                a = remote.upload_artifacts()
-                remote.register_models()
-                if state.ended:
-                    remote.finish(state.ended)
-            except Exception as e:  # noqa: BLE001
-                raise TrackingError(f"could not upload {d} to MLflow at {redacted(state.uri)}: "
-                                    f"{one_line(e)}") from None
-            state.save(d)
-            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at "
-                         f"{redacted(state.uri)}")
-        finally:
-            held.close()
-    return lines

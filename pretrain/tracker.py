@@ -17,8 +17,9 @@ from typing import Mapping, Optional
 from pretrain.atomic_write import write_atomic
 from pretrain.metrics import LineFile
 from pretrain.run_info import sample_grid_png
-from pretrain.spool import (ARTIFACTS, SPOOL, Remote, RunState, TrackingError, is_permanent,
-                            lock, one_line, read_cursor, read_spool, redacted)
+from pretrain.mlflow_delivery import Remote, is_permanent
+from pretrain.spool import (ARTIFACTS, SPOOL, RunState, TrackingError, lock, one_line,
+                            read_cursor, read_spool, redacted)
 from pretrain.tracking_store import store_refusal
 
 log = logging.getLogger("pretrain.tracking")  # one logger for the tracking modules

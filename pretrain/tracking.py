@@ -1,6 +1,6 @@
 """MLflow tracking for both stages: one MLflow run per training run, rank 0 only, and never the
 reason a run dies. The run's records on disk and their delivery to MLflow (shared with
-``launch/upload_spool.py``) are :mod:`pretrain.spool`.
+``launch/upload_spool.py``) are :mod:`pretrain.spool` and :mod:`pretrain.mlflow_delivery`.
 
 Where runs go: :func:`pretrain.tracking_store.resolve_uri`.
 

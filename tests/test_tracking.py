@@ -368,7 +368,7 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
     from pretrain.tracking import start_tracking
 
     # a bad constant in the delivery code: its params batches raise TypeError there
-    monkeypatch.setattr("pretrain.spool.MAX_PARAMS_PER_BATCH", None)
+    monkeypatch.setattr("pretrain.mlflow_delivery.MAX_PARAMS_PER_BATCH", None)
     cfg = load_config(PretrainConfig, None, [
         f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.system_metrics=false",
         "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5"])
@@ -455,7 +455,8 @@ def test_the_run_of_a_job_killed_before_its_first_checkpoint_ends_failed_on_the_
     never reached the server and wait in a spool set aside for upload_spool.py."""
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
-    from pretrain.spool import TrackingError, lock, upload_spool
+    from pretrain.mlflow_delivery import upload_spool
+    from pretrain.spool import TrackingError, lock
     from pretrain.tracking import start_tracking
 
     def killed_job(exp, out, uri, steps):
@@ -580,7 +581,7 @@ def test_stop_tags_of_a_run_that_never_reached_the_server_are_set_by_the_upload(
         tmp_path, client, mlflow_server, monkeypatch, caplog):
     from pretrain.config import PretrainConfig
     from pretrain.config_files import load_config
-    from pretrain.spool import upload_spool
+    from pretrain.mlflow_delivery import upload_spool
     from pretrain.tracking import start_tracking
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
