@@ -279,9 +279,13 @@ def _describe(err: ValidationError, schema: Type[Section]) -> str:
     other = _other_stage(extra, schema) if extra else None
     if other:
         shown = ", ".join(f"'{k}'" for k in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        # the fine-tune does run under DeepSpeed, set by Accelerate's config, not by these keys
+        deepspeed = (f"; DeepSpeed in a fine-tune is Accelerate's config (accelerate launch "
+                     f"--config_file configs/accelerate/deepspeed_zero2.yaml {schema.launcher})"
+                     if any(k.split(".")[0] == "deepspeed" for k in extra) else "")
         return (f"{shown} {'is a key' if len(extra) == 1 else 'are keys'} of {other}, not "
                 f"{schema.launcher}: a config (or output_dir) of the other stage? Run it with "
-                f"{other}, or give {schema.launcher} one of its own")
+                f"{other}, or give {schema.launcher} one of its own{deepspeed}")
     loc = first["loc"][:-1] if first["loc"] and isinstance(first["loc"][-1], int) else first["loc"]
     listed = ".".join(str(p) for p in loc)
     takes = _takes(_field_of(schema, loc), listed) if first["type"] in (

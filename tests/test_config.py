@@ -173,7 +173,10 @@ def test_a_config_of_the_other_stage_or_a_dotted_yaml_key_is_named_as_such(tmp_p
         load_config(FinetuneConfig, pre)
     assert str(e.value) == ("'deepspeed' is a key of launch/pretrain.py, not launch/finetune.py: "
                             "a config (or output_dir) of the other stage? Run it with "
-                            "launch/pretrain.py, or give launch/finetune.py one of its own")
+                            "launch/pretrain.py, or give launch/finetune.py one of its own; "
+                            "DeepSpeed in a fine-tune is Accelerate's config (accelerate launch "
+                            "--config_file configs/accelerate/deepspeed_zero2.yaml "
+                            "launch/finetune.py)")
     with pytest.raises(ConfigError, match="^'data.dev_fraction', 'init' are keys of "
                                           "launch/finetune.py, not launch/pretrain.py"):
         load_config(PretrainConfig, REPO / "configs/finetune/demo.yaml")
