@@ -105,6 +105,9 @@ def resolve_spec(cfg: ModelConfig) -> ViTSpec:
     if arch["embed_dim"] % arch["num_heads"]:
         raise ConfigError(f"config key 'model.num_heads': width {arch['embed_dim']} is not "
                           f"divisible by {arch['num_heads']} heads")
+    if int(arch["embed_dim"] * arch["mlp_ratio"]) < 1:  # timm builds an MLP of no width
+        raise ConfigError(f"config key 'model.mlp_ratio': {arch['mlp_ratio']:g} gives width "
+                          f"{arch['embed_dim']} an MLP of width 0; ViTs use 4 (timm's default)")
     size, patch = arch["img_size"], arch["patch_size"]
     if size % patch:
         near = sorted({max(patch, size // patch * patch), (size // patch + 1) * patch})
