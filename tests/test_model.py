@@ -176,7 +176,7 @@ def test_any_timm_vit_with_overrides():
     (dict(name="vit_huge_patch14_224", img_size=384), "use 378 or 392"),
     (dict(name="resnet50"), "model.name"),
     (dict(name="vit_larg_patch16_224"), "did you mean 'vit_large_patch16_224'"),
-    (dict(mlp_ratio=0.001), "model.mlp_ratio': 0.001 gives width 192 an MLP of width 0"),
+    (dict(mlp_ratio=0.0005), "model.mlp_ratio': 0.0005 gives width 1024 an MLP of width 0"),
 ])
 def test_impossible_architectures_are_rejected(kw, key):
     with pytest.raises(ConfigError, match=key):
