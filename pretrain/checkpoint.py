@@ -189,8 +189,8 @@ class CheckpointStore:
 
     def load(self, backend, ckpt: Checkpoint) -> dict:
         """Load model/optimizer state into ``backend``; returns the client state (step, loader
-        position, RNG, ...). A DeepSpeed backend on another world size than the one that saved
-        ``ckpt`` reads the universal copy :meth:`prepare_universal` made.
+        position, RNG, ...). A DeepSpeed backend on another world size, ZeRO stage or precision
+        than the one that saved ``ckpt`` reads the universal copy :meth:`prepare_universal` made.
 
         The optimizer's settings stay this job's config's: loading its state puts the saved
         ones back too, so a relaunch with another ``optimizer.weight_decay`` (``betas``,
