@@ -259,6 +259,17 @@ def input_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
+def _saved_precision(ckpt, now: str) -> str:
+    """The train.precision ``ckpt`` was saved in; for a manifest from before it was kept, what
+    its files tell: DeepSpeed names a bf16 run's optimizer states bf16_*, fp16's and fp32's
+    alike (``now`` when that cannot tell them apart)."""
+    if ckpt.precision is not None:
+        return ckpt.precision
+    if any(ckpt.path.glob("bf16_*optim_states.pt")):
+        return "bf16"
+    return now if now != "bf16" else "fp32 or fp16"
+
+
 class DeepSpeedBackend:
     """Pretraining's backend for :func:`pretrain.trainer.train`: a DeepSpeed engine (ZeRO 0-3,
     bf16/fp16, gradient clipping) and DeepSpeed's checkpoint files. The fine-tuning twin is
@@ -301,13 +312,14 @@ class DeepSpeedBackend:
         files name and shard the state for the ranks, ZeRO stage and precision that wrote them
         (a ZeRO-2 checkpoint resumed under ZeRO-1, or an fp32 one in bf16, failed on a missing
         file)."""
+        saved = _saved_precision(ckpt, self.precision)
         return ", ".join(what for what, changed in (
             (f"world size changed ({ckpt.world_size} -> {self.world_size} ranks)",
              ckpt.world_size != self.world_size),
             (f"ZeRO stage changed ({ckpt.zero_stage} -> {self.zero_stage})",
              ckpt.zero_stage != self.zero_stage),
-            (f"precision changed ({ckpt.precision} -> {self.precision})",
-             ckpt.precision not in (None, self.precision))) if changed)
+            (f"precision changed ({saved} -> {self.precision})", saved != self.precision),
+        ) if changed)
 
     @property
     def module(self) -> nn.Module:
