@@ -66,6 +66,9 @@ class ModelConfig(Section):
 
 
 class OptimizerConfig(Section):
+    # the settings only one of the optimizers reads
+    only_for: ClassVar = {"adamw": ("betas", "eps"), "sgd": ("momentum",)}
+
     name: Literal["adamw", "sgd"] = Field("adamw", description="adamw, or sgd with momentum")
     lr: float = Field(1e-3, gt=0, description="peak learning rate, reached after warmup")
     # adamw: decoupled (multiplied by lr); sgd: torch's L2 term, added to the gradient before
@@ -85,6 +88,10 @@ class OptimizerConfig(Section):
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optimizer.betas must lie in [0, 1), got {list(self.betas)}")
         return self
+
+    def unused(self) -> list[str]:
+        """The keys of the other optimizer: this one never reads them."""
+        return [k for name, keys in self.only_for.items() if name != self.name for k in keys]
 
 
 class ScheduleConfig(Section):

@@ -127,14 +127,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-# The settings only one of the optimizers reads.
-OPTIMIZER_ONLY = {"adamw": ("betas", "eps"), "sgd": ("momentum",)}
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     o = cfg.optimizer
-    ignored = [k for name, keys in OPTIMIZER_ONLY.items() if name != o.name for k in keys
-               if k in o.model_fields_set]
+    ignored = [k for k in o.unused() if k in o.model_fields_set]
     if ignored and rank() == 0:
         log.warning("optimizer.%s not used by optimizer.name=%s (set by a recipe or override "
                     "for the other optimizer)", ", optimizer.".join(ignored), o.name)

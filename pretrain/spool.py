@@ -37,7 +37,7 @@ class TrackingError(RuntimeError):
 # Local state: run.json, the spool and its delivery cursor
 # --------------------------------------------------------------------------------------------
 # the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
-JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed")
+JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs")
 
 
 @dataclass

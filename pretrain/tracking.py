@@ -104,6 +104,8 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         state.uri = uri
         state.run_id = run_id or earlier.run_id
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
+        # every relaunch counts, a SIGKILL's too (stop.count counts the stops asked for)
+        state.tags["jobs"] = str(int(state.tags.get("jobs") or 1) + 1)
         changed = list(changed)
         if changed:
             said = [*filter(None, state.tags.get("config.changed", "").split(" | ")),
@@ -114,10 +116,12 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     else:
         dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,
-                "dataset": dataset, **_job_tags(world_size, hosts),
+                "dataset": dataset, **_job_tags(world_size, hosts), "jobs": "1",
                 "output_dir": str(Path(output_dir).resolve()),
                 **git_info(REPO_ROOT), **(extra_tags or {})}
         params = flatten(cfg.model_dump(mode="json"))
+        for key in cfg.optimizer.unused():  # the other optimizer's: clutter in Compare
+            params.pop(f"optimizer.{key}", None)
         params.update({k: str(v) for k, v in (resolved or {}).items()
                        if params.get(k) == "None"})
         if t.uri:  # a database password in the URI is no one's business in the UI
