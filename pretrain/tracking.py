@@ -7,7 +7,8 @@ Where runs go: :func:`pretrain.tracking_store.resolve_uri`.
 What a run records (made by :mod:`pretrain.run_info`): the resolved config flattened into
 params (``optimizer.lr``, ...); tags ``stage``, ``model``, ``dataset``, ``git.commit``,
 ``git.dirty``, ``world_size``, ``hosts`` (the newest job's, with ``world_size.history`` once a
-resume changes it; + lineage tags for fine-tunes); artifacts
+resume changes it), ``jobs``, ``config.changed`` (a relaunch's changed settings) + lineage tags
+for fine-tunes; artifacts
 ``config.yaml``, ``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the
 trainer's metrics against the global step; MLflow's own ``system/*`` metrics.
 
