@@ -292,9 +292,10 @@ class DeepSpeedBackend:
             raise NotImplementedError("pretraining starts from the model's own initialisation")
         self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
         self.zero_stage = zero_stage(self.ds_config)
-        if resume is not None and self._needs_universal(resume):
+        why = self._needs_universal(resume) if resume is not None else ""
+        if why:
             self.ds_config["checkpoint"] = {"load_universal": True}
-            store.prepare_universal(resume, self._needs_universal(resume))
+            store.prepare_universal(resume, why)
         model = build_model(cfg, self.ds_config)
         self.optimizer = build_optimizer(model, cfg)
         self.engine = initialize(cfg, model, self.optimizer, self.ds_config)

@@ -88,8 +88,7 @@ def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
     if info is None:
         return f"data: not read here ({why})"
     info.check_labels(cfg.data.root, cfg.model.num_classes)
-    splits = [s for s in (cfg.data.train_split, cfg.data.val_split) if s]
-    sizes = ", ".join(f"{info.split(s).num_samples:,} '{s}'" for s in splits)
+    sizes = _split_sizes(info, cfg.data.train_split, cfg.data.val_split)
     labels = f", {info.num_labels:,} labels" if info.num_labels else ""
     return f"data: {cfg.data.root}: {sizes} samples{labels}"
 
@@ -132,7 +131,7 @@ def fewshot_line(cfg: RunConfig) -> list[str]:
     root not readable from here (a cluster's storage) is said."""
     from pretrain.data.info import InfoNotRead, read_info
     from pretrain.data.remote import RetryPolicy
-    from pretrain.stage import in_probe_keys, check_fewshot_root
+    from pretrain.stage import check_fewshot_root, in_probe_keys
     e = cfg.eval
     if not e.fewshot_root:
         return []
@@ -141,9 +140,12 @@ def fewshot_line(cfg: RunConfig) -> list[str]:
     except InfoNotRead as err:
         return [f"few-shot probe: not read here ({in_probe_keys(err)})"]
     check_fewshot_root(cfg, info)
-    sizes = ", ".join(f"{info.split(s).num_samples:,} '{s}'"
-                      for s in (e.fewshot_train_split, e.fewshot_test_split))
+    sizes = _split_sizes(info, e.fewshot_train_split, e.fewshot_test_split)
     return [f"few-shot probe: {e.fewshot_root}: {sizes} samples"]
+
+
+def _split_sizes(info, *splits: Optional[str]) -> str:
+    return ", ".join(f"{info.split(s).num_samples:,} '{s}'" for s in splits if s)
 
 
 def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
