@@ -162,13 +162,13 @@ def test_outer_tar_gz_stream_gives_the_same_shards(i21k, tmp_path):
 # of an inner tar.
 KILLED_SCAN = r'''
 import os, signal, sys
-from pretrain.data import scan_journal, sources
+from pretrain.data import imagenet21k, scan_journal
 from pretrain.data.shard_writer import prepare
 kind, src, out, at, signame, workers = (sys.argv[1:] + ["KILL", "1"][len(sys.argv) - 5:])[:6]
 sig = getattr(signal, "SIG" + signame)
 scan_journal.SAVE_EVERY_S = 0
-sources.SPILL_FILE_BYTES = 40_000  # a few spill files, as 1 GiB ones over ImageNet-21k
-listed = getattr(sources, kind).entries
+imagenet21k.SPILL_FILE_BYTES = 40_000  # a few spill files, as 1 GiB ones over ImageNet-21k
+listed = getattr(imagenet21k, kind).entries
 
 def entries_until_killed(self, journal=None):
     for n, entry in enumerate(listed(self, journal)):
@@ -176,7 +176,7 @@ def entries_until_killed(self, journal=None):
             os.kill(os.getpid(), sig)
         yield entry
 
-setattr(getattr(sources, kind), "entries", entries_until_killed)
+setattr(getattr(imagenet21k, kind), "entries", entries_until_killed)
 prepare("imagenet21k", src, out, shard_size=16, val_count=20, progress=False,
         workers=int(workers))
 '''
@@ -241,10 +241,10 @@ def test_a_killed_run_leaves_no_worker_process_behind(tmp_path):
 # third tar of the listing, or for the fourth train shard of the writing
 DYING_WORKER = r'''
 import os, signal, sys
-from pretrain.data import shard_writer, sources
+from pretrain.data import imagenet21k, shard_writer
 src, out, stage = sys.argv[1:4]
 parent = os.getpid()
-module, name = (sources, "_list_tar") if stage == "list" else (shard_writer, "write_shard")
+module, name = (imagenet21k, "_list_tar") if stage == "list" else (shard_writer, "write_shard")
 task = getattr(module, name)
 
 def dies(item):

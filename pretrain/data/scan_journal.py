@@ -3,7 +3,7 @@
 Listing ImageNet-21k's 14 M images is hours of work: 21k per-synset tars whose headers are read
 one by one, or the 1.3 TB outer tar read front to back with every image spilled to disk. A time
 limit or a crash in that pass used to send the rerun back to the first byte. The two readers
-(:mod:`pretrain.data.sources`) list their samples one inner tar at a time; after an inner tar
+(:mod:`pretrain.data.imagenet21k`) list their samples one inner tar at a time; after an inner tar
 is done, at most every :data:`SAVE_EVERY_S`, the journal writes the entries listed since the last
 save to a numbered chunk file and then the state that says where to go on from: how many inner
 tars are done, where the next one starts in the outer stream, which spill files hold their bytes
