@@ -204,7 +204,7 @@ class FinetuneStage(Stage):
                             run_id: Optional[str]) -> None:
         """``<name>/`` in timm's layout (config.json, model.safetensors, README.md): loads with
         ``timm.create_model("local-dir:<name>", pretrained=True)`` and nothing else."""
-        from pretrain.export import Consolidated
+        from pretrain.consolidate import Consolidated
         from pretrain.timm_folder import write_timm_folder
 
         c = Consolidated(state_dict=state, spec=spec, source=str(out.with_suffix(".safetensors")),

@@ -3,7 +3,7 @@
 ``init`` is a local path (no network access, ever), one of:
 
 * ``deepspeed`` - a pretraining output dir (its newest complete checkpoint) or one DeepSpeed
-  checkpoint dir, consolidated to fp32 by ``pretrain.export.consolidate`` (zero-to-fp32);
+  checkpoint dir, consolidated to fp32 by ``pretrain.consolidate.consolidate`` (zero-to-fp32);
 * ``export``    - a file written by ``launch/export.py`` / ``pretrain.export.export_full``;
 * ``state_dict``- any other safetensors / .pth / .bin file keyed like ``ViTClassifier``;
 * ``timm``      - a timm ``VisionTransformer`` state dict (safetensors, .pth, .bin, .pt), as the
@@ -46,8 +46,9 @@ from typing import Mapping, Optional
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.export import (BACKBONE_PREFIX, FULL_FORMAT, CheckpointError, read_metadata,
-                             resolve_checkpoint)
+from pretrain.checkpoint import CheckpointError
+from pretrain.consolidate import resolve_checkpoint
+from pretrain.export import BACKBONE_PREFIX, FULL_FORMAT, read_metadata
 from pretrain.model import ViTClassifier
 
 POS_EMBED = BACKBONE_PREFIX + "pos_embed"
@@ -102,7 +103,7 @@ def resample_pos_embed(pos_embed: torch.Tensor, grid: int, num_prefix_tokens: in
 def _from_deepspeed(path: Path) -> InitSource:
     from dataclasses import asdict
 
-    from pretrain.export import consolidate
+    from pretrain.consolidate import consolidate
 
     c = consolidate(path)
     return InitSource("deepspeed", c.source, c.state_dict, c.step, c.tracking_run_id,

@@ -81,8 +81,9 @@ def main(argv=None) -> None:
         cli.fail(f"--out '{args.out}' is a file; name a folder, or a FILE.safetensors for the "
                  f"single-file export")
     check_targets(args, folder)
-    from pretrain.export import CheckpointError, consolidate, export_full, export_timm_backbone
-    from pretrain.export import resolve_checkpoint, timm_kwargs
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.consolidate import consolidate, resolve_checkpoint
+    from pretrain.export import export_full, export_timm_backbone, timm_kwargs
     from pretrain.timm_folder import file_overlay, write_timm_folder
 
     try:

@@ -11,7 +11,7 @@ the MLflow run that produced it: what ``launch/evaluate.py`` needs to reproduce 
   it, else from the timm folder of the same name) or ``export.py``'s full file (spec and config
   in the header);
 * a **checkpoint**: a pretraining output dir or ``checkpoints/step_N/`` (DeepSpeed, merged by
-  :func:`pretrain.export.consolidate`), or a fine-tune's (Accelerate's files plus
+  :func:`pretrain.consolidate.consolidate`), or a fine-tune's (Accelerate's files plus
   ``client_state.pt``, read with ``weights_only``). A fine-tune with ``train.ema_decay`` is
   read as its EMA weights: those are what its figures and exports are of.
 
@@ -221,7 +221,7 @@ def _checkpoint(p: Path) -> ModelFile:
             f"checkpoints/step_*/, or one step dir); pass e.g. runs/NAME/final or runs/NAME")
     if (ckpt / CLIENT_STATE).is_file():
         return _accelerate_checkpoint(ckpt)
-    from pretrain.export import consolidate
+    from pretrain.consolidate import consolidate
     try:
         c = consolidate(ckpt, origin=p)
     except CheckpointError as e:
@@ -238,7 +238,7 @@ def _checkpoint(p: Path) -> ModelFile:
 def _checkpoint_dir(p: Path) -> Optional[Path]:
     """The checkpoint a path means (newest complete one for an output dir), or None."""
     from pretrain.checkpoint import TAG_RE, CheckpointStore
-    from pretrain.export import resolve_checkpoint
+    from pretrain.consolidate import resolve_checkpoint
 
     if (p / CLIENT_STATE).is_file() or any(p.glob("*model_states.pt")):
         if TAG_RE.match(p.name) and p.name not in {
@@ -322,7 +322,7 @@ def _model_config(run_config: dict, where: Path) -> ModelConfig:
 
 def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_config: dict,
            step: Optional[int]) -> ModelFile:
-    from pretrain.export import tensors_that_differ
+    from pretrain.consolidate import tensors_that_differ
     from pretrain.model import create_model
 
     model = create_model(model_cfg, device="meta")  # no init work: every tensor is replaced

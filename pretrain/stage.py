@@ -97,7 +97,7 @@ def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
     complete checkpoint, which the loop has just written, logged as the run's MLflow model."""
     import logging
 
-    from pretrain.export import consolidate
+    from pretrain.consolidate import consolidate
     from pretrain.timm_folder import write_timm_folder
     out = Path(output_dir)
     logging.getLogger(__name__).info("exporting the backbone to %s for MLflow (timm layout, "

@@ -23,8 +23,9 @@ from typing import Optional, Union
 import torch
 
 from pretrain.atomic_write import write_atomic
-from pretrain.export import (BACKBONE_PREFIX, CheckpointError, Consolidated, _as_consolidated,
-                             timm_backbone_state)
+from pretrain.checkpoint import CheckpointError
+from pretrain.consolidate import Consolidated
+from pretrain.export import BACKBONE_PREFIX, _as_consolidated, timm_backbone_state
 from pretrain.model import ViTSpec
 
 WEIGHTS = "model.safetensors"

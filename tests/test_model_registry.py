@@ -120,7 +120,7 @@ def assert_backbone_registered(uri: str, name: str, run_id: str, output_dir, tmp
     from mlflow import MlflowClient
 
     from pretrain.config import PretrainConfig
-    from pretrain.export import consolidate
+    from pretrain.consolidate import consolidate
     from pretrain.model import create_model
 
     (version,) = MlflowClient(uri).search_model_versions(f"name = '{name}'")

@@ -14,7 +14,8 @@ import yaml
 
 from conftest import REPO
 from pretrain.config import ModelConfig
-from pretrain.export import CheckpointError, from_model
+from pretrain.checkpoint import CheckpointError
+from pretrain.export import from_model
 from pretrain.model import create_model
 from pretrain.timm_folder import data_config, load_timm_folder, write_timm_folder
 

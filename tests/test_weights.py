@@ -22,8 +22,9 @@ import yaml
 from conftest import REPO, run_launcher
 from finetune.weights import InitError, load_init, resample_pos_embed
 from pretrain.config import PretrainConfig
-from pretrain.export import (CheckpointError, consolidate, from_model, read_metadata,
-                             timm_kwargs)
+from pretrain.checkpoint import CheckpointError
+from pretrain.consolidate import consolidate
+from pretrain.export import from_model, read_metadata, timm_kwargs
 from pretrain.metrics import read_jsonl
 from pretrain.model import create_model
 from test_faults import reference_zero3  # noqa: F401 -- a fixture: the run, made once per session
@@ -127,8 +128,8 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
 # prunes the checkpoint being read (its files go first, then its folder) at the first read
 PRUNED_EXPORT = r'''
 import runpy, shutil, sys
-from pretrain import export
-read, pruned = export._consolidate, []
+from pretrain import consolidate
+read, pruned = consolidate._consolidate, []
 
 def pruned_at_first_read(ckpt):
     if not pruned:
@@ -137,7 +138,7 @@ def pruned_at_first_read(ckpt):
             shutil.rmtree(f) if f.is_dir() else f.unlink()
     return read(ckpt)
 
-export._consolidate = pruned_at_first_read
+consolidate._consolidate = pruned_at_first_read
 sys.argv = ["launch/export.py", *sys.argv[1:]]
 sys.path.insert(0, "launch")  # as running the script puts its folder first
 runpy.run_path("launch/export.py", run_name="__main__")
