@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import random
 import socket
 import time
 import warnings
@@ -27,7 +26,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
@@ -37,6 +35,7 @@ from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
+from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.run_dir import (check_same_run, make_dir, removed_if_left_empty,
                               set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
@@ -57,30 +56,6 @@ def setup_logging(rank: int) -> None:
                         force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict:
-    """This rank's random generators. On a GPU, dropout and stochastic depth draw from the
-    device's generator, so it is kept too, or a resumed run would draw other masks."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():  # not when a GPU run resumes on a CPU
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
