@@ -3,7 +3,8 @@
 :func:`upload_spool` (``launch/upload_spool.py``). It creates or re-attaches the run, sends
 records (one value per step, except the steps a rollback trains again: a ``"rewind"`` record
 lets those through once more) and artifacts, registers models, and ends the run with its end
-tags and the job's times.
+tags and the job's times (and the run an earlier job left RUNNING when it died, FAILED).
+:func:`is_permanent` and :func:`failure_kind` tell the tracker what a failed delivery means.
 """
 from __future__ import annotations
 
@@ -43,6 +44,21 @@ def is_permanent(exc: BaseException) -> bool:
         return False
     status = exc.get_http_status_code()
     return 400 <= status < 500 and status != 429
+
+
+def failure_kind(exc: BaseException) -> str:
+    """Why a delivery failed: "missing module" (an optional package the store needs: boto3,
+    psycopg2), "bug" (raised in this project's own code, not by MLflow or the network), else
+    "outage" (the server, a proxy in front of it, the network: retried until it is back)."""
+    if isinstance(exc, ImportError):
+        return "missing module"
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = (here, os.path.join(os.path.dirname(here), "finetune"))  # the packages of both stages
+    return "bug" if where.startswith(tuple(d + os.sep for d in ours)) else "outage"
 
 
 class Remote:
@@ -254,6 +270,28 @@ class Remote:
                 self._save_cursor(spooled[-1])
             sent += len(batch)
         return sent
+
+    def end_abandoned(self, old: RunState) -> bool:
+        """End the earlier run of this output_dir FAILED, with why and which run replaced it:
+        its job died without ending it (SIGKILL, the OOM killer, a node lost) before its first
+        checkpoint, so this relaunch is a new run. Left alone it would show RUNNING forever.
+        False: its server is down, try again later."""
+        from mlflow import MlflowClient
+        from mlflow.entities import RunTag
+        client = self.client if old.uri == self.state.uri else MlflowClient(old.uri)
+        try:
+            if client.get_run(old.run_id).info.status == "RUNNING":
+                tags = {**old.end_tags, "stop.superseded_by": self.state.run_id}
+                client.log_batch(old.run_id, tags=[RunTag(k, str(v))
+                                                   for k, v in sorted(tags.items())])
+                client.set_terminated(old.run_id, "FAILED")
+                log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
+        except Exception as e:  # noqa: BLE001 -- never the reason this run's records wait
+            if not is_permanent(e):
+                return False
+            log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
+                     one_line(e))
+        return True
 
     def finish(self, status: str) -> None:
         """End the run; its end tags go on first, so a run never shows KILLED without why."""

@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 from pretrain.atomic_write import write_atomic
 from pretrain.metrics import LineFile
 from pretrain.run_info import sample_grid_png
-from pretrain.mlflow_delivery import Remote, is_permanent
+from pretrain.mlflow_delivery import Remote, failure_kind, is_permanent
 from pretrain.spool import (ARTIFACTS, SPOOL, RunState, TrackingError, lock, one_line,
                             read_cursor, read_spool, redacted)
 from pretrain.tracking_store import store_refusal
@@ -319,7 +319,7 @@ class MlflowTracker:
                                 redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
                     return
                 if not self._down:
-                    self._down = _failure_kind(e)
+                    self._down = failure_kind(e)
                     if self._down == "missing module":
                         log.error("MLflow at %s needs a module that is not installed here (%s); "
                                   "install it (pip install ...) and relaunch, or send the "
@@ -367,34 +367,12 @@ class MlflowTracker:
         r.send(self._outbox)
         r.upload_artifacts()
         r.register_models()
-        if self._abandoned is not None:
-            self._end_abandoned()
+        if self._abandoned is not None and r.end_abandoned(self._abandoned):
+            self._abandoned = None
         monitor = self._monitor
         if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
                 monitor._process is not None and monitor._process.is_alive()):
             self._start_system_metrics()  # it stopped during an outage
-
-    def _end_abandoned(self) -> None:
-        """End the earlier run of this output_dir FAILED, with why and which run replaced it:
-        its job died without ending it (SIGKILL, the OOM killer, a node lost) before its first
-        checkpoint, so this relaunch is a new run. Left alone it would show RUNNING forever."""
-        from mlflow import MlflowClient
-        from mlflow.entities import RunTag
-        old = self._abandoned
-        client = self._remote.client if old.uri == self.state.uri else MlflowClient(old.uri)
-        try:
-            if client.get_run(old.run_id).info.status == "RUNNING":
-                tags = {**old.end_tags, "stop.superseded_by": self.state.run_id}
-                client.log_batch(old.run_id, tags=[RunTag(k, str(v))
-                                                   for k, v in sorted(tags.items())])
-                client.set_terminated(old.run_id, "FAILED")
-                log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
-        except Exception as e:  # noqa: BLE001 -- never the reason this run's records wait
-            if not is_permanent(e):
-                return  # its server is down: the next attempt tries again
-            log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
-                     one_line(e))
-        self._abandoned = None
 
     def _start_system_metrics(self) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -409,17 +387,3 @@ class MlflowTracker:
         self._remote.finish(self.state.ended or "FINISHED")
         self._ended_there = True
 
-
-def _failure_kind(exc: BaseException) -> str:
-    """Why a delivery failed: "missing module" (an optional package the store needs: boto3,
-    psycopg2), "bug" (raised in this project's own code, not by MLflow or the network), else
-    "outage" (the server, a proxy in front of it, the network: retried until it is back)."""
-    if isinstance(exc, ImportError):
-        return "missing module"
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = os.path.abspath(tb.tb_frame.f_code.co_filename) if tb is not None else ""
-    here = os.path.dirname(os.path.abspath(__file__))
-    ours = (here, os.path.join(os.path.dirname(here), "finetune"))  # the packages of both stages
-    return "bug" if where.startswith(tuple(d + os.sep for d in ours)) else "outage"

@@ -425,13 +425,13 @@ def test_failures_raised_by_mlflow_or_a_missing_package_are_not_called_bugs():
     from mlflow.protos.service_pb2 import GetRun
     from mlflow.utils.proto_json_utils import parse_dict
 
-    from pretrain.tracker import _failure_kind
+    from pretrain.mlflow_delivery import failure_kind
     with pytest.raises(TypeError) as parsed:
         parse_dict(None, GetRun.Response())
-    assert _failure_kind(parsed.value) == "outage"
+    assert failure_kind(parsed.value) == "outage"
     with pytest.raises(ImportError) as missing:
         import psycopg2_not_installed_here  # noqa: F401
-    assert _failure_kind(missing.value) == "missing module"
+    assert failure_kind(missing.value) == "missing module"
 
 
 KILLED_BEFORE_ITS_FIRST_CHECKPOINT = """
