@@ -34,7 +34,7 @@ from pathlib import Path
 # Ranks spawned by `train --ranks R` re-import this file with launch/ already off sys.path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bootstrap  # noqa: E402,F401  (keeps launch/ from shadowing the pretrain package)
-from pretrain import interpreter  # noqa: E402
+from pretrain import bench_tables, interpreter  # noqa: E402
 from pretrain.cli import OneLineParser, fail, positive_int, whole_number  # noqa: E402
 
 
@@ -74,27 +74,6 @@ def _photo_size(text: str):
     if width < 1 or height < 1:
         fail(f"--decoder-photos {text}: expected WIDTHxHEIGHT in px, e.g. 500x375")
     return width, height
-
-
-def print_table(result: dict) -> None:
-    print(f"{'pipeline':<34}{'images/s':>10}")
-    print(f"{'ours (uint8, DCT-scaled decode)':<34}{result['images_per_sec']:>10.1f}")
-    print(f"{'reference (wds + torchvision)':<34}{result['reference_images_per_sec']:>10.1f}")
-    print(f"{'ratio':<34}{result['ratio']:>10.2f}")
-    print(f"({result['workers']} workers, {result['batches']} batches of {result['batch_size']}, "
-          f"{result['img_size']} px, {result['shards']} shards; {result['decoder']})")
-    bench = result.get("decoder_benchmark")
-    if bench:
-        print(f"\n{'decode + train transform, one core':<46}{'images/s':>10}{'|diff| vs PIL':>15}")
-        for row in bench["decoders"]:
-            speed = "-" if row["images_per_sec"] is None else f"{row['images_per_sec']:.1f}"
-            diff = row["mean_abs_diff_vs_pil"]
-            print(f"{row['decoder'] + ' ' + row['version']:<46}{speed:>10}"
-                  f"{'' if diff is None else f'{diff:.3f}':>15}")
-            print(f"    {row['notes']}")
-        print(f"({bench['photos']} photos of {bench['photo_size']}, quality {bench['quality']}, "
-              f"{bench['mean_photo_kb']} KB on average; median of {bench['rounds']} rounds of "
-              f"images per CPU-second)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,40 +125,6 @@ def run_train(args) -> dict:
                          profile_steps=args.profile_steps)
 
 
-def print_train_table(r: dict) -> None:
-    from pretrain.bench_records import mfu_at_median
-    mfu = "relative only (no peak known)" if r["mfu"] is None else f"{100 * r['mfu']:.1f} %"
-    at_median = mfu_at_median(r)
-    rows = [("device", r["device"]),
-            ("model", f"{r['model']} @ {r['image_size']} px"),
-            ("batch per rank x ranks", f"{r['batch_per_rank']} x {r['ranks']}"
-             + (f", {r['grad_accum_steps']} micro-batches per update"
-                if r.get("grad_accum_steps", 1) > 1 else "")
-             + (f" summed in {r['grad_sum_dtype']}" if r.get("grad_sum_dtype") else "")),
-            ("ZeRO stage / precision", f"{r['zero_stage']} / {r['precision']}"
-             + (" / compiled" if r["compile"] else "")
-             + (f" ({r['compile_mode']})" if r.get("compile_mode") not in (None, "default")
-                else "")),
-            ("non-finite check", r["nonfinite_check"].replace("_", " ")),
-            ("gradient checks", "one pass (deepspeed.one_pass_grad_checks)"
-             if r["one_pass_grad_checks"] else "DeepSpeed's own"),
-            ("images/s", f"{r['images_per_sec']:,.1f}"),
-            ("TFLOP/s per device", f"{r['tflops_per_device']:.3f}"),
-            ("MFU", mfu),
-            ("median step", f"{r['step_time_ms_median']:.1f} ms" + (
-                "" if at_median is None else f" (MFU {100 * at_median:.1f} % at it)")),
-            ("data wait", f"{100 * r['data_wait_frac']:.1f} %"
-             + (" (synthetic input: 0 by construction)" if r["data"] == "synthetic" else "")),
-            ("peak memory (rank 0)", f"{r['peak_memory_gib']:.2f} GiB"),
-            ("timed / warmup steps", f"{r['steps']} / {r['warmup_steps']}")]
-    for name, value in rows:
-        print(f"{name:<26}{value}")
-    if "profile" in r:
-        from pretrain.profile import format_breakdown
-        print(format_breakdown(r["profile"], r["profile_steps"], r["profile_step_ms"]))
-        print(f"trace: {r['profile_dir']}/trace_rank0.json (Perfetto, chrome://tracing)")
-
-
 def run_table(args) -> int:
     from pretrain import bench_records
     if not args.records.is_file():
@@ -212,16 +157,6 @@ def run_overhead(args) -> dict:
     return measure_overhead(args.model, args.batch, image_size=args.image_size,
                             num_classes=args.num_classes, steps=args.steps,
                             repeats=args.repeats, threads=args.threads or None)
-
-
-def print_overhead_table(r: dict) -> None:
-    print(f"{'loop':<34}{'median step ms':>16}")
-    print(f"{'ours (DeepSpeed ZeRO-' + str(r['zero_stage']) + ', ' + r['precision'] + ')':<34}"
-          f"{r['deepspeed_step_ms']:>16.1f}")
-    print(f"{'plain PyTorch (autocast, AdamW)':<34}{r['plain_step_ms']:>16.1f}")
-    print(f"{'ratio':<34}{r['ratio']:>16.3f}")
-    print(f"({r['model']} @ {r['image_size']} px, batch {r['batch']}, {r['device']}, "
-          f"{r['repeats']} alternating blocks of {r['steps_per_block']} steps per side)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="untimed steps first (default 3)")
     train.add_argument("--shards", default=None,
                        help="feed the real loader from these shards (default: synthetic "
-                            "batches on the device, data wait 0 by construction)")
+                            "batches on the device: no loader to wait for)")
     train.add_argument("--workers", type=whole_number, default=None,
                        help="with --shards: loader workers per rank (default: the recipe's "
                             "data.num_workers)")
@@ -408,14 +343,14 @@ def main(argv=None) -> int:
         if args.command == "train":
             with _stdout_to_stderr():
                 result = run_train(args)
-            show = print_train_table
+            show = bench_tables.train
         elif args.command == "overhead":
             with _stdout_to_stderr():
                 result = run_overhead(args)
-            show = print_overhead_table
+            show = bench_tables.overhead
         else:
             result = run_loader(args)
-            show = print_table
+            show = bench_tables.loader
     except user_errors() as e:
         fail(str(e))
     if args.command == "train" and args.record:

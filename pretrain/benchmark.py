@@ -7,8 +7,9 @@ engine that
 ``deepspeed.initialize`` builds from :func:`pretrain.deepspeed_json.deepspeed_config`,
 :func:`pretrain.engine.build_model` and :func:`pretrain.engine.build_optimizer`.
 
-Input is either synthetic -- a few random uint8 batches made on the device once, so the data
-wait is 0 by construction and the figure is the model step alone -- or the real
+Input is either synthetic -- a few random uint8 batches made on the device once, so there is no
+loader to wait for (the data wait left is the host's time between two steps) and the figure is
+the model step alone -- or the real
 :class:`pretrain.data.loader.TrainLoader` over shards (``shards=``), when the data-wait share
 says whether the loader keeps up.
 
