@@ -26,13 +26,28 @@ from torch import nn
 
 from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
-from pretrain.config import RunConfig
+from pretrain.config import ConfigError, RunConfig
 from pretrain.deepspeed_json import zero_stage
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
-                             compile_options, input_dtype)
+                             compile_options, input_dtype, saved_precision)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
 
 log = logging.getLogger("finetune")
+
+# How Accelerate wrote a checkpoint, told from its files (checkpoints from before the manifest
+# kept anything of it included): each kind's files load only under the same kind.
+LAYOUTS = {"plain": "without DeepSpeed or FSDP", "deepspeed": "under Accelerate's DeepSpeed config",
+           "fsdp": "under Accelerate's FSDP config"}
+
+
+def saved_layout(path: Path) -> str:
+    """Which of :data:`LAYOUTS` wrote the checkpoint folder ``path``."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME, MODEL_NAME
+    if (path / MODEL_NAME).is_dir():  # DeepSpeed's own save_checkpoint folder
+        return "deepspeed"
+    if any(path.glob(FSDP_MODEL_NAME + "*")):
+        return "fsdp"
+    return "plain"
 
 
 class AccelerateBackend:
@@ -45,7 +60,7 @@ class AccelerateBackend:
             # the model; DeepSpeed's accelerator probe would then warn from every rank, in the
             # middle of the log, that it found no GPU: this run is on the CPU by now anyway
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        precision = cfg.train.precision  # fp16 on a CPU: refused by the trainer
+        precision = self.precision = cfg.train.precision  # fp16 on a CPU: refused by the trainer
         launch_options.check(precision, self.on_gpu)
         self.accelerator = accelerate_deepspeed.accelerator(
             self.on_gpu, mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
@@ -64,13 +79,14 @@ class AccelerateBackend:
               init_weights: Optional[Callable[[nn.Module], None]] = None) -> None:
         from pretrain.model import create_model
 
+        if resume is not None:
+            self._check_resumable(resume)
         # the average is a whole copy of the model on every rank, updated from this rank's
         # parameters, and the few-shot probe calls the model's pre-logits directly: under
         # sharding both would see shards
         whole = [k for k, v in (("train.ema_decay", cfg.train.ema_decay),
                                 ("eval.fewshot_root", cfg.eval.fewshot_root)) if v]
         if whole and self._sharded():
-            from pretrain.config import ConfigError
             raise ConfigError(f"{whole[0]} needs every rank to hold the whole model, which FSDP "
                               f"and DeepSpeed ZeRO-3 do not; use an Accelerate config without "
                               f"sharding (DDP, ZeRO-1/2) or set {whole[0]}=null")
@@ -111,6 +127,47 @@ class AccelerateBackend:
             # stochastically, which only holds in expectation; an fp16 one it cannot)
             self.ema = ModelEmaV3(self.module, decay=cfg.train.ema_decay, dtype=torch.float32)
             self.accelerator.register_for_checkpointing(self.ema)
+
+    def _layout(self) -> str:
+        from accelerate.utils import DistributedType
+        return "deepspeed" if self.deepspeed else \
+            "fsdp" if self.accelerator.distributed_type == DistributedType.FSDP else "plain"
+
+    def _check_resumable(self, ckpt) -> None:
+        """Refuse, in one line, a checkpoint this job's Accelerate cannot load (it would fail
+        in DeepSpeed with a bare AssertionError or a missing file): one written under another
+        layout, or under DeepSpeed with another ZeRO stage (1 and 2 share their files), world
+        size (ZeRO-1..3 shard the optimizer per rank) or precision (other file names). Without
+        DeepSpeed the files hold the whole state: another world size or precision loads, but
+        fp16 then needs the loss scaler's state, which no other precision saves."""
+        from accelerate.utils import MODEL_NAME, SCALER_NAME
+        was, now = saved_layout(ckpt.path), self._layout()
+        why, stage = [], zero_stage(self.ds_config) if self.deepspeed else 0
+        written = LAYOUTS[was] + (f", ZeRO-{ckpt.zero_stage}" if was == "deepspeed" else "")
+        precision = saved_precision(ckpt, self.precision, ckpt.path / MODEL_NAME) \
+            if was == "deepspeed" else ckpt.precision
+        if was != now:
+            why.append(f"written {written}, this job runs {LAYOUTS[now]}")
+        elif now == "deepspeed":
+            if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
+                why.append(f"ZeRO stage {ckpt.zero_stage} -> {stage}")
+            elif ckpt.zero_stage != stage:
+                log.info("resuming under ZeRO-%d a checkpoint written under ZeRO-%d (the two "
+                         "write the same files)", stage, ckpt.zero_stage)
+            if ckpt.world_size != self.world_size and max(ckpt.zero_stage, stage) > 0:
+                why.append(f"{ckpt.world_size} -> {self.world_size} ranks")
+            if precision != self.precision:
+                why.append(f"train.precision {precision} -> {self.precision}")
+        elif self.precision == "fp16" and not (ckpt.path / SCALER_NAME).is_file():
+            why.append(f"train.precision {precision or 'fp32 or bf16'} -> fp16, whose loss "
+                       f"scaler state the checkpoint lacks")
+        if why:
+            raise ConfigError(
+                f"{ckpt.path} cannot be resumed by this job ({'; '.join(why)}): Accelerate "
+                f"loads a checkpoint only as it was written; relaunch as it was ({written}, "
+                f"{ckpt.world_size} rank{'s' if ckpt.world_size > 1 else ''}"
+                f"{f', train.precision={precision}' if precision else ''}), or set "
+                f"checkpoint.resume=false to start a new run there (this one is moved aside)")
 
     def _sharded(self) -> bool:
         """Whether Accelerate's config shards the parameters across ranks."""

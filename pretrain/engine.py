@@ -256,13 +256,14 @@ def input_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
-def _saved_precision(ckpt, now: str) -> str:
+def saved_precision(ckpt, now: str, files: Optional[Path] = None) -> str:
     """The train.precision ``ckpt`` was saved in; for a manifest from before it was kept, what
-    its files tell: DeepSpeed names a bf16 run's optimizer states bf16_*, fp16's and fp32's
-    alike (``now`` when that cannot tell them apart)."""
+    DeepSpeed's files (in ``files``, else the checkpoint's folder) tell: it names a bf16 run's
+    optimizer states bf16_*, fp16's and fp32's alike (``now`` when that cannot tell them
+    apart). Shared with the fine-tune under an Accelerate DeepSpeed config."""
     if ckpt.precision is not None:
         return ckpt.precision
-    if any(ckpt.path.glob("bf16_*optim_states.pt")):
+    if any((files or ckpt.path).glob("bf16_*optim_states.pt")):
         return "bf16"
     return now if now != "bf16" else "fp32 or fp16"
 
@@ -310,7 +311,7 @@ class DeepSpeedBackend:
         files name and shard the state for the ranks, ZeRO stage and precision that wrote them
         (a ZeRO-2 checkpoint resumed under ZeRO-1, or an fp32 one in bf16, failed on a missing
         file)."""
-        saved = _saved_precision(ckpt, self.precision)
+        saved = saved_precision(ckpt, self.precision)
         return ", ".join(what for what, changed in (
             (f"world size changed ({ckpt.world_size} -> {self.world_size} ranks)",
              ckpt.world_size != self.world_size),

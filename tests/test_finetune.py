@@ -355,6 +355,50 @@ def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp
         f"a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
 
 
+def test_a_relaunch_under_another_accelerate_layout_is_refused_in_one_line(tmp_path,
+                                                                          tiny_cifar):
+    """Accelerate loads a checkpoint only as it was written: a relaunch under another ZeRO
+    stage, precision, or without DeepSpeed died inside DeepSpeed (a bare AssertionError, a
+    missing file) after 130 lines of two ranks' tracebacks. Now one line with both ways out,
+    the checkpoint untouched; ZeRO-1 and ZeRO-2 write the same files, so that one resumes."""
+    out = tmp_path / "ft"
+
+    def launch(stage, *extra):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+        if stage is not None:
+            env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
+        return subprocess.run(
+            [sys.executable, str(REPO / "launch/finetune.py"), "--config",
+             str(REPO / "configs/finetune/demo.yaml"), *finetune_args(out, tiny_cifar, "null"),
+             "data.num_workers=0", "eval.every_steps=100", "tracking.enabled=false",
+             "checkpoint.every_steps=2", "data.dev_fraction=0", *extra],
+            cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+
+    first = launch(2, "train.total_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = out / "checkpoints/step_00000002"
+    files = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    for stage, extra, why in [
+            (3, [], "ZeRO stage 2 -> 3"),
+            (None, [], "written under Accelerate's DeepSpeed config, ZeRO-2, this job runs "
+                       "without DeepSpeed or FSDP"),
+            (2, ["train.precision=bf16"], "train.precision fp32 -> bf16")]:
+        refused = launch(stage, "train.total_steps=4", *extra)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr.strip().splitlines()[-1] == (
+            f"error: {ckpt} cannot be resumed by this job ({why}): Accelerate loads a "
+            f"checkpoint only as it was written; relaunch as it was (under Accelerate's "
+            f"DeepSpeed config, ZeRO-2, 1 rank, train.precision=fp32), or set "
+            f"checkpoint.resume=false to start a new run there (this one is moved aside)")
+    assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == files
+
+    again = launch(1, "train.total_steps=4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 2" in again.stderr
+    assert "resuming under ZeRO-1 a checkpoint written under ZeRO-2 (the two write the same " \
+           "files)" in again.stderr
+
+
 def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tiny_cifar,
                                                                             tmp_path):
     """As in pretraining, train.compile compiles the model (in place: the state dict, hence the

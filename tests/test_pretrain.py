@@ -297,13 +297,13 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert sorted(losses(out)) == list(range(1, 13))
     # a manifest from before the precision was kept: DeepSpeed's file names tell bf16 apart
     from pretrain.checkpoint import Checkpoint
-    from pretrain.engine import _saved_precision
+    from pretrain.engine import saved_precision
     step = {c.step: c for c in CheckpointStore(out / "checkpoints").complete()}
     assert (step[10].precision, step[12].precision) == ("fp32", "bf16")
     unkept = {n: Checkpoint(step[n].path, n, 1, step[n].zero_stage) for n in (10, 12)}
-    assert _saved_precision(unkept[12], "fp32") == "bf16"
-    assert _saved_precision(unkept[10], "bf16") == "fp32 or fp16"
-    assert _saved_precision(unkept[10], "fp32") == "fp32"  # fp16 and fp32 files look alike
+    assert saved_precision(unkept[12], "fp32") == "bf16"
+    assert saved_precision(unkept[10], "bf16") == "fp32 or fp16"
+    assert saved_precision(unkept[10], "fp32") == "fp32"  # fp16 and fp32 files look alike
 
 
 def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
