@@ -125,7 +125,14 @@ def main(argv=None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 2
     except OSError as e:
-        sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
+        src = os.path.abspath(args.src)
+        if isinstance(e, FileNotFoundError) and os.path.abspath(str(e.filename or "")).startswith(
+                src + os.sep):  # the rerun would find the source changed, and say so
+            sys.stderr.write(f"error: {e}: gone from --src while its shards were written; put "
+                             f"it back and rerun the same command to resume, or start afresh "
+                             f"in a new output folder\n")
+        else:
+            sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
         return 1
     except _Stopped:
         sys.stderr.write("stopped by SIGTERM; rerun the same command to resume\n")

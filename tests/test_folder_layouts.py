@@ -242,6 +242,7 @@ def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, 
         info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"),
                        progress=False)
     assert info.classes == ["cat", "dog", "fox"]  # the label of an empty class is kept
+    assert info.num_labels == 3  # was 2 (the largest label used + 1): a head without fox
     assert "left out 3 files that are not images (by extension: .txt 2, .jpg 1; e.g. " \
         "cat/gone.jpg)" in caplog.text
     assert "1 class folders hold no images (fox)" in caplog.text
@@ -264,6 +265,40 @@ def test_a_16_bit_grayscale_png_keeps_its_tones(tmp_path):
         jpg = tar.extractfile(next(m for m in tar if m.name.endswith(".jpg"))).read()
     stored = np.asarray(Image.open(io.BytesIO(jpg)).convert("L"), dtype=np.float64)
     assert abs(stored.mean() - (tones >> 8).mean()) < 3  # was 255 nearly everywhere
+
+
+def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
+    """A phone keeps a portrait photo as landscape pixels and an EXIF orientation, which the
+    training decoders ignore: it trained sideways. A 180 M pixel scan was skipped as PIL's
+    "decompression bomb"; an unreadable file's reason named an in-memory buffer."""
+    from PIL import Image
+    raw = tmp_path / "raw"
+    (raw / "phone").mkdir(parents=True)
+    pixels = np.zeros((30, 40, 3), np.uint8)
+    pixels[:, :20] = 255  # stored: white on the left; shown (turned 90 degrees clockwise): on top
+    for name, orientation in (("portrait.jpg", 6), ("upright.jpg", 1)):
+        img = Image.fromarray(pixels)
+        exif = img.getexif()
+        exif[0x0112] = orientation
+        img.save(raw / "phone" / name, exif=exif.tobytes(), quality=95)
+    (raw / "scan").mkdir()
+    Image.new("L", (15000, 12000), 128).save(raw / "scan" / "page.png")
+    (raw / "scan" / "broken.png").write_bytes(b"not a png at all")
+    prepare("imagefolder", str(raw), str(tmp_path / "out"), max_size=64, progress=False)
+    info, splits = read_back(tmp_path / "out")
+    meta = {k: (m["width"], m["height"]) for k, m in splits["train"].items()}
+    assert meta == {"phone/portrait": (30, 40), "phone/upright": (40, 30),
+                    "scan/page": (15000, 12000)}
+    [url] = ShardSet.from_info(str(tmp_path / "out"), "train").urls
+    with tarfile.open(url) as tar:
+        shown = {m.name[:-4]: np.asarray(Image.open(io.BytesIO(tar.extractfile(m).read())))
+                 for m in tar if m.name.endswith(".jpg")}
+    portrait = shown["phone/portrait"]
+    assert portrait.shape == (40, 30, 3)
+    assert portrait[:15].mean() > 240 and portrait[-15:].mean() < 15  # white on top
+    assert shown["scan/page"].shape == (64, 80, 3)
+    [skipped] = json.loads((tmp_path / "out" / "_skipped.json").read_text())["skipped"]
+    assert skipped["error"] == "UnidentifiedImageError: cannot identify image file"
 
 
 def test_an_output_folder_inside_the_source_is_refused(tmp_path):
@@ -373,7 +408,9 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     """The listing of an interrupted run was reused whatever had become of the source: images
     added since were left out without a word, and each one removed failed every rerun. Now a
     changed source is listed again while no shard is written; after, it is refused (the shards
-    written hold a shuffle of the old listing), and the source put back resumes."""
+    written hold a shuffle of the old listing), naming the folders that changed, and the source
+    put back resumes. A file the layout does not read (notes, a thumbnail) is no change: its
+    edit blocked the resume, and the refusal named no folder."""
     raw, args = tmp_path / "raw", ["--shard-size", "2", "--workers", "1"]
     write_images(raw, [f"{c}/{i:04d}.jpg" for c in ("cat", "dog") for i in range(5)])
 
@@ -389,8 +426,8 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     write_images(raw / "cat", ["0005.jpg"])
     proc = prepared(tmp_path / "early")
     assert proc.returncode == 0, proc.stderr
-    assert f"{raw} changed since this run listed it, before any shard was written: listing " \
-           f"it again" in proc.stderr
+    assert f"{raw} changed (files added, removed or rewritten in 'cat' since this run listed " \
+           f"it), before any shard was written: listing it again" in proc.stderr
     assert read_info(tmp_path / "early").splits["train"].num_samples == 11
 
     killed(tmp_path / "late", 2)  # 2 of its 6 shards written
@@ -399,8 +436,8 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     write_images(raw / "dog", ["0009.jpg"])
     proc = prepared(tmp_path / "late")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"error: {raw} changed (files added, removed or rewritten) since this run listed it, "
-        f"and shards of that listing are written in {tmp_path / 'late'}; put the source back "
+        f"error: {raw} changed (files added, removed or rewritten in 'dog' since this run listed "
+        f"it), and shards of that listing are written in {tmp_path / 'late'}; put the source back "
         f"as it was to resume, or start afresh in a new output folder (--out, or --stage for a "
         f"remote --out)"), proc.stderr
     assert {p: p.read_bytes() for p in (tmp_path / "late").iterdir() if p.is_file()} == before
@@ -408,7 +445,11 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     # what an uninterrupted run writes
     added.unlink()
     os.utime(raw / "cat" / "0001.jpg", ns=(0, 0))
-    assert prepared(tmp_path / "late").returncode == 0
+    (raw / "cat" / "notes.txt").write_text("not read: no change")
+    (raw / "Thumbs.db").write_bytes(b"\0" * 64)
+    resumed = prepared(tmp_path / "late")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 2 of 6 shards are complete" in resumed.stderr
     assert prepared(tmp_path / "whole").returncode == 0
     whole = sorted(p.name for p in (tmp_path / "whole").glob("*.tar"))
     assert len(whole) == 6 and whole == sorted(p.name for p in (tmp_path / "late").glob("*.tar"))

@@ -201,6 +201,9 @@ class ImageNet1k(ImageFolder):
             raise PrepareError(f"{src} needs train/ and val/ folders (ImageNet-1k layout); use "
                                f"'imagefolder' for a single folder of classes")
 
+    def reads(self, name: str) -> bool:
+        return name in VAL_LABEL_FILES
+
     def _key(self, class_name: str, stem: str) -> str:
         # ImageNet file names are unique on their own (n01440764_10026, ILSVRC2012_val_00000001).
         return sample_key(stem)

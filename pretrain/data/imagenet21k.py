@@ -140,6 +140,9 @@ class SynsetTars(_SynsetLabels):
     def scan_size(self) -> Tuple[Optional[int], str]:
         return len(self._tars()), "tar"
 
+    def reads(self, name: str) -> bool:
+        return name.endswith(".tar")
+
     def entries(self, journal: Optional["ScanJournal"] = None) -> Iterator[Entry]:
         tars = self._tars()
         # every synset missing from the list is named now, not hours into the listing

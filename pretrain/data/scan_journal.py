@@ -12,26 +12,26 @@ state never names data that is not there, after a kill or a power loss alike; wh
 listed after the last state is listed again.
 
 A rerun replays the saved entries, cuts the last spill file back to its saved length and reads on
-from the next inner tar. The state also records :func:`source_fingerprint` of ``--src`` (the
-size and modification time of the outer tar, or of each per-synset tar): a source that changed
-since is scanned again from the start, with a warning.
+from the next inner tar. The state also records
+:func:`~pretrain.data.sources.source_fingerprint` of ``--src`` (the size and modification time of
+the outer tar, or of each per-synset tar): a source that changed since is scanned again from the
+start, with a warning.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
-from .sources import Entry, is_image
+from .sources import Entry
 
 log = logging.getLogger(__name__)
 
@@ -39,42 +39,12 @@ SAVE_EVERY_S = 60.0  # a cut-off pass loses at most this much work (plus one inn
 STATE = "state.json"
 
 
-def source_fingerprint(src: str) -> str:
-    """What says that ``src`` changed: the size and modification time of a file (a tar or a
-    pickle, whose byte ranges the index holds, rewritten in place by ``rsync --inplace`` say);
-    below a folder, of each such file, and of each image its path alone (an image is read
-    whole when its shard is written, so an image added, removed or renamed changes the
-    output, one copied over with new times does not; and a name costs no stat, which over
-    millions of images on a network file system would be hours). Hidden files are left out,
-    as the sources leave them out; links are followed, as the sources follow them, down to the
-    deepest level a source reads (``ROOT/split/class/image``), so a link loop ends."""
-    if not os.path.isdir(src):
-        stat = os.stat(src)
-        return f"{stat.st_size}:{stat.st_mtime_ns}"
-    digest = hashlib.sha256()
-    top = src.rstrip(os.sep).count(os.sep)
-    for folder, dirs, files in os.walk(src, followlinks=True):
-        if folder.count(os.sep) - top >= 3:
-            dirs[:] = []
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(f for f in files if not f.startswith(".")):
-            path = os.path.join(folder, name)
-            line = os.path.relpath(path, src)
-            if not is_image(name):
-                try:
-                    stat = os.stat(path)
-                except FileNotFoundError:  # a link to nothing
-                    continue
-                line += f":{stat.st_size}:{stat.st_mtime_ns}"
-            digest.update(f"{line}\n".encode("utf-8", "surrogateescape"))
-    return digest.hexdigest()
-
-
 class ScanJournal:
     """The saved progress of one source's index pass, in ``folder``."""
 
-    def __init__(self, folder: Path, src: str, fingerprint: str) -> None:
-        """``fingerprint``: :func:`source_fingerprint` of ``src``, computed once per run."""
+    def __init__(self, folder: Path, src: str, fingerprint: Dict[str, str]) -> None:
+        """``fingerprint``: :func:`~pretrain.data.sources.source_fingerprint` of ``src``,
+        computed once per run."""
         self.folder, self.src = Path(folder), src
         self._buffer: List[Entry] = []
         self._chunks: List[str] = []

@@ -21,8 +21,8 @@ import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
-from .scan_journal import ScanJournal, source_fingerprint
-from .sources import Entry, PrepareError, Source
+from .scan_journal import ScanJournal
+from .sources import Entry, PrepareError, Source, source_fingerprint, what_changed
 
 SPLITS = ("train", "validation", "test")
 COLUMNS = ("split", "key", "label", "part", "name", "offset", "size")
@@ -84,21 +84,21 @@ def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
     written; after, it is refused: the shards written follow the old index, and the rest
     would leave out what was added (and fail on what was removed)."""
     cache, scan = work / "index.npz", work / "scan.json"
-    stamp = source_fingerprint(src)
+    stamp = source_fingerprint(src, source.reads)
     if cache.is_file() and scan.is_file():
         state = json.loads(scan.read_text())
-        if state.get("src_fingerprint", stamp) == stamp:  # (not recorded by older versions)
+        was = state.get("src_fingerprint")
+        if not isinstance(was, dict) or was == stamp:  # (older versions: not kept, or a hash)
             source.parts, source.unknown = state["parts"], state["unknown"]
             with np.load(cache) as z:
                 return {c: z[c] for c in COLUMNS}
         if shards_written:
-            raise PrepareError(f"{src} changed (files added, removed or rewritten) since this "
-                               f"run listed it, and shards of that listing are written in "
-                               f"{work.parent}; put the source back as it was to resume, or "
-                               f"start afresh in a new output folder (--out, or --stage for a "
-                               f"remote --out)")
-        log.warning("%s changed since this run listed it, before any shard was written: "
-                    "listing it again", src)
+            raise PrepareError(f"{src} changed ({what_changed(was, stamp)} this run listed it), "
+                               f"and shards of that listing are written in {work.parent}; put "
+                               f"the source back as it was to resume, or start afresh in a new "
+                               f"output folder (--out, or --stage for a remote --out)")
+        log.warning("%s changed (%s this run listed it), before any shard was written: "
+                    "listing it again", src, what_changed(was, stamp))
         cache.unlink()
     journal = ScanJournal(work / "scan", src, stamp) if source.resumable_scan else None
     if journal is None or journal.state is None:

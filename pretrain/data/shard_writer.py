@@ -147,25 +147,50 @@ def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
 # --------------------------------------------------------------------------------------------
 # Image bytes -> the stored JPEG
 # --------------------------------------------------------------------------------------------
-def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, int]:
-    """(JPEG bytes, original width, original height); raises on an unreadable image.
+# The EXIF orientations (tag 0x0112) other than 1, as the turn that shows the image upright.
+# A phone stores a portrait photo as landscape pixels plus this tag; the decoders that train
+# (simplejpeg, PIL) ignore the tag, so the stored image is turned here once, as it was seen
+# when it was labelled.
+EXIF_ORIENTATION = 0x0112
+TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+         4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE,
+         6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+         8: Image.Transpose.ROTATE_90}
+# PIL refuses images over 179 M pixels as decompression bombs; scans and panoramas are real
+# data, so sources may hold up to this many (about 1.6 GB decoded as RGB per worker).
+MAX_IMAGE_PIXELS = 1 << 29
 
-    RGB and grayscale JPEGs within ``max_size`` keep their original bytes (every decoder turns
-    grayscale into RGB); CMYK JPEGs, PNG/WebP (even when named .JPEG) and larger images are
-    re-encoded as RGB JPEG, the shorter side resized down to ``max_size``.
+
+def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, int]:
+    """(JPEG bytes, width, height as the image is shown); raises on an unreadable image.
+
+    RGB and grayscale JPEGs within ``max_size`` and shown as stored keep their original bytes
+    (every decoder turns grayscale into RGB); CMYK JPEGs, PNG/WebP (even when named .JPEG),
+    images an EXIF orientation turns and larger images are re-encoded as RGB JPEG, upright, the
+    shorter side resized down to ``max_size``.
     """
     with Image.open(io.BytesIO(data)) as img:
         width, height = img.size
+        if width * height > MAX_IMAGE_PIXELS:  # before PIL's own, lower, limit says it
+            raise ValueError(f"{width}x{height} px is over the {MAX_IMAGE_PIXELS:,} pixels "
+                             f"this reads")
+        turn = TURNS.get(img.getexif().get(EXIF_ORIENTATION))
+        if turn in (Image.Transpose.TRANSPOSE, Image.Transpose.TRANSVERSE,
+                    Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_270):
+            width, height = height, width
         too_big = max_size is not None and min(width, height) > max_size
-        if img.format == "JPEG" and img.mode in ("RGB", "L") and not too_big:
+        if img.format == "JPEG" and img.mode in ("RGB", "L") and not too_big and turn is None:
             # A 1/8-scale decode still reads every byte, so truncated files are caught cheaply.
             img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
             img.load()
             return data, width, height
         size = _shorter_side_to(width, height, max_size) if too_big else None
         if size and img.format == "JPEG":
-            img.draft("RGB", size)  # libjpeg decodes at a power-of-two scale no smaller than `size`
+            # libjpeg decodes at a power-of-two scale no smaller than `size` (as stored)
+            img.draft("RGB", size if (width, height) == img.size else size[::-1])
         rgb = _as_rgb(img)
+        if turn is not None:
+            rgb = rgb.transpose(turn)
         if size:
             rgb = rgb.resize(size, Image.BICUBIC, reducing_gap=3.0)
         out = io.BytesIO()
@@ -201,7 +226,16 @@ _WORKER: dict = {}
 
 def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
     _WORKER.update(source=source, out=out, max_size=max_size)
+    # to_jpeg checks the size itself, with the file named in the report of skipped files
+    Image.MAX_IMAGE_PIXELS = None
 
+
+
+def _reason(e: Exception) -> str:
+    # PIL names the buffer it was handed ("cannot identify image file <_io.BytesIO object at
+    # 0x7f...>"); the report names the file already
+    text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
+    return f"{type(e).__name__}: {text}"
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -230,7 +264,7 @@ def write_shard(job: Tuple[str, str, Index]) -> Tuple[str, int, list]:
                 # and one broken file among millions must not stop the run: it is reported.
                 except Exception as e:  # noqa: BLE001
                     skipped.append(dict(key=entry.key, split=split, shard=filename,
-                                        source=source.describe(entry), error=f"{type(e).__name__}: {e}"))
+                                        source=source.describe(entry), error=_reason(e)))
                     continue
                 meta = dict(label=entry.label, class_name=source.classes[entry.label],
                             width=width, height=height)
@@ -334,7 +368,12 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
 
         done = _read_ledger(ledger)
-        info = _finish(out_dir, settings, raw, shards, done, int(index["label"].max()) + 1)
+        # ImageNet-21k lists every synset of its list, prepared or not; the other layouts list
+        # their own classes, an empty class folder included (its label is kept: a head of
+        # fewer outputs would lose its name in exports)
+        used = int(index["label"].max()) + 1
+        info = _finish(out_dir, settings, raw, shards, done,
+                       used if raw.name == "imagenet21k" else max(used, len(raw.classes)))
         shutil.rmtree(work / "spill", ignore_errors=True)
         for leftover in ("index.npz", "scan.json"):
             (work / leftover).unlink(missing_ok=True)
@@ -344,7 +383,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
 def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
             done: Dict[str, dict], num_labels: int) -> DatasetInfo:
     """Write the report of skipped files, then ``_info.json`` (last: its presence means complete).
-    ``num_labels``: the largest label + 1, which a model's ``num_classes`` must reach."""
+    ``num_labels``: how many outputs a model's ``num_classes`` must reach."""
     splits: Dict[str, SplitInfo] = {}
     skipped = []
     for shard in shards:

@@ -17,12 +17,13 @@ Layouts (README, "Prepare data"), each opened by :func:`open_source`:
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     from .scan_journal import ScanJournal
@@ -96,6 +97,53 @@ def is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]:
+    """What says that ``src`` changed, folder by folder (its path below ``src`` -> a digest),
+    so that a change can be named. A file (an outer tar, rewritten in place by
+    ``rsync --inplace`` say): its size and modification time, under "". In a folder: each image
+    by its path alone (an image is read whole when its shard is written, so one added, removed
+    or renamed changes the output, one copied over with new times does not; and a name costs
+    no stat, which over millions of images on a network file system would be hours); each other
+    file the layout ``reads`` (a tar or a pickle whose byte ranges the index holds, a label
+    file) by its size and modification time; others (notes, thumbnails) not at all. Every
+    folder counts, an empty one too (a class). Hidden files are left out, as the sources leave
+    them out; links are followed, as the sources follow them, down to the deepest level a
+    source reads (``ROOT/split/class/image``), so a link loop ends."""
+    if not os.path.isdir(src):
+        stat = os.stat(src)
+        return {"": f"{stat.st_size}:{stat.st_mtime_ns}"}
+    folders = {}
+    top = src.rstrip(os.sep).count(os.sep)
+    for folder, dirs, files in os.walk(src, followlinks=True):
+        if folder.count(os.sep) - top >= 3:
+            dirs[:] = []
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        digest = hashlib.sha256()
+        for name in sorted(f for f in files if not f.startswith(".")):
+            line = name
+            if not is_image(name):
+                if not reads(name):
+                    continue
+                try:
+                    stat = os.stat(os.path.join(folder, name))
+                except FileNotFoundError:  # a link to nothing
+                    continue
+                line += f":{stat.st_size}:{stat.st_mtime_ns}"
+            digest.update(f"{line}\n".encode("utf-8", "surrogateescape"))
+        folders[os.path.relpath(folder, src)] = digest.hexdigest()
+    return folders
+
+
+def what_changed(was: Dict[str, str], now: Dict[str, str]) -> str:
+    """Where two :func:`source_fingerprint` of one source differ, for a message."""
+    if "" in was or "" in now:  # a file
+        return "rewritten since"
+    where = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+    named = ", ".join("its top folder" if w == "." else f"'{w}'" for w in where[:3]) + \
+        (f" and {len(where) - 3} more folders" if len(where) > 3 else "")
+    return f"files added, removed or rewritten in {named} since"
+
+
 class Source:
     """Base of every layout: ``entries()`` lists the samples, ``read()`` gets one sample's bytes."""
 
@@ -122,6 +170,11 @@ class Source:
 
     def read(self, entry: Entry) -> bytes:
         raise NotImplementedError
+
+    def reads(self, name: str) -> bool:
+        """Whether a file of this name below ``--src`` that is no image is read by this layout
+        (then its size and time say whether the source changed: :func:`source_fingerprint`)."""
+        return False
 
     def describe(self, entry: Entry) -> str:
         """Where a sample came from, for the report of unreadable files."""
