@@ -345,7 +345,7 @@ def test_the_index_bar_says_how_far_through_the_outer_tar_it_is(i21k, tmp_path):
         proc.stderr
 
 
-def test_fall11_list_and_unknown_synsets(tmp_path):
+def test_fall11_list_and_unknown_synsets(tmp_path, caplog):
     synsets = [FALL11[i] for i in (0, 777, 21840)]
     raw = synthetic.write_synset_tars(tmp_path / "raw", synsets + ["n99999999"], 6)
     out = tmp_path / "out"
@@ -353,8 +353,12 @@ def test_fall11_list_and_unknown_synsets(tmp_path):
         prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8, val_count=3,
                 progress=False)
     # The failed first try wrote no shard, so the corrected command may use the same DIR.
-    info = prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8, val_count=3,
-                   skip_unknown=True, progress=False)
+    with caplog.at_level("INFO", logger="pretrain.data.shard_writer"):
+        info = prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8,
+                       val_count=3, skip_unknown=True, progress=False)
+    # the last line said "skipped 0 unreadable files", the class left out only in the report
+    assert "skipped 0 unreadable files; left out 1 classes not in the label list " \
+           "(--skip-unknown: n99999999) (listed in _skipped.json)" in caplog.text
     raw.samples = {k: v for k, v in raw.samples.items() if v[1] != "n99999999"}
     raw.classes = FALL11
     assert_matches_raw(out, raw)

@@ -400,6 +400,9 @@ def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
                                   num_labels=num_labels))
     write_info(out, info)
     counts = ", ".join(f"{s.num_samples} {s.name} in {len(s.filenames)} shards" for s in splits.values())
-    log.info("wrote %s to %s; skipped %d unreadable files (listed in %s)",
-             counts, out, len(skipped), REPORT_NAME)
+    unknown = report["unknown_classes"]
+    left_out = f"; left out {len(unknown)} classes not in the label list (--skip-unknown: " \
+        f"{', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''})" if unknown else ""
+    log.info("wrote %s to %s; skipped %d unreadable files%s (listed in %s)",
+             counts, out, len(skipped), left_out, REPORT_NAME)
     return info
