@@ -28,8 +28,9 @@ from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, RunConfig
 from pretrain.deepspeed_json import zero_stage
-from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
-                             compile_options, input_dtype, saved_precision)
+from pretrain.engine import (allow_universal, apply_train_options, build_optimizer,
+                             classification_loss, compile_options, input_dtype, layout_changes,
+                             ranks, saved_precision, unconvertible, unresumable)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
 
 log = logging.getLogger("finetune")
@@ -79,8 +80,7 @@ class AccelerateBackend:
               init_weights: Optional[Callable[[nn.Module], None]] = None) -> None:
         from pretrain.model import create_model
 
-        if resume is not None:
-            self._check_resumable(resume)
+        why = self._resume_plan(resume, cfg.optimizer.name) if resume is not None else ""
         # the average is a whole copy of the model on every rank, updated from this rank's
         # parameters, and the few-shot probe calls the model's pre-logits directly: under
         # sharding both would see shards
@@ -94,6 +94,8 @@ class AccelerateBackend:
         if init_weights is not None:
             init_weights(model)
         apply_train_options(model, cfg)
+        if self.deepspeed:
+            allow_universal(model)
         if cfg.train.compile:
             # in place, as DeepSpeed's engine.compile() does for pretraining: the state dict
             # keeps its keys (Accelerate's dynamo_backend would prefix them with _orig_mod.,
@@ -107,6 +109,10 @@ class AccelerateBackend:
             # the layout Accelerate itself keeps (it would warn that the config's differs); it
             # divides no loss by it under DeepSpeed, which does that itself
             self.accelerator.gradient_accumulation_steps = accum
+            if why:
+                from accelerate.utils.constants import MODEL_NAME
+                self.ds_config["checkpoint"] = {"load_universal": True}
+                store.prepare_universal(resume, why, MODEL_NAME)
         with keep_zero1_optimizer() if self.deepspeed else contextlib.nullcontext():
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if self.deepspeed:
@@ -133,41 +139,39 @@ class AccelerateBackend:
         return "deepspeed" if self.deepspeed else \
             "fsdp" if self.accelerator.distributed_type == DistributedType.FSDP else "plain"
 
-    def _check_resumable(self, ckpt) -> None:
-        """Refuse, in one line, a checkpoint this job's Accelerate cannot load (it would fail
-        in DeepSpeed with a bare AssertionError or a missing file): one written under another
-        layout, or under DeepSpeed with another ZeRO stage (1 and 2 share their files), world
-        size (ZeRO-1..3 shard the optimizer per rank) or precision (other file names). Without
-        DeepSpeed the files hold the whole state: another world size or precision loads, but
-        fp16 then needs the loss scaler's state, which no other precision saves."""
-        from accelerate.utils import MODEL_NAME, SCALER_NAME
+    def _resume_plan(self, ckpt, optimizer: str) -> str:
+        """Why DeepSpeed's files of ``ckpt`` are read through the universal copy
+        :meth:`pretrain.checkpoint.CheckpointStore.prepare_universal` makes (another world size,
+        ZeRO stage or precision, as in pretraining; "" when they are read as written), or a
+        one-line refusal of a checkpoint this job's Accelerate cannot load (it failed in
+        DeepSpeed with a bare AssertionError, a KeyError or a missing file): one written under
+        another layout; under DeepSpeed, one that needs converting but cannot be (SGD's state,
+        or written before the fine-tune's model was marked for conversion). Without DeepSpeed
+        the files hold the whole state: another world size or precision loads, but fp16 then
+        needs the loss scaler's state, which no other precision saves."""
+        from accelerate.utils.constants import MODEL_NAME, SCALER_NAME
         was, now = saved_layout(ckpt.path), self._layout()
-        why, stage = [], zero_stage(self.ds_config) if self.deepspeed else 0
-        written = LAYOUTS[was] + (f", ZeRO-{ckpt.zero_stage}" if was == "deepspeed" else "")
         precision = saved_precision(ckpt, self.precision, ckpt.path / MODEL_NAME) \
             if was == "deepspeed" else ckpt.precision
+        why, refused = "", ""
         if was != now:
-            why.append(f"written {written}, this job runs {LAYOUTS[now]}")
+            refused = f"written {LAYOUTS[was]}, this job runs {LAYOUTS[now]}"
         elif now == "deepspeed":
-            if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
-                why.append(f"ZeRO stage {ckpt.zero_stage} -> {stage}")
-            elif ckpt.zero_stage != stage:
-                log.info("resuming under ZeRO-%d a checkpoint written under ZeRO-%d (the two "
-                         "write the same files)", stage, ckpt.zero_stage)
-            if ckpt.world_size != self.world_size and max(ckpt.zero_stage, stage) > 0:
-                why.append(f"{ckpt.world_size} -> {self.world_size} ranks")
-            if precision != self.precision:
-                why.append(f"train.precision {precision} -> {self.precision}")
+            why = layout_changes(ckpt, self.world_size, zero_stage(self.ds_config),
+                                 self.precision, ckpt.path / MODEL_NAME)
+            # the manifests of fine-tunes whose model DeepSpeed can convert keep the precision
+            refused = unconvertible(ckpt, why, zero_stage(self.ds_config), optimizer,
+                                    ckpt.path / MODEL_NAME) or (
+                f"{why}; it was written before a fine-tune's checkpoints could be converted"
+                if why and ckpt.precision is None else "")
         elif self.precision == "fp16" and not (ckpt.path / SCALER_NAME).is_file():
-            why.append(f"train.precision {precision or 'fp32 or bf16'} -> fp16, whose loss "
-                       f"scaler state the checkpoint lacks")
-        if why:
-            raise ConfigError(
-                f"{ckpt.path} cannot be resumed by this job ({'; '.join(why)}): Accelerate "
-                f"loads a checkpoint only as it was written; relaunch as it was ({written}, "
-                f"{ckpt.world_size} rank{'s' if ckpt.world_size > 1 else ''}"
-                f"{f', train.precision={precision}' if precision else ''}), or set "
-                f"checkpoint.resume=false to start a new run there (this one is moved aside)")
+            refused = f"train.precision {precision or 'fp32 or bf16'} -> fp16, whose loss " \
+                      f"scaler state the checkpoint lacks"
+        if refused:
+            raise unresumable(ckpt, refused, ", ".join(filter(None, (
+                LAYOUTS[was], was == "deepspeed" and f"ZeRO-{ckpt.zero_stage}",
+                ranks(ckpt.world_size), precision and f"train.precision={precision}"))))
+        return why
 
     def _sharded(self) -> bool:
         """Whether Accelerate's config shards the parameters across ranks."""
@@ -253,9 +257,12 @@ class AccelerateBackend:
         from accelerate.utils import load  # torch.load(weights_only=True), numpy arrays allowed
 
         from pretrain.pickle_screen import check_pickles_are_inert
-        path = Path(root) / ckpt.tag
+        universal = bool(self._resume_plan(ckpt, self.cfg.optimizer.name))
+        path = Path(root) / (ckpt.tag + "_universal" if universal else ckpt.tag)
         if (path / MODEL_NAME).is_dir():  # DeepSpeed's files: load_state has it unpickle them
             check_pickles_are_inert(path / MODEL_NAME)
+        if self.deepspeed:  # as pretraining's: a rollback loads this job's own, as written
+            self.model._config.load_universal_checkpoint = universal
         self.accelerator.load_state(str(path))
         return load(path / CLIENT_STATE, map_location="cpu")
 

@@ -208,9 +208,12 @@ class CheckpointStore:
                 optimizer.clip_grad = clip
         return client
 
-    def prepare_universal(self, ckpt: Checkpoint, why: str) -> None:
+    def prepare_universal(self, ckpt: Checkpoint, why: str, deepspeed_dir: str = "") -> None:
         """Convert ``ckpt`` for another world size, ZeRO stage or precision (``why`` says which;
-        rank 0 converts, the others wait)."""
+        rank 0 converts, the others wait) into ``<tag>_universal/``. ``deepspeed_dir``: the
+        folder of DeepSpeed's files inside the checkpoint (Accelerate's ``pytorch_model``),
+        converted into the same folder of the copy, where the checkpoint's other files (RNG
+        states, the EMA, the client state) are linked."""
         out = ckpt.path.with_name(ckpt.tag + "_universal")
         if rank() == 0 and not (out / MANIFEST).exists():
             from pretrain.pickle_screen import check_pickles_are_inert  # (imports this module)
@@ -219,7 +222,8 @@ class CheckpointStore:
             shutil.rmtree(out, ignore_errors=True)
             started = time.monotonic()
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                   "--input_folder", str(ckpt.path), "--output_folder", str(out)]
+                   "--input_folder", str(ckpt.path / deepspeed_dir),
+                   "--output_folder", str(out / deepspeed_dir)]
             # a stop signal sent to every process of the job (SLURM's --signal) must not kill
             # the conversion: the rank stops at its first step boundary instead
             proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -228,12 +232,23 @@ class CheckpointStore:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
                                    f"{tail[0]}; run: {' '.join(cmd)}")
+            if deepspeed_dir:
+                for f in ckpt.path.iterdir():
+                    if f.name not in (deepspeed_dir, MANIFEST) and f.is_file():
+                        _link_or_copy(f, out / f.name)
             # the manifest says "converted": a crash must not leave it over files not on disk
             _sync_tree(out)
             fsync_path(out.parent)
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
             log.info("converted to %s in %.1f s", out, time.monotonic() - started)
         barrier()
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)  # the EMA is a whole model: no second copy on disk
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
 
 
 # the optimizer settings a run's config gives (per parameter group: no decay on norms and biases)

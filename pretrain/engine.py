@@ -60,13 +60,7 @@ def build_model(cfg: PretrainConfig, ds_config: dict) -> ViTClassifier:
             model.backbone.init_weights()
             model.init_head(bias=cfg.model.head_bias_init, zero=cfg.model.head_zero_init)
     apply_train_options(model, cfg)
-    # Lets DeepSpeed's ds_to_universal convert our checkpoints for a new world size; a plain
-    # data-parallel model needs no tensor-parallel patterns, only the format version.
-    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    setattr(model, UNIVERSAL_CHECKPOINT_INFO,
-            {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+    allow_universal(model)
     return model
 
 
@@ -268,6 +262,75 @@ def saved_precision(ckpt, now: str, files: Optional[Path] = None) -> str:
     return now if now != "bf16" else "fp32 or fp16"
 
 
+def allow_universal(model: nn.Module) -> None:
+    """Let DeepSpeed's ds_to_universal convert the checkpoints DeepSpeed writes of ``model``
+    (both stages') for another world size, ZeRO stage or precision; a plain data-parallel model
+    needs no tensor-parallel patterns, only the format version."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+            {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def layout_changes(ckpt, world_size: int, stage: int, precision: str,
+                   files: Optional[Path] = None) -> str:
+    """Why DeepSpeed's files of ``ckpt`` are read through its universal layout ("" when they
+    are not): they name and shard the state for the ranks, ZeRO stage and precision that wrote
+    them (an fp32 checkpoint resumed in bf16 failed on a missing file). ZeRO-1 and ZeRO-2 write
+    the same files, sharded alike: between the two no conversion is needed; nor on another
+    world size without ZeRO, whose one model file holds the whole state. ``files``: where they
+    are, when not in the checkpoint's folder itself."""
+    saved = saved_precision(ckpt, precision, files)
+    return ", ".join(what for what, changed in (
+        (f"world size changed ({ckpt.world_size} -> {world_size} ranks)",
+         ckpt.world_size != world_size and (ckpt.zero_stage, stage) != (0, 0)),
+        (f"ZeRO stage changed ({ckpt.zero_stage} -> {stage})",
+         ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}),
+        (f"precision changed ({saved} -> {precision})", saved != precision),
+    ) if changed)
+
+
+# What DeepSpeed's ds_to_universal converts: Adam's moments (exp_avg, exp_avg_sq) and the fp32
+# weights; an SGD checkpoint fails there on a KeyError.
+CONVERTIBLE_OPTIMIZERS = ("adamw",)
+
+
+def unconvertible(ckpt, why: str, stage: int, optimizer: str,
+                  files: Optional[Path] = None) -> str:
+    """Why the conversion a changed layout needs (``why``, from :func:`layout_changes`) cannot
+    be done, or "". Measured with DeepSpeed 0.19 on CPU ranks, every change of world size,
+    ZeRO stage and precision: its universal checkpoint is made from the optimizer-state files
+    ZeRO-1..3 write, so not without ZeRO, which keeps the optimizer in the model file ("can't
+    find *_optim_states.pt files"); it loads into the
+    ZeRO stage that wrote it (after a change of world size or precision) or between ZeRO-1 and
+    ZeRO-2, but a change to or from ZeRO-0 or ZeRO-3 fails in DeepSpeed (a bare AssertionError,
+    'NoneType' object has no attribute 'copy'); and it holds Adam's moments only (SGD's
+    checkpoint fails on a KeyError 'exp_avg')."""
+    if not why:
+        return ""
+    if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
+        return f"{why}; DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 only"
+    if not any((files or ckpt.path).glob("*optim_states.pt")):
+        return f"{why}; DeepSpeed cannot convert a checkpoint written without ZeRO (its " \
+               f"optimizer state is in the model file)"
+    if optimizer not in CONVERTIBLE_OPTIMIZERS:
+        return f"{why}; DeepSpeed's universal checkpoint, which converts it, holds AdamW's " \
+               f"state, not {optimizer.upper()}'s momentum"
+    return ""
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank{'s' if n > 1 else ''}"
+
+
+def unresumable(ckpt, reason: str, written: str) -> ConfigError:
+    """The one-line refusal of a checkpoint this job cannot load, either stage's."""
+    return ConfigError(f"{ckpt.path} cannot be resumed by this job ({reason}): relaunch as it was "
+                       f"written ({written}), or set checkpoint.resume=false to start a new run "
+                       f"there (this one is moved aside)")
+
+
 class DeepSpeedBackend:
     """Pretraining's backend for :func:`pretrain.trainer.train`: a DeepSpeed engine (ZeRO 0-3,
     bf16/fp16, gradient clipping) and DeepSpeed's checkpoint files. The fine-tuning twin is
@@ -294,6 +357,11 @@ class DeepSpeedBackend:
         self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
         self.zero_stage = zero_stage(self.ds_config)
         why = self._needs_universal(resume) if resume is not None else ""
+        refused = unconvertible(resume, why, self.zero_stage, cfg.optimizer.name) if why else ""
+        if refused:
+            raise unresumable(resume, refused, f"{ranks(resume.world_size)}, ZeRO-"
+                              f"{resume.zero_stage}, train.precision="
+                              f"{saved_precision(resume, self.precision)}")
         if why:
             self.ds_config["checkpoint"] = {"load_universal": True}
             store.prepare_universal(resume, why)
@@ -307,18 +375,7 @@ class DeepSpeedBackend:
         self.defer_check = defers_check(cfg, self.engine.optimizer)
 
     def _needs_universal(self, ckpt) -> str:
-        """Why ``ckpt`` is read through DeepSpeed's universal layout ("" when it is not): its own
-        files name and shard the state for the ranks, ZeRO stage and precision that wrote them
-        (a ZeRO-2 checkpoint resumed under ZeRO-1, or an fp32 one in bf16, failed on a missing
-        file)."""
-        saved = saved_precision(ckpt, self.precision)
-        return ", ".join(what for what, changed in (
-            (f"world size changed ({ckpt.world_size} -> {self.world_size} ranks)",
-             ckpt.world_size != self.world_size),
-            (f"ZeRO stage changed ({ckpt.zero_stage} -> {self.zero_stage})",
-             ckpt.zero_stage != self.zero_stage),
-            (f"precision changed ({saved} -> {self.precision})", saved != self.precision),
-        ) if changed)
+        return layout_changes(ckpt, self.world_size, self.zero_stage, self.precision)
 
     @property
     def module(self) -> nn.Module:

@@ -355,15 +355,17 @@ def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp
         f"a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
 
 
-def test_a_relaunch_under_another_accelerate_layout_is_refused_in_one_line(tmp_path,
-                                                                          tiny_cifar):
-    """Accelerate loads a checkpoint only as it was written: a relaunch under another ZeRO
-    stage, precision, or without DeepSpeed died inside DeepSpeed (a bare AssertionError, a
-    missing file) after 130 lines of two ranks' tracebacks. Now one line with both ways out,
-    the checkpoint untouched; ZeRO-1 and ZeRO-2 write the same files, so that one resumes."""
-    out = tmp_path / "ft"
+def test_a_relaunch_under_another_accelerate_layout_is_converted_or_refused_in_one_line(
+        tmp_path, tiny_cifar):
+    """A fine-tune's relaunch under Accelerate's DeepSpeed config with another ZeRO stage,
+    precision or world size, or without DeepSpeed, died inside DeepSpeed (a bare
+    AssertionError, a missing file) after 130 lines of two ranks' tracebacks. Now what DeepSpeed
+    can convert is converted, as in pretraining: another precision or world size of an AdamW
+    run, its Adam state carried over; what it cannot is refused in one line with both ways out,
+    the checkpoint untouched; ZeRO-1 and ZeRO-2 write the same files and resume each other."""
+    import torch
 
-    def launch(stage, *extra):
+    def launch(out, stage, *extra):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
         if stage is not None:
             env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=str(stage))
@@ -374,29 +376,42 @@ def test_a_relaunch_under_another_accelerate_layout_is_refused_in_one_line(tmp_p
              "checkpoint.every_steps=2", "data.dev_fraction=0", *extra],
             cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
-    first = launch(2, "train.total_steps=2")
+    sgd = tmp_path / "sgd"  # the fine-tune's default optimizer, as the ViT paper's
+    first = launch(sgd, 2, "train.total_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
-    ckpt = out / "checkpoints/step_00000002"
+    ckpt = sgd / "checkpoints/step_00000002"
     files = {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
     for stage, extra, why in [
-            (3, [], "ZeRO stage 2 -> 3"),
-            (None, [], "written under Accelerate's DeepSpeed config, ZeRO-2, this job runs "
-                       "without DeepSpeed or FSDP"),
-            (2, ["train.precision=bf16"], "train.precision fp32 -> bf16")]:
-        refused = launch(stage, "train.total_steps=4", *extra)
+            (3, [], "ZeRO stage changed (2 -> 3); DeepSpeed converts a checkpoint between "
+                    "ZeRO-1 and ZeRO-2 only"),
+            (None, [], "written under Accelerate's DeepSpeed config, this job runs without "
+                       "DeepSpeed or FSDP"),
+            (2, ["train.precision=bf16"], "precision changed (fp32 -> bf16); DeepSpeed's "
+             "universal checkpoint, which converts it, holds AdamW's state, not SGD's momentum")]:
+        refused = launch(sgd, stage, "train.total_steps=4", *extra)
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert refused.stderr.strip().splitlines()[-1] == (
-            f"error: {ckpt} cannot be resumed by this job ({why}): Accelerate loads a "
-            f"checkpoint only as it was written; relaunch as it was (under Accelerate's "
-            f"DeepSpeed config, ZeRO-2, 1 rank, train.precision=fp32), or set "
-            f"checkpoint.resume=false to start a new run there (this one is moved aside)")
+            f"error: {ckpt} cannot be resumed by this job ({why}): relaunch as it was written "
+            f"(under Accelerate's DeepSpeed config, ZeRO-2, 1 rank, train.precision=fp32), or "
+            f"set checkpoint.resume=false to start a new run there (this one is moved aside)")
     assert {p: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == files
-
-    again = launch(1, "train.total_steps=4")
+    again = launch(sgd, 1, "train.total_steps=4")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from {ckpt} at step 2" in again.stderr
-    assert "resuming under ZeRO-1 a checkpoint written under ZeRO-2 (the two write the same " \
-           "files)" in again.stderr
+    assert f"resumed from {ckpt} at step 2" in again.stderr and "convert" not in again.stderr
+
+    adamw = tmp_path / "adamw"
+    first = launch(adamw, 2, "train.total_steps=2", "optimizer.name=adamw")
+    assert first.returncode == 0, first.stderr[-3000:]
+    converted = launch(adamw, 2, "train.total_steps=4", "optimizer.name=adamw",
+                       "train.precision=bf16")
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert f"precision changed (fp32 -> bf16): converting {adamw}/checkpoints/step_00000002 " \
+           f"to DeepSpeed's universal checkpoint" in converted.stderr
+    assert f"resumed from {adamw}/checkpoints/step_00000002 at step 2" in converted.stderr
+    # Adam's state came through the conversion: its step count goes on from 2 (fresh: 2 again)
+    [states] = (adamw / "checkpoints/step_00000004/pytorch_model").glob("*optim_states.pt")
+    saved = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    assert {float(s["step"]) for s in saved["base_optimizer_state"]["state"].values()} == {4.0}
 
 
 def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tiny_cifar,

@@ -286,15 +286,27 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
         f"a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [10, 8, 6]
 
-    # another ZeRO stage and precision: DeepSpeed's files of step 10 are named and sharded for
-    # the ones that wrote them (a traceback on a missing file): read through the universal copy
+    # another precision: DeepSpeed's files of step 10 are named for the one that wrote them (a
+    # traceback on a missing file): read through the universal copy (ZeRO-1 -> 2 alone would
+    # need none: the two write the same files)
     layout = launch("train.total_steps=12", "model.depth=3", "deepspeed.zero_stage=2",
                     "train.precision=bf16")
     assert layout.returncode == 0, layout.stderr[-3000:]
-    assert f"ZeRO stage changed (1 -> 2), precision changed (fp32 -> bf16): converting " \
-           f"{out}/checkpoints/step_00000010 to DeepSpeed's universal checkpoint" in layout.stderr
+    assert f"precision changed (fp32 -> bf16): converting {out}/checkpoints/step_00000010 to " \
+           f"DeepSpeed's universal checkpoint" in layout.stderr
     assert f"resumed from {out}/checkpoints/step_00000010 at step 10" in layout.stderr
     assert sorted(losses(out)) == list(range(1, 13))
+    # what DeepSpeed cannot convert: ZeRO-3's files (or ZeRO-0's) from ZeRO-2's failed in it
+    # with a bare AssertionError after the conversion; refused at the start in one line
+    zero3 = launch("train.total_steps=14", "model.depth=3", "deepspeed.zero_stage=3",
+                   "train.precision=bf16")
+    assert zero3.returncode == 2
+    assert zero3.stderr.strip().splitlines()[-1] == (
+        f"error: {out}/checkpoints/step_00000012 cannot be resumed by this job (ZeRO stage "
+        f"changed (2 -> 3); DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 only): "
+        f"relaunch as it was written (1 rank, ZeRO-2, train.precision=bf16), or set "
+        f"checkpoint.resume=false to start a new run there (this one is moved aside)")
+    assert not (out / "checkpoints/step_00000012_universal").exists()
     # a manifest from before the precision was kept: DeepSpeed's file names tell bf16 apart
     from pretrain.checkpoint import Checkpoint
     from pretrain.engine import saved_precision
