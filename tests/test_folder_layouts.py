@@ -243,8 +243,11 @@ def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, 
                        progress=False)
     assert info.classes == ["cat", "dog", "fox"]  # the label of an empty class is kept
     assert info.num_labels == 3  # was 2 (the largest label used + 1): a head without fox
-    assert "left out 3 files that are not images (by extension: .txt 2, .jpg 1; e.g. " \
-        "cat/gone.jpg)" in caplog.text
+    assert "left out 2 files that are not images (by extension: .txt 2; e.g. " \
+        "cat/notes.txt)" in caplog.text
+    # (it was counted as a file that is no image, by its name a .jpg)
+    assert "left out 1 links that lead nowhere (e.g. cat/gone.jpg): their targets moved or " \
+        "are not mounted here" in caplog.text
     assert "1 class folders hold no images (fox)" in caplog.text
     widths["dog/c.bmp"] = 20  # a BMP is read and stored as JPEG
     assert_shards_hold(tmp_path / "out", widths, {"train": {

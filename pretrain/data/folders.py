@@ -69,6 +69,7 @@ class ImageFolder(Source):
         self._skip_unknown = skip_unknown
         # what the folders hold besides images, and classes without any: said, not dropped unseen
         self.not_images: List[str] = []
+        self.broken_links: List[str] = []  # symbolic links to nothing (a moved or unmounted target)
         self.empty_classes: List[str] = []
 
     @staticmethod
@@ -126,6 +127,10 @@ class ImageFolder(Source):
                         ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(),
                                                                 key=lambda kn: (-kn[1], kn[0]))),
                         found[0], " ".join(IMAGE_EXTENSIONS))
+        if self.broken_links:
+            log.warning("left out %d links that lead nowhere (e.g. %s): their targets moved or "
+                        "are not mounted here", len(self.broken_links),
+                        sorted(self.broken_links)[0])
         if self.empty_classes:
             log.warning("%d class folders hold no images (%s): their labels are kept, with no "
                         "samples", len(self.empty_classes), ", ".join(self.empty_classes[:10]))
@@ -160,7 +165,9 @@ class ImageFolder(Source):
                     subfolders.append(e.path)
                 elif e.is_file() and is_image(e.name):
                     names.append(e.name)
-                else:  # another kind of file, or a link to nothing
+                elif e.is_symlink() and not os.path.exists(e.path):
+                    self.broken_links.append(os.path.join(class_name, as_text(e.name)))
+                else:  # another kind of file
                     self.not_images.append(os.path.join(class_name, as_text(e.name)))
             if not names and split == "train":
                 self.empty_classes.append(class_name)
