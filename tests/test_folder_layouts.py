@@ -255,6 +255,21 @@ def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, 
         "dog/c": ("dog", "dog/c.bmp")}})
 
 
+def test_a_split_folder_without_images_is_said(tmp_path, caplog):
+    """An empty val/ (its class folders made, the images not copied yet) gave a dataset with
+    no validation split and not a word until a training run stopped on it."""
+    write_images(tmp_path / "raw", [f"train/{c}/{i}.jpg" for c in ("cat", "dog") for i in range(2)])
+    for c in ("cat", "dog"):
+        (tmp_path / "raw" / "val" / c).mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        info = prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"),
+                       progress=False)
+    assert list(info.splits) == ["train"]
+    assert f"{tmp_path / 'raw' / 'val'} holds no images: the dataset gets no validation split " \
+           f"(a training run evaluating it would stop at its start; data.val_split=null there)" \
+        in caplog.text
+
+
 def test_a_16_bit_grayscale_png_keeps_its_tones(tmp_path):
     """PIL's convert to RGB clips 16-bit values at 255: the image came out white."""
     from PIL import Image

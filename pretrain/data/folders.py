@@ -118,7 +118,14 @@ class ImageFolder(Source):
 
     def entries(self) -> Iterator[Entry]:
         for split, root in self.split_dirs.items():
-            yield from self._folder_split(split, root)
+            listed = 0
+            for entry in self._folder_split(split, root):
+                listed += 1
+                yield entry
+            if not listed and split != "train":  # the run would learn of it at its start
+                log.warning("%s holds no images: the dataset gets no %s split (a training run "
+                            "evaluating it would stop at its start; data.val_split=null there)",
+                            root, split)
         if self.not_images:
             found = sorted(self.not_images)  # not the file system's listing order
             kinds = Counter(os.path.splitext(n)[1].lower() or "(none)" for n in found)
