@@ -379,12 +379,23 @@ def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path):
 
 
 @pytest.mark.parametrize("flat_val", [False, True], ids=["val-in-folders", "flat-val-with-csv"])
-def test_imagenet1k_uses_timms_synset_order(tmp_path, flat_val):
+def test_imagenet1k_uses_timms_synset_order(tmp_path, flat_val, caplog):
     order = timm_info_file("imagenet_synsets.txt").read_text().split()
     raw = synthetic.write_imagenet1k(tmp_path / "raw", [order[1], order[500], order[999]], 6, 3,
                                      flat_val=flat_val, all_synsets=order)
-    info = prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), shard_size=8, progress=False)
+    if flat_val:  # the label file of the whole set, the images of a part: said
+        labels = raw.root / "LOC_val_solution.csv"
+        labels.write_text(labels.read_text() + "ILSVRC2012_val_00049999,n01440764 1 2 3 4\n")
+    with caplog.at_level("WARNING", logger="pretrain.data.folders"):
+        info = prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), shard_size=8,
+                       progress=False)
     assert info.classes == order
+    # a part of ImageNet-1k prepared: the absent classes were not said
+    assert f"997 of the 1000 classes of the label list have no training images (e.g. " \
+           f"{order[0]}, {order[2]}, {order[3]}): their labels are kept, with no samples" \
+        in caplog.text
+    assert ("the validation label file names 10 images, 1 of them not in" in caplog.text) \
+        == flat_val
     samples = assert_matches_raw(tmp_path / "out", raw)
     assert Counter(s["split"] for s in samples) == {"train": 18, "validation": 9}
 

@@ -117,10 +117,13 @@ class ImageFolder(Source):
         return label
 
     def entries(self) -> Iterator[Entry]:
+        trained = set()
         for split, root in self.split_dirs.items():
             listed = 0
             for entry in self._folder_split(split, root):
                 listed += 1
+                if split == "train":
+                    trained.add(entry.label)
                 yield entry
             if not listed and split != "train":  # the run would learn of it at its start
                 log.warning("%s holds no images: the dataset gets no %s split (a training run "
@@ -138,7 +141,12 @@ class ImageFolder(Source):
             log.warning("left out %d links that lead nowhere (e.g. %s): their targets moved or "
                         "are not mounted here", len(self.broken_links),
                         sorted(self.broken_links)[0])
-        if self.empty_classes:
+        absent = [c for i, c in enumerate(self.classes) if i not in trained]
+        if self.fixed_classes and len(absent) > len(self.empty_classes):  # folders not there
+            log.warning("%d of the %d classes of the label list have no training images (e.g. "
+                        "%s): their labels are kept, with no samples", len(absent),
+                        len(self.classes), ", ".join(absent[:3]))
+        elif self.empty_classes:
             log.warning("%d class folders hold no images (%s): their labels are kept, with no "
                         "samples", len(self.empty_classes), ", ".join(self.empty_classes[:10]))
 
@@ -232,15 +240,20 @@ class ImageNet1k(ImageFolder):
         labels = self._val_labels(root)
         self.parts.append(str(root))
         part = len(self.parts) - 1
+        found = 0
         for name in sorted(e.name for e in os.scandir(root)
                            if e.is_file() and _visible(e.name) and is_image(e.name)):
             stem = os.path.splitext(name)[0]
             if stem not in labels:
                 raise PrepareError(f"{root / name} has no entry in the validation label file; "
                                    f"fix the label file or remove the image")
+            found += 1
             label = self.label_of(labels[stem], str(root / name))
             if label is not None:
                 yield Entry("validation", sample_key(stem), label, part, name, 0, -1)
+        if found < len(labels):  # a download cut short, or the label file of another set
+            log.warning("the validation label file names %d images, %d of them not in %s",
+                        len(labels), len(labels) - found, root)
 
     def _val_labels(self, root: Path) -> dict:
         """File stem -> synset, from whichever known label file is present."""
