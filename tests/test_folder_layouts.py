@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -393,7 +394,9 @@ def shown_on_a_terminal(text: str) -> list[str]:
 
 
 def test_a_warning_during_the_index_pass_gets_its_own_line_above_the_bar(tmp_path):
-    """The not-images warning used to be glued onto the "index:" progress bar's line."""
+    """The not-images warning used to be glued onto the "index:" progress bar's line. In a log
+    file (stderr not a terminal, as here: a batch job's) each redraw of a bar is a line of its
+    own; it was one line of carriage returns, growing for the hours of the pass."""
     write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])
     (tmp_path / "raw" / "cat" / "notes.txt").write_text("not a picture")
     proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
@@ -402,6 +405,8 @@ def test_a_warning_during_the_index_pass_gets_its_own_line_above_the_bar(tmp_pat
     warned = [line for line in shown_on_a_terminal(proc.stderr) if "not images" in line]
     assert len(warned) == 1 and warned[0].startswith("left out 1 files that are not images"), \
         proc.stderr
+    assert "\r" not in proc.stderr
+    assert re.search(r"^write: 100%\|#+\| 2/2 \[", proc.stderr, re.M), proc.stderr
 
 
 # prepare() of an image folder, in one process, killed as it sets about its shard number AT

@@ -120,7 +120,7 @@ def _with_progress(source: Source, entries: Iterable[Entry], progress: bool) -> 
     if not progress:
         yield from entries
         return
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     total, unit = source.scan_size()
     bar, n = None, 0
@@ -131,8 +131,8 @@ def _with_progress(source: Source, entries: Iterable[Entry], progress: bool) -> 
     try:
         for n, entry in enumerate(entries, 1):
             if bar is None:  # a resumed pass has set where it resumes by its first entry
-                bar = tqdm(desc="index", total=total, unit=unit, unit_scale=unit == "B",
-                           unit_divisor=1024, initial=source.scan_done, mininterval=1.0)
+                bar = progress_bar(desc="index", total=total, unit=unit, unit_scale=unit == "B",
+                                   unit_divisor=1024, initial=source.scan_done, mininterval=1.0)
             yield entry
             if total is None:
                 bar.update()

@@ -295,10 +295,10 @@ def _read_ledger(path: Path) -> Dict[str, dict]:
 
 def _run(jobs: List[Tuple[str, str, Index]], source: Source, out: Path, max_size: Optional[int],
          workers: int, ledger: Path, progress: bool) -> None:
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     total = sum(len(rows["key"]) for _, _, rows in jobs)
-    bar = tqdm(total=total, desc="write", unit="img", disable=not progress, smoothing=0.1)
+    bar = progress_bar(total=total, desc="write", unit="img", disable=not progress, smoothing=0.1)
     args = (source, str(out), max_size)
     with open(ledger, "a") as book:
         if workers <= 1:
