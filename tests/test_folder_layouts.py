@@ -303,6 +303,7 @@ def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
     (raw / "scan").mkdir()
     Image.new("L", (15000, 12000), 128).save(raw / "scan" / "page.png")
     (raw / "scan" / "broken.png").write_bytes(b"not a png at all")
+    Image.fromarray(np.full((8, 8), 0.5, np.float32)).save(raw / "scan" / "float.tif")
     prepare("imagefolder", str(raw), str(tmp_path / "out"), max_size=64, progress=False)
     info, splits = read_back(tmp_path / "out")
     meta = {k: (m["width"], m["height"]) for k, m in splits["train"].items()}
@@ -316,8 +317,12 @@ def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
     assert portrait.shape == (40, 30, 3)
     assert portrait[:15].mean() > 240 and portrait[-15:].mean() < 15  # white on top
     assert shown["scan/page"].shape == (64, 80, 3)
-    [skipped] = json.loads((tmp_path / "out" / "_skipped.json").read_text())["skipped"]
-    assert skipped["error"] == "UnidentifiedImageError: cannot identify image file"
+    skipped = json.loads((tmp_path / "out" / "_skipped.json").read_text())["skipped"]
+    assert {s["key"]: s["error"] for s in skipped} == {
+        "scan/broken": "UnidentifiedImageError: cannot identify image file",
+        # (it came out black: PIL's convert clips values in [0, 1])
+        "scan/float": "ValueError: floating-point pixels, whose range no file states: save "
+                      "the image with 8 or 16 bits per channel"}
 
 
 def test_an_output_folder_inside_the_source_is_refused(tmp_path):

@@ -205,6 +205,9 @@ def _shorter_side_to(width: int, height: int, target: int) -> Tuple[int, int]:
 
 
 def _as_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "F":  # PIL's convert clips at 255: values in [0, 1] came out black
+        raise ValueError("floating-point pixels, whose range no file states: save the image "
+                         "with 8 or 16 bits per channel")
     if img.mode.startswith("I;16") or img.mode == "I":
         # 16-bit grayscale (PNG, TIFF; 32-bit "I" read as 16-bit): PIL's convert clips it at
         # 255, so almost every pixel came out white; keep its top 8 bits, whatever the image
