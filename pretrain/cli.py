@@ -152,7 +152,7 @@ def fail(message: str, code: int = 2) -> typing.NoReturn:
 def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Sequence[str]] = None,
           default_config: Optional[Path] = None):
     """Parse the command line into (args, validated config); exits with one line on bad input."""
-    args = build_parser(prog, description, schema, default_config).parse_args(argv)
+    args = build_parser(prog, description, schema, default_config).parse_intermixed_args(argv)
     plan_only = [f"--{k.replace('_', '-')}" for k, default in PLAN_FLAGS.items()
                  if getattr(args, k, default) != default]
     if plan_only and not args.dry_run:  # a run's world is its launcher's: it would be ignored
@@ -184,7 +184,7 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
     per GPU for its ZeRO stage, steps and the time to finish. ``preflight``: the stage's own
     checks of its inputs (the fine-tune's ``init``), as the run makes them at its start."""
     from pretrain.config import PretrainConfig
-    from pretrain.plan import describe, plan
+    from pretrain.plan import describe, plan, resume_line
     from pretrain.tracking_store import check_store
 
     try:
@@ -195,7 +195,9 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
             summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
                            samples_per_epoch=args.samples)
         else:
-            summary = "\n".join(describe(cfg, world_size(args))[0])
+            lines = describe(cfg, world_size(args))[0]
+            summary = "\n".join(lines + [line for line in [resume_line(cfg, world_size(args))]
+                                         if line])
     except user_errors() as e:
         fail(str(e))
     print(cfg.to_yaml() + summary)

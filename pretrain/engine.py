@@ -320,6 +320,18 @@ def unconvertible(ckpt, why: str, stage: int, optimizer: str,
     return ""
 
 
+def conversion(ckpt, world_size: int, stage: int, precision: str, optimizer: str) -> str:
+    """Why pretraining's ``ckpt`` is converted before it is loaded ("" when it is read as
+    written); raises the one-line refusal where DeepSpeed cannot convert it. Shared by the run
+    and its ``--dry-run`` plan."""
+    why = layout_changes(ckpt, world_size, stage, precision)
+    refused = unconvertible(ckpt, why, stage, optimizer)
+    if refused:
+        raise unresumable(ckpt, refused, f"{ranks(ckpt.world_size)}, ZeRO-{ckpt.zero_stage}, "
+                                         f"train.precision={saved_precision(ckpt, precision)}")
+    return why
+
+
 def ranks(n: int) -> str:
     return f"{n} rank{'s' if n > 1 else ''}"
 
@@ -356,12 +368,8 @@ class DeepSpeedBackend:
             raise NotImplementedError("pretraining starts from the model's own initialisation")
         self.ds_config = deepspeed_config(cfg, micro, accum, self.world_size)
         self.zero_stage = zero_stage(self.ds_config)
-        why = self._needs_universal(resume) if resume is not None else ""
-        refused = unconvertible(resume, why, self.zero_stage, cfg.optimizer.name) if why else ""
-        if refused:
-            raise unresumable(resume, refused, f"{ranks(resume.world_size)}, ZeRO-"
-                              f"{resume.zero_stage}, train.precision="
-                              f"{saved_precision(resume, self.precision)}")
+        why = conversion(resume, self.world_size, self.zero_stage, self.precision,
+                         cfg.optimizer.name) if resume is not None else ""
         if why:
             self.ds_config["checkpoint"] = {"load_universal": True}
             store.prepare_universal(resume, why)

@@ -7,6 +7,7 @@ and the time to finish at an assumed MFU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Optional
 
 from pretrain.config import PretrainConfig, RunConfig
@@ -144,6 +145,30 @@ def fewshot_line(cfg: RunConfig) -> list[str]:
     return [f"few-shot probe: {e.fewshot_root}: {sizes} samples"]
 
 
+def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None) -> Optional[str]:
+    """What a run in ``output_dir`` starts from, when a run was there: its newest complete
+    checkpoint, with the settings that changed since and (pretraining: ``stage`` known) whether
+    DeepSpeed converts it first; refused in one line where the run would refuse it."""
+    from pretrain.checkpoint import CheckpointStore
+    from pretrain.run_dir import check_same_run
+
+    out = Path(cfg.output_dir)
+    latest = CheckpointStore(out / "checkpoints").complete(warn=False) \
+        if (out / "checkpoints").is_dir() else []
+    if not latest:
+        return None
+    ckpt = latest[0]
+    if not cfg.checkpoint.resume:
+        return f"resume: no (checkpoint.resume=false): the run in {out} is moved aside first"
+    changed = check_same_run(out, cfg, ckpt)
+    line = f"resume: from {ckpt.path} at step {ckpt.step:,}"
+    if stage is not None:
+        from pretrain.engine import conversion
+        why = conversion(ckpt, world, stage, cfg.train.precision, cfg.optimizer.name)
+        line += f", converted to DeepSpeed's universal checkpoint first ({why})" if why else ""
+    return line + (f"; settings changed since: {'; '.join(changed)}" if changed else "")
+
+
 def _split_sizes(info, *splits: Optional[str]) -> str:
     return ", ".join(f"{info.split(s).num_samples:,} '{s}'" for s in splits if s)
 
@@ -174,6 +199,9 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     sums = ", the fp32 gradient sums" if fp32_sums and stage <= 1 else ""
     lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
                  f"(params, grads{sums}, optimizer; activations come on top{ckpt})")
+    resume = resume_line(cfg, world, stage)
+    if resume:
+        lines.append(resume)
 
     samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
                                     if info else None)

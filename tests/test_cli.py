@@ -57,6 +57,11 @@ def test_dry_run_rejects_a_batch_that_does_not_split_over_the_world():
 def test_print_config_shows_the_resolved_overrides():
     proc = run_launcher("pretrain.py", "--print-config", "optimizer.lr=2e-4", "seed=3")
     assert proc.returncode == 0, proc.stderr
+    # overrides on both sides of an option: argparse took the first group only ("unrecognized
+    # arguments: seed=3")
+    mixed = run_launcher("pretrain.py", "optimizer.lr=2e-4", "--print-config", "seed=3")
+    assert mixed.returncode == 0, mixed.stderr
+    assert mixed.stdout == proc.stdout
     resolved = yaml.safe_load(proc.stdout)
     assert resolved["optimizer"]["lr"] == 2e-4 and resolved["seed"] == 3
     assert resolved["model"]["name"] == "vit_tiny_patch16_224"  # no --config: the demo recipe

@@ -298,15 +298,25 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert sorted(losses(out)) == list(range(1, 13))
     # what DeepSpeed cannot convert: ZeRO-3's files (or ZeRO-0's) from ZeRO-2's failed in it
     # with a bare AssertionError after the conversion; refused at the start in one line
-    zero3 = launch("train.total_steps=14", "model.depth=3", "deepspeed.zero_stage=3",
-                   "train.precision=bf16")
-    assert zero3.returncode == 2
-    assert zero3.stderr.strip().splitlines()[-1] == (
-        f"error: {out}/checkpoints/step_00000012 cannot be resumed by this job (ZeRO stage "
-        f"changed (2 -> 3); DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 only): "
-        f"relaunch as it was written (1 rank, ZeRO-2, train.precision=bf16), or set "
-        f"checkpoint.resume=false to start a new run there (this one is moved aside)")
+    # (and its --dry-run says so first, options and overrides in any order)
+    for dry in ([], ["--dry-run"]):
+        zero3 = launch(*dry, "train.total_steps=14", "model.depth=3",
+                       "deepspeed.zero_stage=3", "train.precision=bf16")
+        assert zero3.returncode == 2
+        assert zero3.stderr.strip().splitlines()[-1] == (
+            f"error: {out}/checkpoints/step_00000012 cannot be resumed by this job (ZeRO stage "
+            f"changed (2 -> 3); DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 "
+            f"only): relaunch as it was written (1 rank, ZeRO-2, train.precision=bf16), or set "
+            f"checkpoint.resume=false to start a new run there (this one is moved aside)")
     assert not (out / "checkpoints/step_00000012_universal").exists()
+    plan = launch("--dry-run", "train.total_steps=14", "--world-size", "2", "model.depth=3",
+                  "deepspeed.zero_stage=2", "train.precision=bf16")
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    [line] = [s for s in plan.stdout.splitlines() if s.startswith("resume: ")]
+    assert line.startswith(f"resume: from {out}/checkpoints/step_00000012 at step 12, converted "
+                           f"to DeepSpeed's universal checkpoint first (world size changed "
+                           f"(1 -> 2 ranks)); settings changed since: "), line
+    assert "train.total_steps: 6 -> 14" in line, line  # (since the run's config.yaml)
     # a manifest from before the precision was kept: DeepSpeed's file names tell bf16 apart
     from pretrain.checkpoint import Checkpoint
     from pretrain.engine import saved_precision
