@@ -125,12 +125,12 @@ def main(argv=None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 2
     except OSError as e:
-        src = os.path.abspath(args.src)
-        if isinstance(e, FileNotFoundError) and os.path.abspath(str(e.filename or "")).startswith(
-                src + os.sep):  # the rerun would find the source changed, and say so
-            sys.stderr.write(f"error: {e}: gone from --src while its shards were written; put "
-                             f"it back and rerun the same command to resume, or start afresh "
-                             f"in a new output folder\n")
+        src, gone = os.path.abspath(args.src), os.path.abspath(str(e.filename or ""))
+        if isinstance(e, FileNotFoundError) and (gone == src or gone.startswith(src + os.sep)):
+            # the rerun would find the source changed, and say so
+            sys.stderr.write(f"error: {e}: gone from --src during the run; put it back and "
+                             f"rerun the same command to resume, or start afresh in a new "
+                             f"output folder\n")
         else:
             sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
         return 1

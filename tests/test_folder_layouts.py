@@ -289,7 +289,8 @@ def test_a_16_bit_grayscale_png_keeps_its_tones(tmp_path):
 def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
     """A phone keeps a portrait photo as landscape pixels and an EXIF orientation, which the
     training decoders ignore: it trained sideways. A 180 M pixel scan was skipped as PIL's
-    "decompression bomb"; an unreadable file's reason named an in-memory buffer."""
+    "decompression bomb"; an unreadable file's reason named an in-memory buffer; a float TIFF
+    came out black."""
     from PIL import Image
     raw = tmp_path / "raw"
     (raw / "phone").mkdir(parents=True)
@@ -317,6 +318,13 @@ def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
     assert portrait.shape == (40, 30, 3)
     assert portrait[:15].mean() > 240 and portrait[-15:].mean() < 15  # white on top
     assert shown["scan/page"].shape == (64, 80, 3)
+    # without --max-size it is stored within PIL's own limit, which the training loader keeps
+    # (above twice it, the loader would skip it as undecodable); that limit is left as it was
+    from pretrain.data.shard_writer import to_jpeg
+    jpg, width, height = to_jpeg((raw / "scan" / "page.png").read_bytes())
+    assert (width, height) == (15000, 12000) and Image.MAX_IMAGE_PIXELS == 89_478_485
+    with Image.open(io.BytesIO(jpg)) as stored:
+        assert stored.size == (10575, 8460)
     skipped = json.loads((tmp_path / "out" / "_skipped.json").read_text())["skipped"]
     assert {s["key"]: s["error"] for s in skipped} == {
         "scan/broken": "UnidentifiedImageError: cannot identify image file",
@@ -483,6 +491,33 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     assert len(whole) == 6 and whole == sorted(p.name for p in (tmp_path / "late").glob("*.tar"))
     for name in whole:
         assert (tmp_path / "late" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
+def test_a_run_interrupted_under_the_fingerprint_of_older_versions_resumes(tmp_path):
+    """Older versions kept one digest of the whole source: their interrupted runs resume as
+    long as the source is as that digest says, and are refused when it is not."""
+    from pretrain.data.sources import _fingerprint_before_folders
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write_images(raw, [f"{c}/{i:04d}.jpg" for c in ("cat", "dog") for i in range(5)])
+    (raw / "cat" / "notes.txt").write_text("read by the older versions' digest")
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(raw), str(out), "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [scan] = out.rglob("scan.json")
+    state = json.loads(scan.read_text())
+    state["src_fingerprint"] = _fingerprint_before_folders(str(raw))
+    scan.write_text(json.dumps(state))
+    args = ["prepare_data.py", "imagefolder", "--src", str(raw), "--out", str(out),
+            "--shard-size", "2", "--workers", "1"]
+    os.utime(raw / "cat" / "notes.txt", ns=(0, 0))  # what that digest counted: refused
+    refused = run_launcher(*args)
+    assert refused.returncode == 2 and f"error: {raw} changed (files added, removed or " \
+        f"rewritten since this run listed it)" in refused.stderr, refused.stderr
+    state["src_fingerprint"] = _fingerprint_before_folders(str(raw))
+    scan.write_text(json.dumps(state))
+    resumed = run_launcher(*args)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 2 of 5 shards are complete" in resumed.stderr
 
 
 # launch/prepare_data.py as a user runs it, sent SIGTERM (a job's time limit) by the system as it

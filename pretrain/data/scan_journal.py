@@ -31,7 +31,7 @@ import numpy as np
 
 from pretrain.atomic_write import write_atomic
 
-from .sources import Entry
+from .sources import Entry, same_source
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class ScanJournal:
         path = self.folder / STATE
         if path.is_file():
             state = json.loads(path.read_text())
-            if state.get("src") == self._src_was:
+            saved = state.get("src") or [None, None]
+            if saved[0] == src and same_source(saved[1], fingerprint, src):
                 self.state, self._chunks = state, list(state["chunks"])
             else:
                 log.warning("%s changed since the interrupted index pass: scanning it again from "

@@ -22,7 +22,7 @@ import numpy as np
 from pretrain.atomic_write import write_atomic
 
 from .scan_journal import ScanJournal
-from .sources import Entry, PrepareError, Source, source_fingerprint, what_changed
+from .sources import Entry, PrepareError, Source, same_source, source_fingerprint, what_changed
 
 SPLITS = ("train", "validation", "test")
 COLUMNS = ("split", "key", "label", "part", "name", "offset", "size")
@@ -88,7 +88,7 @@ def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
     if cache.is_file() and scan.is_file():
         state = json.loads(scan.read_text())
         was = state.get("src_fingerprint")
-        if not isinstance(was, dict) or was == stamp:  # (older versions: not kept, or a hash)
+        if was is None or same_source(was, stamp, src):  # (not kept by the oldest versions)
             source.parts, source.unknown = state["parts"], state["unknown"]
             with np.load(cache) as z:
                 return {c: z[c] for c in COLUMNS}

@@ -16,9 +16,11 @@ The steps of :func:`prepare`:
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -157,8 +159,11 @@ TURNS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
          6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
          8: Image.Transpose.ROTATE_90}
 # PIL refuses images over 179 M pixels as decompression bombs; scans and panoramas are real
-# data, so sources may hold up to this many (about 1.6 GB decoded as RGB per worker).
+# data, so sources may hold up to this many (about 1.6 GB decoded as RGB per worker)...
 MAX_IMAGE_PIXELS = 1 << 29
+# ... and are stored with at most this many, PIL's default limit, which the training loader
+# keeps (above twice it, a sample would be skipped as undecodable in every epoch).
+STORED_PIXELS = 89_478_485
 
 
 def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, int]:
@@ -169,22 +174,19 @@ def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, in
     images an EXIF orientation turns and larger images are re-encoded as RGB JPEG, upright, the
     shorter side resized down to ``max_size``.
     """
-    with Image.open(io.BytesIO(data)) as img:
+    with _own_pixel_limit(), Image.open(io.BytesIO(data)) as img:
         width, height = img.size
-        if width * height > MAX_IMAGE_PIXELS:  # before PIL's own, lower, limit says it
-            raise ValueError(f"{width}x{height} px is over the {MAX_IMAGE_PIXELS:,} pixels "
-                             f"this reads")
         turn = TURNS.get(img.getexif().get(EXIF_ORIENTATION))
         if turn in (Image.Transpose.TRANSPOSE, Image.Transpose.TRANSVERSE,
                     Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_270):
             width, height = height, width
-        too_big = max_size is not None and min(width, height) > max_size
+        size = _stored_size(width, height, max_size)
+        too_big = size is not None
         if img.format == "JPEG" and img.mode in ("RGB", "L") and not too_big and turn is None:
             # A 1/8-scale decode still reads every byte, so truncated files are caught cheaply.
             img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
             img.load()
             return data, width, height
-        size = _shorter_side_to(width, height, max_size) if too_big else None
         if size and img.format == "JPEG":
             # libjpeg decodes at a power-of-two scale no smaller than `size` (as stored)
             img.draft("RGB", size if (width, height) == img.size else size[::-1])
@@ -196,6 +198,33 @@ def to_jpeg(data: bytes, max_size: Optional[int] = None) -> Tuple[bytes, int, in
         out = io.BytesIO()
         rgb.save(out, format="JPEG", quality=JPEG_QUALITY, subsampling=0)  # 4:4:4 keeps small images sharp
         return out.getvalue(), width, height
+
+
+@contextlib.contextmanager
+def _own_pixel_limit():
+    """PIL's decompression-bomb check (a global) off for one read, :data:`MAX_IMAGE_PIXELS`
+    checked instead, then back: the process may be a training rank preparing its demo data,
+    whose loader keeps PIL's own."""
+    before = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = before
+
+
+def _stored_size(width: int, height: int, max_size: Optional[int]) -> Optional[Tuple[int, int]]:
+    """The size an image of ``width`` x ``height`` (as shown) is stored at; None: as it is."""
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ValueError(f"{width}x{height} px is over the {MAX_IMAGE_PIXELS:,} pixels this reads")
+    size = None
+    if max_size is not None and min(width, height) > max_size:
+        size = _shorter_side_to(width, height, max_size)
+    w, h = size or (width, height)
+    if w * h > STORED_PIXELS:
+        scale = math.sqrt(STORED_PIXELS / (w * h))
+        size = max(1, int(w * scale)), max(1, int(h * scale))
+    return size
 
 
 def _shorter_side_to(width: int, height: int, target: int) -> Tuple[int, int]:
@@ -229,8 +258,6 @@ _WORKER: dict = {}
 
 def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
     _WORKER.update(source=source, out=out, max_size=max_size)
-    # to_jpeg checks the size itself, with the file named in the report of skipped files
-    Image.MAX_IMAGE_PIXELS = None
 
 
 

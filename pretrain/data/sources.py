@@ -97,6 +97,26 @@ def is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+def _walk(src: str) -> Iterator[Tuple[str, List[str]]]:
+    """(folder, its file names sorted) below the folder ``src`` as the sources read it: hidden
+    files and folders left out, links followed down to the deepest level a source reads
+    (``ROOT/split/class/image``), so a link loop ends."""
+    top = src.rstrip(os.sep).count(os.sep)
+    for folder, dirs, files in os.walk(src, followlinks=True):
+        if folder.count(os.sep) - top >= 3:
+            dirs[:] = []
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield folder, sorted(f for f in files if not f.startswith("."))
+
+
+def _stat_line(path: str) -> Optional[str]:
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:  # a link to nothing
+        return None
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
 def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]:
     """What says that ``src`` changed, folder by folder (its path below ``src`` -> a digest),
     so that a change can be named. A file (an outer tar, rewritten in place by
@@ -106,36 +126,54 @@ def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]
     no stat, which over millions of images on a network file system would be hours); each other
     file the layout ``reads`` (a tar or a pickle whose byte ranges the index holds, a label
     file) by its size and modification time; others (notes, thumbnails) not at all. Every
-    folder counts, an empty one too (a class). Hidden files are left out, as the sources leave
-    them out; links are followed, as the sources follow them, down to the deepest level a
-    source reads (``ROOT/split/class/image``), so a link loop ends."""
+    folder counts, an empty one too (a class), as :func:`_walk` lists them."""
     if not os.path.isdir(src):
-        stat = os.stat(src)
-        return {"": f"{stat.st_size}:{stat.st_mtime_ns}"}
+        return {"": _stat_line(src) or ""}
     folders = {}
-    top = src.rstrip(os.sep).count(os.sep)
-    for folder, dirs, files in os.walk(src, followlinks=True):
-        if folder.count(os.sep) - top >= 3:
-            dirs[:] = []
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    for folder, files in _walk(src):
         digest = hashlib.sha256()
-        for name in sorted(f for f in files if not f.startswith(".")):
+        for name in files:
             line = name
             if not is_image(name):
-                if not reads(name):
+                stat = _stat_line(os.path.join(folder, name)) if reads(name) else None
+                if stat is None:
                     continue
-                try:
-                    stat = os.stat(os.path.join(folder, name))
-                except FileNotFoundError:  # a link to nothing
-                    continue
-                line += f":{stat.st_size}:{stat.st_mtime_ns}"
+                line += f":{stat}"
             digest.update(f"{line}\n".encode("utf-8", "surrogateescape"))
         folders[os.path.relpath(folder, src)] = digest.hexdigest()
     return folders
 
 
-def what_changed(was: Dict[str, str], now: Dict[str, str]) -> str:
+def same_source(was, now: Dict[str, str], src: str) -> bool:
+    """Whether a fingerprint kept by a run (``was``) is the source's ``now``. Versions before
+    the fingerprint was kept by folder kept one digest of every file (a string): compared in
+    their way, so that an interrupted run of theirs resumes."""
+    if isinstance(was, str):
+        return was == _fingerprint_before_folders(src)
+    return was == now
+
+
+def _fingerprint_before_folders(src: str) -> str:
+    if not os.path.isdir(src):
+        return _stat_line(src) or ""
+    digest = hashlib.sha256()
+    for folder, files in _walk(src):
+        for name in files:
+            path = os.path.join(folder, name)
+            line = os.path.relpath(path, src)
+            if not is_image(name):
+                stat = _stat_line(path)
+                if stat is None:
+                    continue
+                line += f":{stat}"
+            digest.update(f"{line}\n".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def what_changed(was, now: Dict[str, str]) -> str:
     """Where two :func:`source_fingerprint` of one source differ, for a message."""
+    if isinstance(was, str):  # kept by an older version: one digest of the whole
+        return "files added, removed or rewritten since"
     if "" in was or "" in now:  # a file
         return "rewritten since"
     where = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
