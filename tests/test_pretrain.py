@@ -317,6 +317,12 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
                            f"to DeepSpeed's universal checkpoint first (world size changed "
                            f"(1 -> 2 ranks)); settings changed since: "), line
     assert "train.total_steps: 6 -> 14" in line, line  # (since the run's config.yaml)
+    # ZeRO-2 -> 1 needs no conversion: the two write the same files
+    back = launch("train.total_steps=14", "model.depth=3", "deepspeed.zero_stage=1",
+                  "train.precision=bf16")
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert f"resumed from {out}/checkpoints/step_00000012 at step 12" in back.stderr
+    assert "converting" not in back.stderr and sorted(losses(out)) == list(range(1, 15))
     # a manifest from before the precision was kept: DeepSpeed's file names tell bf16 apart
     from pretrain.checkpoint import Checkpoint
     from pretrain.engine import saved_precision
