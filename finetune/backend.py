@@ -28,9 +28,10 @@ from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, RunConfig
 from pretrain.deepspeed_json import zero_stage
-from pretrain.engine import (allow_universal, apply_train_options, build_optimizer,
-                             classification_loss, compile_options, input_dtype, layout_changes,
-                             ranks, saved_precision, unconvertible, unresumable)
+from pretrain.checkpoint_layout import (allow_universal, layout_changes, ranks, saved_precision,
+                                       unconvertible, unresumable)
+from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
+                             compile_options, input_dtype)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
 
 log = logging.getLogger("finetune")

@@ -163,7 +163,7 @@ def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None) -> Opti
     changed = check_same_run(out, cfg, ckpt)
     line = f"resume: from {ckpt.path} at step {ckpt.step:,}"
     if stage is not None:
-        from pretrain.engine import conversion
+        from pretrain.checkpoint_layout import conversion
         why = conversion(ckpt, world, stage, cfg.train.precision, cfg.optimizer.name)
         line += f", converted to DeepSpeed's universal checkpoint first ({why})" if why else ""
     return line + (f"; settings changed since: {'; '.join(changed)}" if changed else "")

@@ -320,7 +320,7 @@ def test_a_phone_photo_is_stored_upright_and_a_large_scan_is_read(tmp_path):
     assert shown["scan/page"].shape == (64, 80, 3)
     # without --max-size it is stored within PIL's own limit, which the training loader keeps
     # (above twice it, the loader would skip it as undecodable); that limit is left as it was
-    from pretrain.data.shard_writer import to_jpeg
+    from pretrain.data.stored_image import to_jpeg
     jpg, width, height = to_jpeg((raw / "scan" / "page.png").read_bytes())
     assert (width, height) == (15000, 12000) and Image.MAX_IMAGE_PIXELS == 89_478_485
     with Image.open(io.BytesIO(jpg)) as stored:

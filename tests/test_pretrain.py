@@ -325,7 +325,7 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert "converting" not in back.stderr and sorted(losses(out)) == list(range(1, 15))
     # a manifest from before the precision was kept: DeepSpeed's file names tell bf16 apart
     from pretrain.checkpoint import Checkpoint
-    from pretrain.engine import saved_precision
+    from pretrain.checkpoint_layout import saved_precision
     step = {c.step: c for c in CheckpointStore(out / "checkpoints").complete()}
     assert (step[10].precision, step[12].precision) == ("fp32", "bf16")
     unkept = {n: Checkpoint(step[n].path, n, 1, step[n].zero_stage) for n in (10, 12)}

@@ -1,0 +1,114 @@
+"""A relaunch with another world size, ZeRO stage or precision than its checkpoint's, in either
+stage: what DeepSpeed's files of the checkpoint need.
+
+DeepSpeed names and shards its files for the ranks, ZeRO stage and precision that wrote them.
+Where that layout changed, the checkpoint is read as written (ZeRO-1 <-> ZeRO-2, which write
+the same files; another world size without ZeRO, whose one model file holds the whole state),
+converted first through DeepSpeed's universal checkpoint (``ds_to_universal``:
+:meth:`pretrain.checkpoint.CheckpointStore.prepare_universal`), or refused at the start in one
+line where DeepSpeed cannot convert it (:func:`unconvertible`: measured, every case). Used by
+pretraining's :class:`pretrain.engine.DeepSpeedBackend`, the fine-tune's
+:class:`finetune.backend.AccelerateBackend` under an Accelerate DeepSpeed config, and the
+``--dry-run`` plan.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from pretrain.config import ConfigError
+
+
+def saved_precision(ckpt, now: str, files: Optional[Path] = None) -> str:
+    """The train.precision ``ckpt`` was saved in; for a manifest from before it was kept, what
+    DeepSpeed's files (in ``files``, else the checkpoint's folder) tell: it names a bf16 run's
+    optimizer states bf16_*, fp16's and fp32's alike (``now`` when that cannot tell them
+    apart). Shared with the fine-tune under an Accelerate DeepSpeed config."""
+    if ckpt.precision is not None:
+        return ckpt.precision
+    if any((files or ckpt.path).glob("bf16_*optim_states.pt")):
+        return "bf16"
+    return now if now != "bf16" else "fp32 or fp16"
+
+
+def allow_universal(model: nn.Module) -> None:
+    """Let DeepSpeed's ds_to_universal convert the checkpoints DeepSpeed writes of ``model``
+    (both stages') for another world size, ZeRO stage or precision; a plain data-parallel model
+    needs no tensor-parallel patterns, only the format version."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO,
+            {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def layout_changes(ckpt, world_size: int, stage: int, precision: str,
+                   files: Optional[Path] = None) -> str:
+    """Why DeepSpeed's files of ``ckpt`` are read through its universal layout ("" when they
+    are not): they name and shard the state for the ranks, ZeRO stage and precision that wrote
+    them (an fp32 checkpoint resumed in bf16 failed on a missing file). ZeRO-1 and ZeRO-2 write
+    the same files, sharded alike: between the two no conversion is needed; nor on another
+    world size without ZeRO, whose one model file holds the whole state. ``files``: where they
+    are, when not in the checkpoint's folder itself."""
+    saved = saved_precision(ckpt, precision, files)
+    return ", ".join(what for what, changed in (
+        (f"world size changed ({ckpt.world_size} -> {world_size} ranks)",
+         ckpt.world_size != world_size and (ckpt.zero_stage, stage) != (0, 0)),
+        (f"ZeRO stage changed ({ckpt.zero_stage} -> {stage})",
+         ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}),
+        (f"precision changed ({saved} -> {precision})", saved != precision),
+    ) if changed)
+
+
+# What DeepSpeed's ds_to_universal converts: Adam's moments (exp_avg, exp_avg_sq) and the fp32
+# weights; an SGD checkpoint fails there on a KeyError.
+CONVERTIBLE_OPTIMIZERS = ("adamw",)
+
+
+def unconvertible(ckpt, why: str, stage: int, optimizer: str,
+                  files: Optional[Path] = None) -> str:
+    """Why the conversion a changed layout needs (``why``, from :func:`layout_changes`) cannot
+    be done, or "". Measured with DeepSpeed 0.19 on CPU ranks, every change of world size,
+    ZeRO stage and precision: its universal checkpoint is made from the optimizer-state files
+    ZeRO-1..3 write, so not without ZeRO, which keeps the optimizer in the model file ("can't
+    find *_optim_states.pt files"); it loads into the
+    ZeRO stage that wrote it (after a change of world size or precision) or between ZeRO-1 and
+    ZeRO-2, but a change to or from ZeRO-0 or ZeRO-3 fails in DeepSpeed (a bare AssertionError,
+    'NoneType' object has no attribute 'copy'); and it holds Adam's moments only (SGD's
+    checkpoint fails on a KeyError 'exp_avg')."""
+    if not why:
+        return ""
+    if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
+        return f"{why}; DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 only"
+    if not any((files or ckpt.path).glob("*optim_states.pt")):
+        return f"{why}; DeepSpeed cannot convert a checkpoint written without ZeRO (its " \
+               f"optimizer state is in the model file)"
+    if optimizer not in CONVERTIBLE_OPTIMIZERS:
+        return f"{why}; DeepSpeed's universal checkpoint, which converts it, holds AdamW's " \
+               f"state, not {optimizer.upper()}'s momentum"
+    return ""
+
+
+def conversion(ckpt, world_size: int, stage: int, precision: str, optimizer: str) -> str:
+    """Why pretraining's ``ckpt`` is converted before it is loaded ("" when it is read as
+    written); raises the one-line refusal where DeepSpeed cannot convert it. Shared by the run
+    and its ``--dry-run`` plan."""
+    why = layout_changes(ckpt, world_size, stage, precision)
+    refused = unconvertible(ckpt, why, stage, optimizer)
+    if refused:
+        raise unresumable(ckpt, refused, f"{ranks(ckpt.world_size)}, ZeRO-{ckpt.zero_stage}, "
+                                         f"train.precision={saved_precision(ckpt, precision)}")
+    return why
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank{'s' if n > 1 else ''}"
+
+
+def unresumable(ckpt, reason: str, written: str) -> ConfigError:
+    """The one-line refusal of a checkpoint this job cannot load, either stage's."""
+    return ConfigError(f"{ckpt.path} cannot be resumed by this job ({reason}): relaunch as it was "
+                       f"written ({written}), or set checkpoint.resume=false to start a new run "
+                       f"there (this one is moved aside)")
