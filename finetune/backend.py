@@ -258,9 +258,14 @@ class AccelerateBackend:
         from accelerate.utils import load  # torch.load(weights_only=True), numpy arrays allowed
 
         from pretrain.pickle_screen import check_pickles_are_inert
+        path = Path(root) / ckpt.tag
+        # DeepSpeed's files, which load_state has it unpickle: screened before anything reads
+        # them, the universal copy made of them too
+        if (path / MODEL_NAME).is_dir():
+            check_pickles_are_inert(path / MODEL_NAME)
         universal = bool(self._resume_plan(ckpt, self.cfg.optimizer.name))
-        path = Path(root) / (ckpt.tag + "_universal" if universal else ckpt.tag)
-        if (path / MODEL_NAME).is_dir():  # DeepSpeed's files: load_state has it unpickle them
+        if universal:
+            path = path.with_name(ckpt.tag + "_universal")
             check_pickles_are_inert(path / MODEL_NAME)
         if self.deepspeed:  # as pretraining's: a rollback loads this job's own, as written
             self.model._config.load_universal_checkpoint = universal
