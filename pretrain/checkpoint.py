@@ -206,6 +206,7 @@ class CheckpointStore:
                 group.update(settings)
             if clip is not None:
                 optimizer.clip_grad = clip
+        _unshare_steps(backend)
         return client
 
     def prepare_universal(self, ckpt: Checkpoint, why: str, deepspeed_dir: str = "") -> None:
@@ -266,6 +267,23 @@ def _optimizers(backend) -> list:
             chain.append(opt)
             opt = getattr(opt, "optimizer", None)
     return chain
+
+
+def _unshare_steps(backend) -> None:
+    """Give every parameter's optimizer state a step counter of its own. DeepSpeed 0.19's ZeRO-3
+    load of a universal checkpoint hands one step tensor to all its parameter groups, which
+    torch's Adam then advances in place once per group: two steps counted for each step trained
+    (with decay and without), and a wrong bias correction for the rest of the run."""
+    for optimizer in _optimizers(backend):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        seen = set()
+        for state in optimizer.state.values():
+            step = state.get("step") if isinstance(state, dict) else None
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(step))
 
 
 def _settings(backend) -> list[tuple]:

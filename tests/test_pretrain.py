@@ -334,6 +334,29 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert saved_precision(unkept[10], "fp32") == "fp32"  # fp16 and fp32 files look alike
 
 
+def test_adams_step_count_goes_on_once_per_step_after_a_zero3_conversion(tmp_path, tiny_data):
+    """DeepSpeed's ZeRO-3 load of a universal checkpoint gave all parameter groups one step
+    counter, which Adam advanced once per group: two steps counted per step trained, and the
+    bias correction wrong for the rest of the run (found resuming in another precision)."""
+    out = tmp_path / "run"
+
+    def launch(*extra):
+        return run_launcher("pretrain.py", *tiny_run_args(
+            out, tiny_data, "deepspeed.zero_stage=3", "checkpoint.every_steps=2",
+            "eval.every_steps=100", "tracking.enabled=false", *extra))
+
+    first = launch("train.total_steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = launch("train.total_steps=4", "train.precision=bf16")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "precision changed (fp32 -> bf16): converting" in again.stderr
+    [states] = (out / "checkpoints/step_00000004").glob("*optim_states.pt")
+    saved = torch.load(states, map_location="cpu", weights_only=False)  # written by this test
+    steps = [float(s["step"]) for s in saved["optimizer_state_dict"]["optimizer_state_dict"]
+             ["state"].values()]
+    assert len(steps) == 2 and steps == [4.0, 4.0]  # was [6.0, 6.0]
+
+
 def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
     """The weight decay of each parameter group and the gradient clipping of the optimizer
     state a checkpoint holds (DeepSpeed's ZeRO optimizer saves its clip_grad)."""
