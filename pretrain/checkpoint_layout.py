@@ -73,11 +73,11 @@ def unconvertible(ckpt, why: str, stage: int, optimizer: str,
     be done, or "". Measured with DeepSpeed 0.19 on CPU ranks, every change of world size,
     ZeRO stage and precision: its universal checkpoint is made from the optimizer-state files
     ZeRO-1..3 write, so not without ZeRO, which keeps the optimizer in the model file ("can't
-    find *_optim_states.pt files"); it loads into the
-    ZeRO stage that wrote it (after a change of world size or precision) or between ZeRO-1 and
-    ZeRO-2, but a change to or from ZeRO-0 or ZeRO-3 fails in DeepSpeed (a bare AssertionError,
-    'NoneType' object has no attribute 'copy'); and it holds Adam's moments only (SGD's
-    checkpoint fails on a KeyError 'exp_avg')."""
+    find *_optim_states.pt files"); it loads into the ZeRO stage that wrote it (after a change
+    of world size or precision) or between ZeRO-1 and ZeRO-2, but a change to or from ZeRO-0 or
+    ZeRO-3 fails in DeepSpeed (a bare AssertionError, "'NoneType' object has no attribute
+    'copy'"); and it holds Adam's moments only (SGD's checkpoint fails on a KeyError
+    'exp_avg')."""
     if not why:
         return ""
     if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
