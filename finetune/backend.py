@@ -28,8 +28,8 @@ from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, RunConfig
 from pretrain.deepspeed_json import zero_stage
-from pretrain.checkpoint_layout import (allow_universal, layout_changes, ranks, saved_precision,
-                                       unconvertible, unresumable)
+from pretrain.checkpoint_layout import (allow_universal, as_written, conversion, saved_precision,
+                                       unresumable)
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
                              compile_options, input_dtype)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
@@ -152,27 +152,21 @@ class AccelerateBackend:
         needs the loss scaler's state, which no other precision saves."""
         from accelerate.utils.constants import MODEL_NAME, SCALER_NAME
         was, now = saved_layout(ckpt.path), self._layout()
+        if was == now == "deepspeed":
+            return conversion(ckpt, self.world_size, zero_stage(self.ds_config), self.precision,
+                              optimizer, ckpt.path / MODEL_NAME, LAYOUTS[was],
+                              marked=ckpt.precision is not None)
         precision = saved_precision(ckpt, self.precision, ckpt.path / MODEL_NAME) \
             if was == "deepspeed" else ckpt.precision
-        why, refused = "", ""
         if was != now:
             refused = f"written {LAYOUTS[was]}, this job runs {LAYOUTS[now]}"
-        elif now == "deepspeed":
-            why = layout_changes(ckpt, self.world_size, zero_stage(self.ds_config),
-                                 self.precision, ckpt.path / MODEL_NAME)
-            # the manifests of fine-tunes whose model DeepSpeed can convert keep the precision
-            refused = unconvertible(ckpt, why, zero_stage(self.ds_config), optimizer,
-                                    ckpt.path / MODEL_NAME) or (
-                f"{why}; it was written before a fine-tune's checkpoints could be converted"
-                if why and ckpt.precision is None else "")
         elif self.precision == "fp16" and not (ckpt.path / SCALER_NAME).is_file():
             refused = f"train.precision {precision or 'fp32 or bf16'} -> fp16, whose loss " \
                       f"scaler state the checkpoint lacks"
-        if refused:
-            raise unresumable(ckpt, refused, ", ".join(filter(None, (
-                LAYOUTS[was], was == "deepspeed" and f"ZeRO-{ckpt.zero_stage}",
-                ranks(ckpt.world_size), precision and f"train.precision={precision}"))))
-        return why
+        else:
+            return ""
+        raise unresumable(ckpt, refused,
+                          as_written(ckpt, precision, LAYOUTS[was], zero=was == "deepspeed"))
 
     def _sharded(self) -> bool:
         """Whether Accelerate's config shards the parameters across ranks."""

@@ -91,20 +91,33 @@ def unconvertible(ckpt, why: str, stage: int, optimizer: str,
     return ""
 
 
-def conversion(ckpt, world_size: int, stage: int, precision: str, optimizer: str) -> str:
-    """Why pretraining's ``ckpt`` is converted before it is loaded ("" when it is read as
-    written); raises the one-line refusal where DeepSpeed cannot convert it. Shared by the run
-    and its ``--dry-run`` plan."""
-    why = layout_changes(ckpt, world_size, stage, precision)
-    refused = unconvertible(ckpt, why, stage, optimizer)
+def conversion(ckpt, world_size: int, stage: int, precision: str, optimizer: str,
+               files: Optional[Path] = None, under: str = "", marked: bool = True) -> str:
+    """Why DeepSpeed's files of ``ckpt`` are converted before they are loaded ("" when they are
+    read as written); raises the one-line refusal where they cannot be. Shared by both stages'
+    runs and the ``--dry-run`` plan. ``files``: where they are (the fine-tune's
+    ``pytorch_model/``); ``under``: the layout the refusal names; ``marked``: whether the model
+    that wrote them was marked for ``ds_to_universal`` (a fine-tune's was not before its
+    manifests kept the precision)."""
+    why = layout_changes(ckpt, world_size, stage, precision, files)
+    refused = unconvertible(ckpt, why, stage, optimizer, files) or (
+        f"{why}; it was written before a fine-tune's checkpoints could be converted"
+        if why and not marked else "")
     if refused:
-        raise unresumable(ckpt, refused, f"{ranks(ckpt.world_size)}, ZeRO-{ckpt.zero_stage}, "
-                                         f"train.precision={saved_precision(ckpt, precision)}")
+        raise unresumable(ckpt, refused,
+                          as_written(ckpt, saved_precision(ckpt, precision, files), under))
     return why
 
 
 def ranks(n: int) -> str:
     return f"{n} rank{'s' if n > 1 else ''}"
+
+
+def as_written(ckpt, precision: Optional[str], under: str = "", zero: bool = True) -> str:
+    """The layout ``ckpt`` was written in, for the refusal's way out."""
+    return ", ".join(filter(None, (under, zero and f"ZeRO-{ckpt.zero_stage}",
+                                   ranks(ckpt.world_size),
+                                   precision and f"train.precision={precision}")))
 
 
 def unresumable(ckpt, reason: str, written: str) -> ConfigError:

@@ -306,7 +306,7 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
         assert zero3.stderr.strip().splitlines()[-1] == (
             f"error: {out}/checkpoints/step_00000012 cannot be resumed by this job (ZeRO stage "
             f"changed (2 -> 3); DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 "
-            f"only): relaunch as it was written (1 rank, ZeRO-2, train.precision=bf16), or set "
+            f"only): relaunch as it was written (ZeRO-2, 1 rank, train.precision=bf16), or set "
             f"checkpoint.resume=false to start a new run there (this one is moved aside)")
     assert not (out / "checkpoints/step_00000012_universal").exists()
     plan = launch("--dry-run", "train.total_steps=14", "--world-size", "2", "model.depth=3",

@@ -95,12 +95,8 @@ class Cifar(Source):
                                f"{folder} folder")
         self.classes = self._class_names(self.root / meta, names_key)
 
-    def reads(self, name: str) -> bool:
-        return name in self.files_read
-
-    @property
-    def files_read(self) -> List[str]:
-        return [self.LAYOUTS[self.name][2]] + sum(self.files.values(), [])
+    def reads(self, name: str) -> bool:  # its batches and its meta file
+        return name == self.LAYOUTS[self.name][2] or any(name in f for f in self.files.values())
 
     @staticmethod
     def _class_names(path: Path, names_key: str) -> List[str]:
