@@ -1,5 +1,6 @@
 """Pretraining for real: DeepSpeed ranks on the CPU (gloo), ZeRO stages, resume onto another world
 size, and the multi-node launcher path. Kills, failing writes and bad data: test_faults.py."""
+import gc
 import json
 import math
 import os
@@ -116,6 +117,9 @@ def _engine_worker(rank, world, port, timed_file, queue):
             compiled.get_compiler_config()["max_autotune"]
     for name, sets in {"waits": [], "waits_timed": [f"deepspeed.config={timed_file}"]}.items():
         made, cfg = backend(*sets)
+        # The engines built above, freed only by the cycle collector at a moment of its choosing,
+        # wait for the device as they go (DeepSpeed's destroy()): not a wait of these steps.
+        gc.collect()
         waits.clear()
         for batch in synthetic_batches(4, 32, cfg.model.num_classes, made.device, count=5):
             made.train_micro_batch(*prepare_batch(batch, made.device), cfg, None, last=True)
