@@ -146,10 +146,10 @@ class AccelerateBackend:
         ZeRO stage or precision, as in pretraining; "" when they are read as written), or a
         one-line refusal of a checkpoint this job's Accelerate cannot load (it failed in
         DeepSpeed with a bare AssertionError, a KeyError or a missing file): one written under
-        another layout; under DeepSpeed, one that needs converting but cannot be (SGD's state,
-        or written before the fine-tune's model was marked for conversion). Without DeepSpeed
-        the files hold the whole state: another world size or precision loads, but fp16 then
-        needs the loss scaler's state, which no other precision saves."""
+        another layout; under DeepSpeed, one that needs converting but cannot be (SGD's state at
+        ZeRO-3, or written before the fine-tune's model was marked for conversion). Without
+        DeepSpeed the files hold the whole state: another world size or precision loads, but
+        fp16 then needs the loss scaler's state, which no other precision saves."""
         from accelerate.utils.constants import MODEL_NAME, SCALER_NAME
         was, now = saved_layout(ckpt.path), self._layout()
         if was == now == "deepspeed":

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.atomic_write import fsync_fd, fsync_path
+from pretrain.checkpoint_layout import momentum_as_adam, momentum_back
 from pretrain.config import ConfigError
 from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
@@ -222,8 +223,10 @@ class CheckpointStore:
             log.warning("%s: converting %s to DeepSpeed's universal checkpoint", why, ckpt.path)
             shutil.rmtree(out, ignore_errors=True)
             started = time.monotonic()
+            src, staging = ckpt.path / deepspeed_dir, out / "sgd-as-adam"
+            momentum = momentum_as_adam(src, staging)
             cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                   "--input_folder", str(ckpt.path / deepspeed_dir),
+                   "--input_folder", str(src if momentum is None else staging),
                    "--output_folder", str(out / deepspeed_dir)]
             # a stop signal sent to every process of the job (SLURM's --signal) must not kill
             # the conversion: the rank stops at its first step boundary instead
@@ -233,6 +236,9 @@ class CheckpointStore:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
                                    f"{tail[0]}; run: {' '.join(cmd)}")
+            if momentum is not None:
+                momentum_back(out / deepspeed_dir, momentum)
+                shutil.rmtree(staging)
             if deepspeed_dir:
                 for f in ckpt.path.iterdir():
                     if f.name not in (deepspeed_dir, MANIFEST) and f.is_file():

@@ -62,9 +62,63 @@ def layout_changes(ckpt, world_size: int, stage: int, precision: str,
     ) if changed)
 
 
-# What DeepSpeed's ds_to_universal converts: Adam's moments (exp_avg, exp_avg_sq) and the fp32
-# weights; an SGD checkpoint fails there on a KeyError.
-CONVERTIBLE_OPTIMIZERS = ("adamw",)
+# SGD's state: DeepSpeed's ds_to_universal extracts Adam's moments (exp_avg, exp_avg_sq) by name
+# and failed on SGD's with a KeyError, but its merging of the ranks' flat partitions is the same
+# for any tensor shaped as the fp32 weights, and its ZeRO-1/2 load takes every file it finds
+# (``<key>.pt``) as the optimizer state of that name. So SGD's momentum goes through in Adam's
+# first slot (:func:`momentum_as_adam`) and is renamed back after (:func:`momentum_back`).
+MOMENTUM = "momentum_buffer"
+
+
+def momentum_as_adam(src: Path, staging: Path) -> Optional[bool]:
+    """When DeepSpeed's files in ``src`` hold SGD's state: a copy of them in ``staging`` that
+    ds_to_universal converts (the momentum as ``exp_avg``, ``exp_avg_sq`` a placeholder), and
+    whether there was a momentum (SGD with momentum 0 keeps none); None for Adam's, which
+    DeepSpeed converts as they are. The files were screened by the caller."""
+    import torch
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS)
+    files = sorted(src.glob("*optim_states.pt"))
+    held = None
+    for f in files:
+        saved = torch.load(f, map_location="cpu", weights_only=False)
+        optim = saved[OPTIMIZER_STATE_DICT]
+        if BASE_OPTIMIZER_STATE not in optim:  # ZeRO-3's layout: AdamW's only (unconvertible)
+            return None
+        groups = optim[BASE_OPTIMIZER_STATE]["state"]
+        if all("exp_avg" in state for state in _values(groups)):
+            return None
+        for g, state in _items(groups):
+            buffer = state.pop(MOMENTUM, None)
+            held = buffer is not None
+            moved = buffer if held else torch.zeros_like(optim[SINGLE_PARTITION_OF_FP32_GROUPS][g])
+            state.update(exp_avg=moved, exp_avg_sq=moved)
+        staging.mkdir(parents=True, exist_ok=True)
+        torch.save(saved, staging / f.name)
+    for f in src.iterdir():
+        if f.is_file() and f not in files:
+            (staging / f.name).symlink_to(f.resolve())
+    return held
+
+
+def momentum_back(universal: Path, held: bool) -> None:
+    """Undo :func:`momentum_as_adam` in the converted checkpoint ``universal``: per parameter,
+    the momentum under its own name, the placeholder gone."""
+    for param in (universal / "zero").iterdir():
+        if param.is_dir():
+            (param / "exp_avg_sq.pt").unlink()
+            if held:
+                (param / "exp_avg.pt").rename(param / f"{MOMENTUM}.pt")
+            else:
+                (param / "exp_avg.pt").unlink()
+
+
+def _items(groups):
+    return groups.items() if isinstance(groups, dict) else enumerate(groups)
+
+
+def _values(groups):
+    return groups.values() if isinstance(groups, dict) else groups
 
 
 def unconvertible(ckpt, why: str, stage: int, optimizer: str,
@@ -76,8 +130,8 @@ def unconvertible(ckpt, why: str, stage: int, optimizer: str,
     find *_optim_states.pt files"); it loads into the ZeRO stage that wrote it (after a change
     of world size or precision) or between ZeRO-1 and ZeRO-2, but a change to or from ZeRO-0 or
     ZeRO-3 fails in DeepSpeed (a bare AssertionError, "'NoneType' object has no attribute
-    'copy'"); and it holds Adam's moments only (SGD's checkpoint fails on a KeyError
-    'exp_avg')."""
+    'copy'"); and its ZeRO-3 load takes Adam's moments only (ZeRO-1/2's takes SGD's momentum
+    too: :func:`momentum_as_adam`)."""
     if not why:
         return ""
     if ckpt.zero_stage != stage and {ckpt.zero_stage, stage} != {1, 2}:
@@ -85,9 +139,9 @@ def unconvertible(ckpt, why: str, stage: int, optimizer: str,
     if not any((files or ckpt.path).glob("*optim_states.pt")):
         return f"{why}; DeepSpeed cannot convert a checkpoint written without ZeRO (its " \
                f"optimizer state is in the model file)"
-    if optimizer not in CONVERTIBLE_OPTIMIZERS:
-        return f"{why}; DeepSpeed's universal checkpoint, which converts it, holds AdamW's " \
-               f"state, not {optimizer.upper()}'s momentum"
+    if optimizer != "adamw" and 3 in (ckpt.zero_stage, stage):
+        return f"{why}; DeepSpeed's ZeRO-3 loads AdamW's state from a converted checkpoint, " \
+               f"not {optimizer.upper()}'s momentum"
     return ""
 
 

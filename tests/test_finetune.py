@@ -385,9 +385,7 @@ def test_a_relaunch_under_another_accelerate_layout_is_converted_or_refused_in_o
             (3, [], "ZeRO stage changed (2 -> 3); DeepSpeed converts a checkpoint between "
                     "ZeRO-1 and ZeRO-2 only"),
             (None, [], "written under Accelerate's DeepSpeed config, this job runs without "
-                       "DeepSpeed or FSDP"),
-            (2, ["train.precision=bf16"], "precision changed (fp32 -> bf16); DeepSpeed's "
-             "universal checkpoint, which converts it, holds AdamW's state, not SGD's momentum")]:
+                       "DeepSpeed or FSDP")]:
         refused = launch(sgd, stage, "train.total_steps=4", *extra)
         assert refused.returncode == 2, refused.stderr[-3000:]
         assert refused.stderr.strip().splitlines()[-1] == (
@@ -398,6 +396,19 @@ def test_a_relaunch_under_another_accelerate_layout_is_converted_or_refused_in_o
     again = launch(sgd, 1, "train.total_steps=4")
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {ckpt} at step 2" in again.stderr and "convert" not in again.stderr
+    # another precision: converted, SGD's momentum with it (DeepSpeed's own conversion takes
+    # Adam's moments only: this was refused before)
+    bf16 = launch(sgd, 1, "train.total_steps=6", "train.precision=bf16")
+    assert bf16.returncode == 0, bf16.stderr[-3000:]
+    ckpt = sgd / "checkpoints/step_00000004"
+    assert f"precision changed (fp32 -> bf16): converting {ckpt} to DeepSpeed's universal " \
+           f"checkpoint" in bf16.stderr and f"resumed from {ckpt} at step 4" in bf16.stderr
+    params = list((sgd / "checkpoints/step_00000004_universal/pytorch_model/zero").iterdir())
+    assert params and all(sorted(f.name for f in p.iterdir()) == ["fp32.pt", "momentum_buffer.pt"]
+                          for p in params if p.is_dir())
+    head = torch.load(params[0].with_name("head.weight") / "momentum_buffer.pt",
+                      weights_only=False)["param"]  # (written by this test's run)
+    assert head.abs().sum() > 0
 
     adamw = tmp_path / "adamw"
     first = launch(adamw, 2, "train.total_steps=2", "optimizer.name=adamw")

@@ -361,6 +361,43 @@ def test_adams_step_count_goes_on_once_per_step_after_a_zero3_conversion(tmp_pat
     assert len(steps) == 2 and steps == [4.0, 4.0]  # was [6.0, 6.0]
 
 
+def test_an_sgd_run_requeued_on_fewer_ranks_keeps_its_momentum(tmp_path, tiny_data):
+    """DeepSpeed's universal checkpoint, which carries a ZeRO run onto another world size,
+    holds Adam's moments only: an SGD run requeued on fewer ranks was refused (before that, a
+    KeyError 'exp_avg'). Its momentum now goes through the conversion: resumed from ZeRO-1's
+    two ranks onto one, it trains on exactly as the same run without ZeRO, whose one model file
+    holds the whole state and is read as written, step for step (a momentum lost in the
+    conversion changes step 4's loss). ZeRO-3, whose load takes Adam's moments only, refuses."""
+    def launch(out, world, stage, steps, fails=False):
+        return run_deepspeed(world, *tiny_run_args(
+            out, tiny_data, "optimizer.name=sgd", "optimizer.lr=0.05", "checkpoint.every_steps=2",
+            "eval.every_steps=100", "tracking.enabled=false", f"deepspeed.zero_stage={stage}",
+            f"train.total_steps={steps}"), fails=fails)
+
+    for stage in (0, 1):
+        out = tmp_path / f"zero{stage}"
+        launch(out, 2, stage, 2)
+        again = launch(out, 1, stage, 5)
+        assert f"resumed from {out}/checkpoints/step_00000002 at step 2" in again.stderr
+        assert ("world size changed (2 -> 1 ranks): converting" in again.stderr) == (stage == 1)
+    assert losses(tmp_path / "zero1") == pytest.approx(losses(tmp_path / "zero0"), rel=1e-5)
+    assert sorted(losses(tmp_path / "zero1")) == [1, 2, 3, 4, 5]
+    assert not (tmp_path / "zero1/checkpoints/step_00000002_universal/sgd-as-adam").exists()
+
+    # ZeRO-3, whose load of a converted checkpoint takes Adam's moments by name, refuses
+    from pretrain.checkpoint import Checkpoint
+    from pretrain.checkpoint_layout import conversion
+    from pretrain.config import ConfigError
+    zero3 = tmp_path / "zero3/step_00000002"
+    zero3.mkdir(parents=True)
+    (zero3 / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
+    with pytest.raises(ConfigError, match=re.escape(
+            f"{zero3} cannot be resumed by this job (world size changed (2 -> 1 ranks); "
+            f"DeepSpeed's ZeRO-3 loads AdamW's state from a converted checkpoint, not SGD's "
+            f"momentum): relaunch as it was written (ZeRO-3, 2 ranks, train.precision=fp32)")):
+        conversion(Checkpoint(zero3, 2, 2, 3, "fp32"), 1, 3, "fp32", "sgd")
+    assert conversion(Checkpoint(zero3, 2, 2, 3, "fp32"), 1, 3, "fp32", "adamw")
+
 def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
     """The weight decay of each parameter group and the gradient clipping of the optimizer
     state a checkpoint holds (DeepSpeed's ZeRO optimizer saves its clip_grad)."""
