@@ -234,8 +234,11 @@ class CheckpointStore:
                                   preexec_fn=ignore_stop_signals)
             if proc.returncode != 0:
                 tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                # (the staged copy converted by hand would hold SGD's momentum as Adam's)
+                retry = f"run: {' '.join(cmd)}" if momentum is None else \
+                    "a relaunch converts it again"
                 raise RuntimeError(f"converting {ckpt.path} to a universal checkpoint failed: "
-                                   f"{tail[0]}; run: {' '.join(cmd)}")
+                                   f"{tail[0]}; {retry}")
             if momentum is not None:
                 momentum_back(out / deepspeed_dir, momentum)
                 shutil.rmtree(staging)
