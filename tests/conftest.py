@@ -22,7 +22,40 @@ def repo() -> Path:
     return REPO
 
 
-from pretrain.distributed import free_port  # noqa: E402  (re-exported for the tests)
+def _test_ports():
+    """The ports this test process hands out: below the kernel's ephemeral range, where no
+    socket bound to port 0 lands (each gloo rank binds several listeners that way, and a port
+    found free there could be taken in the tens of seconds before a launched run binds it), a
+    share of its own for each xdist worker, each handed out once."""
+    import itertools
+    import re
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first, workers = 10000, 8
+    share = max((low - first) // workers, 1)
+    worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", "gw0"))
+    start = first + (int(worker.group(1)) % workers if worker else 0) * share
+    return itertools.cycle(range(start, start + share))
+
+
+_PORTS = _test_ports()
+
+
+def free_port() -> int:
+    """A port no other process listens on (all interfaces: the store of a launched run binds
+    them all) and no other test of this session is given."""
+    import socket
+    for _ in range(1000):
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def spawn_ranks(worker, world: int, *args, timeout: float = 300) -> dict:

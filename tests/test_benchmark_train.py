@@ -44,7 +44,9 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
     assert r["peak_tflops"] is None or not r["device"].startswith("CPU")
     assert r["mfu"] is None if r["peak_tflops"] is None else (
         abs(r["mfu"] - r["tflops_per_device"] / r["peak_tflops"]) <= 1e-3 * r["mfu"])
-    assert r["data"] == "synthetic" and 0 <= r["data_wait_frac"] < 0.5
+    # a share of the timed steps (the host's time between them: a loaded machine's pause
+    # there is no failure, so no bound on it beyond being a share)
+    assert r["data"] == "synthetic" and 0 <= r["data_wait_frac"] < 1
     assert r["peak_memory_gib"] > 0
     # the recipe's sigmoid loss on an untrained 10-class head: finite and positive
     assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0

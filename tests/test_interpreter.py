@@ -65,7 +65,7 @@ def launch(*args, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     """The script's output as a pipe buffers it (a job's log, a launcher's reader)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, *map(str, args)], stdout=stdout,
-                          stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("end,code", [("return", 0), ("4", 4), ("0", 0)])

@@ -323,8 +323,9 @@ def test_a_real_run_whose_output_disk_fills_trains_on_and_counts_the_lines_it_lo
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: printed_step(log_path) >= 3, proc, "step 3")
-        disk.fill()
+        # (read before: a step the run prints while the disk fills may already lose its record)
         filled_at = printed_step(log_path)
+        disk.fill()
         # the files' last blocks take a few more lines; then neither sink can write
         wait_until(lambda: "cannot write metrics to" in log_path.read_text() and block_full(spool),
                  proc, "both sink files to run out of room")

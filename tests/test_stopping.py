@@ -146,11 +146,13 @@ TWO_ENDINGS = r'''
 import sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from pretrain.stopping import exit_now
+started = threading.Event()
 def words(why):  # ending the MLflow run, say: it takes a moment
+    started.set()
     time.sleep(1)
     open(sys.argv[2], "w").write(why)
 threading.Thread(target=exit_now, args=(5, "stalled", words)).start()
-time.sleep(0.2)
+started.wait()  # the first ending is under way
 exit_now(1, "a signal while a peer is gone", lambda why: None)
 '''
 
