@@ -141,6 +141,13 @@ def make_dir(path: Path, key: str) -> None:
                           f"you can write to") from None
 
 
+def _same_path(was, now) -> bool:
+    """Whether two settings name the same file or folder (a fine-tune's init written with a
+    trailing slash, as tab completion adds it, or absolute)."""
+    return isinstance(was, str) and isinstance(now, str) and os.path.exists(now) and \
+        os.path.realpath(was) == os.path.realpath(now)
+
+
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> list[str]:
     """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
     the same ``identity_keys`` (the model; a fine-tune's init too). Returns the other settings
@@ -158,7 +165,7 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
         if was != now and hasattr(now, "model_fields"):  # a section: name the first difference
             field = next(f for f in now.model_fields if getattr(was, f) != getattr(now, f))
             key, was, now = f"{key}.{field}", getattr(was, field), getattr(now, field)
-        if was != now:
+        if was != now and not _same_path(was, now):
             raise ConfigError(
                 f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
                 f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
@@ -174,4 +181,5 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
     from pretrain.spool import redacted  # a tracking.uri's password is for no log
     was, now = flatten(old.model_dump(mode="json")), flatten(cfg.model_dump(mode="json"))
     return [redacted(f"{k}: {was.get(k)} -> {now.get(k)}") for k in sorted(was.keys() | now.keys())
-            if k not in HOW_LAUNCHED and was.get(k) != now.get(k)]
+            if k not in HOW_LAUNCHED and was.get(k) != now.get(k)
+            and not _same_path(was.get(k), now.get(k))]

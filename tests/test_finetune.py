@@ -314,6 +314,14 @@ def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=rf"^output_dir '{out}' holds a run with another init "
                                           r"\('runs/pretrain-a' there, 'runs/pretrain-b' now\)"):
         check_same_run(out, load_config(FinetuneConfig, None, ["init=runs/pretrain-b"]), ckpt)
+    # the same folder written otherwise (tab completion's trailing slash, absolute or relative)
+    # is the same init: the relaunch resumes
+    run = tmp_path / "pretrain-a"
+    run.mkdir()
+    save_config(load_config(FinetuneConfig, None, [f"init={run}"]), out / "config.yaml")
+    for same in (f"{run}/", os.path.relpath(run), f"{tmp_path}/./pretrain-a"):
+        assert check_same_run(out, load_config(FinetuneConfig, None, [f"init={same}"]), ckpt) \
+            == []
 
 
 def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp_path,
