@@ -104,7 +104,10 @@ def main(argv=None) -> None:
     from pretrain import evaluate_model as em
     from pretrain import evaluation_report as report
     from pretrain.model_files import load_model
+    from pretrain.tracking_store import check_uri
     try:
+        if not args.no_tracking:  # found before the evaluation, not after it
+            check_uri(args.tracking_uri, "--tracking-uri")
         out = report.output_dir(args.model, args.split, args.out, args.overwrite)
         mf = load_model(args.model)
         ev = em.evaluate(mf, args.data, args.split, batch_size=args.batch_size,

@@ -20,6 +20,7 @@ import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain pack
 from pretrain import cli, interpreter
 from pretrain.mlflow_delivery import upload_spool
 from pretrain.spool import TrackingError
+from pretrain.tracking_store import check_uri
 
 
 def main(argv=None) -> None:
@@ -30,6 +31,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if args.uri:  # (the job's own was checked when it started)
+            check_uri(args.uri, "--uri")
         for line in upload_spool(args.output_dir, uri=args.uri):
             print(line)
     except TrackingError as e:

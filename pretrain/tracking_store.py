@@ -54,10 +54,17 @@ def check_store(tracking) -> None:
     refuses, as one line at the start: found only by the tracker's first delivery, the run
     would train on with its metrics in the spool alone. Cheap: MLflow is imported only for a
     file store's URI."""
-    if not tracking.enabled:
-        return
-    key = "tracking.uri" if tracking.uri else "MLFLOW_TRACKING_URI"
-    uri = tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if tracking.enabled:
+        check_uri(tracking.uri, "tracking.uri")
+
+
+def check_uri(given: Optional[str], key: str) -> None:
+    """:func:`check_store` for a URI given as ``key`` (a config key, a command's option), else
+    ``MLFLOW_TRACKING_URI``: also for the commands that send to a store after their work
+    (``evaluate.py``, ``upload_spool.py``), where a bad one was found only then, in MLflow's
+    own words cut short."""
+    key = key if given else "MLFLOW_TRACKING_URI"
+    uri = given or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri or uri in ("databricks", "databricks-uc", "uc"):  # MLflow's names, not paths
         return
     try:

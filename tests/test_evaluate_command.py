@@ -50,6 +50,19 @@ def test_best_is_the_evaluation_with_the_highest_dev_top1(ft):
     assert final["step"] == 24
 
 
+def test_a_tracking_uri_mlflow_cannot_use_is_refused_before_the_evaluation(ft):
+    """As at a training run's start: found after the evaluation, it was a warning in MLflow's
+    own words cut short, and upload_spool.py then failed on the same URI."""
+    out = ft.base / "eval-bad-uri"
+    proc = run_launcher("evaluate.py", str(ft.out / "final"), "--data", str(ft.data),
+                        "--split", "test", "--out", str(out), "--tracking-uri", "127.0.0.1:5001")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --tracking-uri=127.0.0.1:5001 is read as a file store path; for a tracking "
+        "server write --tracking-uri=http://127.0.0.1:5001")
+    assert not out.exists() and "top-1" not in proc.stdout
+
+
 def test_the_folder_gives_the_runs_figure_files_and_an_mlflow_run_under_it(ft):
     from mlflow import MlflowClient
 

@@ -284,6 +284,11 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
 
     missing = run_launcher("upload_spool.py", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    typo = run_launcher("upload_spool.py", str(out), "--uri", "htps://127.0.0.1:5001")
+    assert typo.returncode == 2 and typo.stderr.strip().splitlines() == [
+        "error: --uri=htps://127.0.0.1:5001: 'htps' is no MLflow tracking store; write "
+        "http(s)://HOST:PORT for a server, sqlite:///PATH.db, or a database URL (postgresql://, "
+        "mysql://, mssql://)"]
 
 
 def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
