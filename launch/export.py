@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the backbone alone with timm's key names")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out / --timm-backbone (default: refuse, so an "
-                        "earlier export is never lost by a repeated command)")
+                        "earlier export is never lost by a repeated command); a folder that "
+                        "holds more than an export's files is refused even so")
     return p
 
 
@@ -62,6 +63,14 @@ def check_targets(args, folder: bool) -> None:
         taken = target.is_file() or (target.is_dir() and any(target.iterdir()))
         if taken and not args.overwrite:
             cli.fail(f"'{target}' exists; pass --overwrite to replace it, or name another")
+        if taken and target.is_dir():  # the export's files would land among another's
+            from pretrain.timm_folder import CARD, CONFIG, WEIGHTS
+            others = sorted(p.name for p in target.iterdir()  # (a hub clone's .git is fine)
+                            if p.name not in (CARD, CONFIG, WEIGHTS) and p.name[0] != ".")
+            if others:
+                cli.fail(f"'{target}' is no export folder (it holds {', '.join(others[:4])}"
+                         f"{', ...' if len(others) > 4 else ''}); --overwrite replaces an "
+                         f"earlier export only: name a folder of its own")
 
 
 def _size(folder) -> str:

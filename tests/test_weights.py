@@ -112,6 +112,20 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
     assert proc.returncode == 2 and f"'{run}' holds the checkpoint read" in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == sorted(
         p.name for p in pretrained["out"].iterdir())  # nothing written into it
+    # nor, with --overwrite, into another run's folder (that run would become a timm folder
+    # to whatever reads it); an earlier export's folder is replaced
+    proc = export("--out", run, "--overwrite")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: '{run}' is no export folder (it holds checkpoints, config.yaml")
+    assert proc.stderr.strip().endswith("--overwrite replaces an earlier export only: name a "
+                                        "folder of its own")
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        p.name for p in pretrained["out"].iterdir())
+    folder = tmp_path / "export"
+    assert export("--out", folder).returncode == 0
+    assert export("--out", folder, "--overwrite").returncode == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json",
+                                                        "model.safetensors"]
     same = pretrained["base"] / "same.safetensors"
     proc = export("--out", same, "--timm-backbone", same)
     assert proc.returncode == 2 and "are the same file" in proc.stderr
