@@ -29,6 +29,18 @@ def finetune(cfg: FinetuneConfig) -> dict:
     return train(cfg, FinetuneStage(cfg))
 
 
+def _store_of(run_id: Optional[str], *places) -> Optional[str]:
+    """The MLflow store of the pretraining run ``run_id``, where one of ``places`` (the init
+    given: an output_dir, a checkpoint in its checkpoints/) is its output_dir."""
+    from pretrain.producing_run import run_state
+    for place in filter(None, places):
+        for folder in (Path(place), Path(place).parent.parent):
+            state = run_state(folder) if run_id and folder.is_dir() else None
+            if state is not None and state.run_id == run_id:
+                return state.uri
+    return None
+
+
 class FinetuneStage(Stage):
     name = "finetune"
     verb = "fine-tuning"
@@ -75,8 +87,9 @@ class FinetuneStage(Stage):
         from pretrain.run_info import lineage_tags
         if not self.cfg.init:
             return {"init": "scratch"}
-        return lineage_tags(self.lineage.get("pretrain_run_id"), self.lineage.get("path"),
-                            self.lineage.get("step"))
+        run_id = self.lineage.get("pretrain_run_id")
+        return lineage_tags(run_id, self.lineage.get("path"), self.lineage.get("step"),
+                            store=_store_of(run_id, self.cfg.init, self.lineage.get("path")))
 
     def evaluators(self, cfg, spec, backend) -> list:
         from pretrain.data.device_batch import normalize

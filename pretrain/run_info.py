@@ -74,14 +74,21 @@ def sample_grid_png(images, max_images: int = 64, min_tile: int = 96) -> bytes:
     return buf.getvalue()
 
 
+# the MLflow store the pretraining run is in, where its output_dir tells (its tracking/run.json)
+PARENT_STORE = "pretrain.tracking_uri"
+
+
 def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str,
-                 step: Optional[int], nest: bool = True) -> dict[str, str]:
+                 step: Optional[int], nest: bool = True,
+                 store: Optional[str] = None) -> dict[str, str]:
     """Tags a fine-tune run carries about the pretraining it starts from.
 
     Find every fine-tune of a pretraining run with the search filter
     ``tags.`pretrain.run_id` = '<id>'`` (UI search box or ``MlflowClient.search_runs``). With
-    ``nest`` (and both runs in the same experiment) the UI shows the fine-tunes nested under it.
+    ``nest`` (and both runs in the same experiment) the UI shows the fine-tunes nested under it,
+    where ``store``, that run's MLflow store when known, is the fine-tune's too.
     """
+    from pretrain.spool import redacted
     tags = {"pretrain.checkpoint": str(checkpoint)}
     if step is not None:  # unknown for weights from elsewhere (.npz, a Hugging Face download)
         tags["pretrain.step"] = str(int(step))
@@ -89,6 +96,8 @@ def lineage_tags(pretrain_run_id: Optional[str], checkpoint: os.PathLike | str,
         tags["pretrain.run_id"] = pretrain_run_id
         if nest:
             tags["mlflow.parentRunId"] = pretrain_run_id
+        if store:
+            tags[PARENT_STORE] = redacted(store)
     return tags
 
 

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from pretrain.run_info import dataset_name, environment, flatten, git_info
+from pretrain.run_info import PARENT_STORE, dataset_name, environment, flatten, git_info
 from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, redacted,
                             undelivered)
 from pretrain.tracker import MlflowTracker, NoTracking
@@ -120,6 +120,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                 "dataset": dataset, **_job_tags(world_size, hosts), "jobs": "1",
                 "output_dir": str(Path(output_dir).resolve()),
                 **git_info(REPO_ROOT), **(extra_tags or {})}
+        _nest_only_in_the_same_store(tags, uri)
         params = flatten(cfg.model_dump(mode="json"))
         for key in cfg.optimizer.unused():  # the other optimizer's: clutter in Compare
             params.pop(f"optimizer.{key}", None)
@@ -155,6 +156,18 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
+
+
+def _nest_only_in_the_same_store(tags: dict, uri: str) -> None:
+    """A parent run in another MLflow store than this run's (a pretraining logged to a team
+    server, a fine-tune to a local database) is none this store can show: the link would
+    point to nothing, without a word."""
+    parent, there = tags.get("mlflow.parentRunId"), tags.get(PARENT_STORE)
+    if parent and there and there != redacted(uri):
+        del tags["mlflow.parentRunId"]
+        log.warning("the pretraining run %s is in MLflow at %s, this run goes to %s: not nested "
+                    "under it (its tag pretrain.run_id names it); tracking.uri=%s puts the two "
+                    "together", parent, there, redacted(uri), there)
 
 
 def _job_tags(world_size: int, hosts: Iterable[str]) -> dict:

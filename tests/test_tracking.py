@@ -708,3 +708,44 @@ def test_a_file_store_this_mlflow_refuses_stops_both_stages_at_the_start(tmp_pat
     for uri in ("https://mlflow.example.org", "postgresql+psycopg2://u:p@db/mlflow",
                 f"sqlite:///{tmp_path}/mlflow.db", "databricks"):
         check_store(TrackingConfig(uri=uri))  # what MLflow opens passes
+
+
+def test_a_finetune_is_nested_only_under_a_pretraining_run_of_its_own_store(
+        tmp_path, monkeypatch, caplog):
+    """A pretraining logged to one store (a team server) and its fine-tune to another (a local
+    database): the fine-tune's parent link pointed to a run that store does not have, without a
+    word. Now it names the pretraining's store, says so once, and nests only in the same one."""
+    from finetune.config import FinetuneConfig
+    from finetune.stage import FinetuneStage
+    from pretrain.config_files import load_config
+    from pretrain.spool import RunState
+    from pretrain.tracking import start_tracking
+
+    monkeypatch.chdir(tmp_path)
+    pre = tmp_path / "runs/pre"
+    (pre / "tracking").mkdir(parents=True)
+    server = "http://10.0.0.5:5000"  # the pretraining's, in the first case (never contacted)
+    here = f"sqlite:///{tmp_path}/mlflow.db"
+    for init, there, nested in ((pre, server, False),
+                                (f"{pre}/checkpoints/step_00000008/", here, True)):
+        RunState(uri=there, experiment="vit", run_id="abc123").save(pre / "tracking")
+        cfg = load_config(FinetuneConfig, None, [
+            f"init={init}", f"tracking.uri={here}", "tracking.experiment=vit",
+            "tracking.flush_every_s=0.05", "tracking.close_timeout_s=1",
+            "tracking.system_metrics=false", "data.root=cifar10"])
+        stage = FinetuneStage(cfg)
+        stage.lineage = {"pretrain_run_id": "abc123", "path": f"{pre}/checkpoints/step_00000008",
+                         "step": 8}
+        tags = stage.tracking_tags()
+        assert tags["pretrain.tracking_uri"] == there and tags["pretrain.run_id"] == "abc123"
+        caplog.clear()
+        out = tmp_path / f"ft-{nested}"
+        tracker = start_tracking(cfg, "finetune", out, 0, world_size=1, extra_tags=tags)
+        tracker.close()
+        saved = RunState.load(out / "tracking").tags
+        assert ("mlflow.parentRunId" in saved) == nested and saved["pretrain.run_id"] == "abc123"
+        said = [r.getMessage() for r in caplog.records if "not nested" in r.getMessage()]
+        assert said == ([] if nested else [
+            f"the pretraining run abc123 is in MLflow at {server}, this run goes to {here}: not "
+            f"nested under it (its tag pretrain.run_id names it); tracking.uri={server} puts the "
+            f"two together"])
