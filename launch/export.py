@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint dir")
     p.add_argument("--out", required=True, metavar="FILE_OR_FOLDER",
                    help="FILE.safetensors: the whole model + its config; any other name: a "
-                        "folder in timm's layout (local-dir:FOLDER)")
+                        "folder in timm's layout (local-dir:FOLDER); a name ending in another "
+                        "weights file's suffix (.pt, .pth, .bin, ...) is refused")
     p.add_argument("--timm-backbone", metavar="FILE", default=None,
                    help="also write the backbone alone with timm's key names")
     p.add_argument("--overwrite", action="store_true",
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "earlier export is never lost by a repeated command); a folder that "
                         "holds more than an export's files is refused even so")
     return p
+
+
+# names that mean a file, not the folder any other --out name is: a typo of .safetensors, or
+# another framework's weights file
+FILE_NAMES = (".safetensor", ".pt", ".pth", ".bin", ".ckpt", ".npz", ".h5")
 
 
 def check_targets(args, folder: bool) -> None:
@@ -86,6 +92,9 @@ def main(argv=None) -> None:
     folder = not args.out.endswith(".safetensors")
     if args.timm_backbone and not args.timm_backbone.endswith(".safetensors"):
         cli.fail(f"--timm-backbone '{args.timm_backbone}' must end in .safetensors")
+    if folder and os.path.splitext(args.out)[1].lower() in FILE_NAMES:
+        cli.fail(f"--out '{args.out}' would be a folder (any name but FILE.safetensors is); "
+                 f"the single-file export is FILE.safetensors: name one, or a folder")
     if folder and os.path.isfile(args.out):
         cli.fail(f"--out '{args.out}' is a file; name a folder, or a FILE.safetensors for the "
                  f"single-file export")

@@ -4,6 +4,7 @@ pretraining backend of the training loop. The DeepSpeed JSON it hands to ``deeps
 is made in :mod:`pretrain.deepspeed_json`."""
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from pathlib import Path
@@ -166,9 +167,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_step
                     "schedule.warmup_steps", s.warmup_steps, total_steps, warmup)
     common = dict(t_initial=max(total_steps - warmup, 1), lr_min=s.min_lr, warmup_t=warmup,
                   warmup_lr_init=0.0, warmup_prefix=True, t_in_epochs=False)
-    if s.decay == "cosine":
-        return CosineLRScheduler(optimizer, **common)
-    return PolyLRScheduler(optimizer, power=1.0, **common)
+    made = CosineLRScheduler if s.decay == "cosine" else \
+        functools.partial(PolyLRScheduler, power=1.0)
+    # timm says the same (a decay over one step has no effect) on every rank, in its words
+    timm_log = logging.getLogger("timm.scheduler")
+    level = timm_log.level
+    if warmup < s.warmup_steps:
+        timm_log.setLevel(logging.ERROR)
+    try:
+        return made(optimizer, **common)
+    finally:
+        timm_log.setLevel(level)
 
 
 def soft_targets(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:

@@ -368,9 +368,11 @@ def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     from pretrain.engine import build_scheduler
     cfg = load_config(PretrainConfig, None, ["schedule.warmup_steps=100", "train.total_steps=4"])
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    with caplog.at_level(logging.WARNING, logger="pretrain.engine"):
+    with caplog.at_level(logging.WARNING):
         build_scheduler(opt, cfg, 4)
     assert "schedule.warmup_steps=100 is not shorter than the run's 4 steps" in caplog.text
+    assert "no effect" not in caplog.text  # timm's own, on every rank, said no more
+    assert logging.getLogger("timm.scheduler").level == logging.NOTSET  # and left as it was
 
 
 def test_a_setting_of_the_other_optimizer_is_announced_as_unused(caplog):

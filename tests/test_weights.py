@@ -126,6 +126,13 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
     assert export("--out", folder, "--overwrite").returncode == 0
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json",
                                                         "model.safetensors"]
+    for typo in ("typo.safetensor", "model.pt"):  # a file meant, a folder it would have been
+        proc = export("--out", tmp_path / typo)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            f"error: --out '{tmp_path / typo}' would be a folder (any name but "
+            f"FILE.safetensors is); the single-file export is FILE.safetensors: name one, or a "
+            f"folder")
+        assert not (tmp_path / typo).exists()
     same = pretrained["base"] / "same.safetensors"
     proc = export("--out", same, "--timm-backbone", same)
     assert proc.returncode == 2 and "are the same file" in proc.stderr
