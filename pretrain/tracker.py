@@ -213,8 +213,10 @@ class MlflowTracker:
             log.warning("could not log %s as an MLflow model (%s); the files on disk are "
                         "complete", folder, one_line(e))
             return
-        log.info("MLflow model of %s: runs:/%s/%s%s", folder, self.run_id or "<run id>",
-                 MODEL_ARTIFACT, f", to be registered as '{register_as}'" if register_as else "")
+        where = f"runs:/{self.run_id}/{MODEL_ARTIFACT}" if self.run_id else \
+            f"the run's '{MODEL_ARTIFACT}' once the run reaches MLflow"
+        log.info("MLflow model of %s: %s%s", folder, where,
+                 f", to be registered as '{register_as}'" if register_as else "")
 
     def log_sample_grid(self, images) -> None:
         t0 = time.perf_counter()

@@ -237,6 +237,9 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     from test_timm_folder import random_model
     tracker.log_model(write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
                                         head=True, normalize="imagenet"), register_as="late")
+    # (its address is not known yet: said so, not as a "<run id>" placeholder)
+    assert f"MLflow model of {tmp_path / 'best'}: the run's 'model' once the run reaches " \
+           f"MLflow, to be registered as 'late'" in caplog.text
     tracker.close()
     ended = int(time.time() * 1000)
     time.sleep(1.0)  # the upload comes later: the run's times must be the job's, not its own
