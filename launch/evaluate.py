@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. test, validation)")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="folder for the results (default: a new folder next to MODEL, "
-                        "MODEL-eval-SPLIT, with -2, -3... when taken); a folder that already "
+                        "MODEL-eval-SPLIT, with -2, -3... when taken; a checkpoint's in its "
+                        "run dir, not among the checkpoints); a folder that already "
                         "holds an evaluation is refused unless --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the evaluation already in --out")
