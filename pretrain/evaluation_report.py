@@ -57,15 +57,26 @@ def output_dir(model: str, split: str, out: Optional[str], overwrite: bool) -> P
             raise EvaluateError(f"--out '{out}' already holds an evaluation ({held[0]}); name a "
                                 f"new folder, or pass --overwrite to replace it")
         return p
-    m = Path(model.rstrip("/"))
-    from pretrain.checkpoint import TAG_RE
-    if TAG_RE.match(m.name) and m.parent.name == "checkpoints":  # not among the step dirs
-        m = m.parent.parent / m.name
+    m = _out_of_checkpoints(Path(model.rstrip("/")))  # not among the step dirs
     base = m.with_name(f"{m.name}-eval-{split}")
     p, i = base, 2
     while p.exists():
         p, i = base.with_name(f"{base.name}-{i}"), i + 1
     return p
+
+
+def _out_of_checkpoints(path: Path) -> Path:
+    """A checkpoint's step dir as if it sat in its run dir (``RUN/step_N``): where its results
+    go, and what names its evaluation (``RUN/checkpoints/step_N`` of every run reads alike)."""
+    from pretrain.checkpoint import TAG_RE
+    if TAG_RE.match(path.name) and path.parent.name == "checkpoints":
+        return path.parent.parent / path.name
+    return path
+
+
+def run_name(ev_split: str, model: os.PathLike | str) -> str:
+    """The evaluation's MLflow run name: the split and the model's folder and name."""
+    return f"eval {ev_split}: {'/'.join(_out_of_checkpoints(Path(model).resolve()).parts[-2:])}"
 
 
 def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
@@ -230,7 +241,7 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     state = RunState(uri=uri, experiment=experiment, ended="FINISHED",
                      start_time=int(ev.started * 1000) if ev.started else None,
                      end_time=int(time.time() * 1000),
-                     run_name=f"eval {ev.split}: {'/'.join(Path(mf.path).resolve().parts[-2:])}",
+                     run_name=run_name(ev.split, mf.path),
                      params=_params(ev), tags=_tags(ev, parent), parent_dir=parent_dir,
                      parent_started=source.start_time if source is not None else None)
     (track / ARTIFACTS).mkdir(parents=True)

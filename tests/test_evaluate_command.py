@@ -468,3 +468,17 @@ def test_an_unreachable_server_costs_one_warning_and_nothing_else(ft, tmp_path, 
     assert json.loads((tmp_path / "ev/metrics.json").read_text())["top1"] == ev.top1
     assert (tmp_path / "ev/tracking/spool.jsonl").is_file()  # sent later by upload_spool.py
     assert Path(tmp_path / "ev/tracking/artifacts/confusion_matrix.png").is_file()
+
+
+def test_a_checkpoints_results_and_run_name_come_from_its_run_not_from_checkpoints(tmp_path):
+    """``RUN/checkpoints/step_N`` of every run read alike in MLflow ('eval test:
+    checkpoints/step_00000150'), and its results would land among the step dirs: both are
+    the run's (``RUN/step_N``)."""
+    from pretrain import evaluation_report
+    step = tmp_path / "runs/demo-finetune/checkpoints/step_00000150"
+    step.mkdir(parents=True)
+    assert evaluation_report.run_name("test", step) == "eval test: demo-finetune/step_00000150"
+    assert evaluation_report.output_dir(str(step), "test", None, False) == \
+        tmp_path / "runs/demo-finetune/step_00000150-eval-test"
+    assert evaluation_report.run_name("test", tmp_path / "runs/demo-finetune/final") == \
+        "eval test: demo-finetune/final"
