@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "as launch/prepare_data.py writes it")
     p.add_argument("--split", required=True, metavar="NAME",
                    help="the split to evaluate, a key of the dataset's _info.json splits "
-                        "(e.g. test, validation)")
+                        "(e.g. test, validation), or dev: the share of its training split a "
+                        "fine-tune held out (data.dev_fraction) and chose its best model by")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="folder for the results (default: a new folder next to MODEL, "
                         "MODEL-eval-SPLIT, with -2, -3... when taken; a checkpoint's in its "

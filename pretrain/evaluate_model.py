@@ -71,8 +71,14 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     from pretrain.data.eval_loader import build_eval_loader
     from pretrain.evaluate import ClassificationEvaluator
 
-    info = dataset_info(root, split)
+    run_eval = mf.run_config.get("eval") or {}
+    run_data = mf.run_config.get("data") or {}
+    source, holdout = dev_split(mf, split)
+    info = dataset_info(root, source)
     classes, notes = info.classes, list(mf.notes)
+    if split == run_data.get("train_split", "train") and mf.stage is not None:
+        notes.append(f"the model was trained on '{split}': its figure there is a training "
+                     f"accuracy")
     if classes is not None and len(classes) < mf.num_classes:
         raise EvaluateError(
             f"MODEL '{mf.path}' has {mf.num_classes} classes but --data '{root}' has "
@@ -96,8 +102,6 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
         c = next(i for i, (a, b) in enumerate(zip(mf.label_names, classes)) if a != b)
         notes.append(f"the model's label names differ from {root}'s classes (class {c}: "
                      f"'{mf.label_names[c]}' vs '{classes[c]}'); is it the same dataset?")
-    run_eval = mf.run_config.get("eval") or {}
-    run_data = mf.run_config.get("data") or {}
     if run_eval.get("max_samples") and split == run_data.get("val_split"):
         notes.append(f"the run evaluated only the first {run_eval['max_samples']} samples "
                      f"(eval.max_samples); this evaluates the whole split")
@@ -108,12 +112,13 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     batch_size = batch_size or run_eval.get("batch_size") or 100
     workers = workers if workers is not None else min(int(run_data.get("num_workers", 2)),
                                                       os.cpu_count() or 1)
-    data = DataConfig(root=root, val_split=split, num_workers=workers)
+    data = DataConfig(root=root, val_split=source, num_workers=workers)
     # no num_classes: the run's loader skipped nothing for its label; a label beyond the head
     # is a wrong dataset, said in one line, not a sample to skip
-    loader = build_eval_loader(data, img_size=mf.img_size, batch_size=batch_size, split=split)
+    loader = build_eval_loader(data, img_size=mf.img_size, batch_size=batch_size, split=source,
+                               holdout=holdout)
 
-    total = info.split(split).num_samples
+    total = max(round(info.split(source).num_samples * (holdout or 1)), 1)  # (dev: about)
 
     def batches():
         seen, start = 0, time.monotonic()
@@ -149,6 +154,20 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                       started=started)
 
 
+def dev_split(mf: ModelFile, split: str) -> tuple[str, float]:
+    """The split of the dataset to read and the hashed share of it to keep: ``dev``, which a
+    fine-tune carves out of its training split (``data.dev_fraction``) and picks its best
+    model by, is that share again (the same keys); any other split is itself, whole."""
+    if split != "dev":
+        return split, 0.0
+    data = mf.run_config.get("data") or {}
+    if mf.stage != "finetune" or not data.get("dev_fraction"):
+        raise EvaluateError(f"--split dev is the share of the training split a fine-tune holds "
+                            f"out (data.dev_fraction), and MODEL '{mf.path}' comes from no such "
+                            f"run; pass a split of --data")
+    return data.get("train_split", "train"), float(data["dev_fraction"])
+
+
 def dataset_info(root: str, split: str):
     from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, read_info
 
@@ -176,12 +195,12 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
     from pretrain.metrics import read_jsonl
 
     data = mf.run_config.get("data") or {}
-    if mf.run_dir is None or split != data.get("val_split") or not data.get("root") \
-            or os.path.realpath(data["root"]) != os.path.realpath(root):
+    if mf.run_dir is None or split not in (data.get("val_split"), "dev") \
+            or not data.get("root") or os.path.realpath(data["root"]) != os.path.realpath(root):
         return None
     # a fine-tune's figure is named after its split unless eval.val_name is set (fine-tunes from
     # before it took effect there saved an unused "i21k_val": the split's name is tried next)
-    val_name = (mf.run_config.get("eval") or {}).get("val_name")
+    val_name = (mf.run_config.get("eval") or {}).get("val_name") if split != "dev" else None
     try:
         records = read_jsonl(mf.run_dir / "metrics.jsonl")
     except OSError:

@@ -482,3 +482,26 @@ def test_a_checkpoints_results_and_run_name_come_from_its_run_not_from_checkpoin
         tmp_path / "runs/demo-finetune/step_00000150-eval-test"
     assert evaluation_report.run_name("test", tmp_path / "runs/demo-finetune/final") == \
         "eval test: demo-finetune/final"
+
+
+def test_the_dev_split_a_fine_tune_chose_its_best_by_is_evaluated_again(ft):
+    """The best export and its registered version carry a dev figure, from the share of the
+    training split the fine-tune held out: `--split dev` reads that share again (it was
+    refused: the dataset has no split of that name) and gives the figure the run logged."""
+    from pretrain import evaluate_model, model_files
+    from pretrain.evaluate_model import EvaluateError
+
+    card = json.loads((ft.out / "best.json").read_text())
+    mf = model_files.load_model(ft.out / "best")
+    ev = evaluate_model.evaluate(mf, str(ft.data), "dev", workers=0)
+    assert ev.top1 == pytest.approx(card["metrics"]["eval/dev/top1"], abs=1e-9)
+    assert ev.reported == {"metric": "eval/dev/top1", "step": card["step"],
+                           "value": card["metrics"]["eval/dev/top1"]}
+    train = evaluate_model.evaluate(mf, str(ft.data), "train", workers=0)
+    dev_samples, train_samples = (sum(c["samples"] for c in e.per_class) for e in (ev, train))
+    assert 0 < dev_samples < 0.2 * train_samples  # data.dev_fraction=0.1 of it, by key hash
+    assert any("its figure there is a training accuracy" in n for n in train.notes)
+    mf.run_config["data"]["dev_fraction"] = 0  # a run that held none out
+    with pytest.raises(EvaluateError, match=r"^--split dev is the share of the training split "
+                                            r"a fine-tune holds out"):
+        evaluate_model.evaluate(mf, str(ft.data), "dev", workers=0)
