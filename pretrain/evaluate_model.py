@@ -76,9 +76,14 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     source, holdout = dev_split(mf, split)
     info = dataset_info(root, source)
     classes, notes = info.classes, list(mf.notes)
-    if split == run_data.get("train_split", "train") and mf.stage is not None:
+    trained_on = run_data.get("root")
+    same_data = bool(trained_on) and os.path.realpath(trained_on) == os.path.realpath(root)
+    if split == run_data.get("train_split", "train") and same_data:
         notes.append(f"the model was trained on '{split}': its figure there is a training "
                      f"accuracy")
+    if holdout and not same_data:
+        notes.append(f"the run held its dev split out of {trained_on}; this is the same share "
+                     f"of {root}'s '{source}'")
     if classes is not None and len(classes) < mf.num_classes:
         raise EvaluateError(
             f"MODEL '{mf.path}' has {mf.num_classes} classes but --data '{root}' has "
