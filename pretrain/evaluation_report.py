@@ -74,9 +74,9 @@ def _out_of_checkpoints(path: Path) -> Path:
     return path
 
 
-def run_name(ev_split: str, model: os.PathLike | str) -> str:
+def run_name(split: str, model: os.PathLike | str) -> str:
     """The evaluation's MLflow run name: the split and the model's folder and name."""
-    return f"eval {ev_split}: {'/'.join(_out_of_checkpoints(Path(model).resolve()).parts[-2:])}"
+    return f"eval {split}: {'/'.join(_out_of_checkpoints(Path(model).resolve()).parts[-2:])}"
 
 
 def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
