@@ -85,10 +85,10 @@ def momentum_as_adam(src: Path, staging: Path) -> Optional[bool]:
         optim = saved[OPTIMIZER_STATE_DICT]
         if BASE_OPTIMIZER_STATE not in optim:  # ZeRO-3's layout: AdamW's only (unconvertible)
             return None
-        groups = optim[BASE_OPTIMIZER_STATE]["state"]
-        if all("exp_avg" in state for state in _values(groups)):
+        groups = optim[BASE_OPTIMIZER_STATE]["state"]  # torch's: {group index: state}
+        if all("exp_avg" in state for state in groups.values()):
             return None
-        for g, state in _items(groups):
+        for g, state in groups.items():
             buffer = state.pop(MOMENTUM, None)
             held = buffer is not None
             moved = buffer if held else torch.zeros_like(optim[SINGLE_PARTITION_OF_FP32_GROUPS][g])
@@ -111,14 +111,6 @@ def momentum_back(universal: Path, held: bool) -> None:
                 (param / "exp_avg.pt").rename(param / f"{MOMENTUM}.pt")
             else:
                 (param / "exp_avg.pt").unlink()
-
-
-def _items(groups):
-    return groups.items() if isinstance(groups, dict) else enumerate(groups)
-
-
-def _values(groups):
-    return groups.values() if isinstance(groups, dict) else groups
 
 
 def unconvertible(ckpt, why: str, stage: int, optimizer: str,
