@@ -17,6 +17,7 @@ from typing import Callable, Optional
 from pretrain.spool import (ARTIFACTS, CURSOR, JOB_TAGS, SPOOL, STATE, TRACKING_DIR, RunState,
                             TrackingError, lock, one_line, read_cursor, read_spool, redacted,
                             write_cursor)
+from pretrain.system_metrics import PREFIX as SYSTEM_PREFIX, SYSTEM_DIR
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,6 @@ class Remote:
 
     def save_state(self) -> None:
         self._write(self.dir / STATE, lambda: self.state.save(self.dir))
-
-    def _save_cursor(self, offset: int) -> None:
-        self._write(self.dir / CURSOR, lambda: write_cursor(self.dir, offset))
 
     def _write(self, path: Path, write: Callable[[], None]) -> None:
         try:
@@ -233,20 +231,27 @@ class Remote:
                 done += 1
         return done
 
-    def send(self, records: collections.deque) -> int:
-        """Send ``records`` ((record, spool end offset or None if it is not in the spool), oldest
-        first), popping each once it is in MLflow and advancing the cursor. Returns how many were
-        sent."""
+    def send(self, records: collections.deque, cursor: str = CURSOR) -> int:
+        """Send ``records`` ((record, end offset in its file or None if it is not in the file),
+        oldest first), popping each once it is in MLflow and advancing the ``cursor`` file.
+        Records with a ``step`` are the spool's; those without are a node's system metrics
+        (:mod:`pretrain.system_metrics`), numbered on from each metric's last step in MLflow.
+        Returns how many were sent."""
         from mlflow.entities import Metric
         sent = 0
         while records:
             batch, metrics, last = [], [], dict(self.last_step)
             for rec, end in records:
                 if rec.get("rewind"):  # a rollback: the steps after rec["step"] are new values
-                    last = {k: min(s, int(rec["step"])) for k, s in last.items()}
-                new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
-                       for k, v in rec["metrics"].items()
-                       if rec["step"] > last.get(k, -1 << 62)]
+                    last = {k: s if k.startswith(SYSTEM_PREFIX) else min(s, int(rec["step"]))
+                            for k, s in last.items()}
+                if "step" in rec:
+                    new = [Metric(k, float(v), int(rec["time"]), int(rec["step"]))
+                           for k, v in rec["metrics"].items()
+                           if rec["step"] > last.get(k, -1 << 62)]
+                else:
+                    new = [Metric(k, float(v), int(rec["time"]), last.get(k, -1) + 1)
+                           for k, v in rec["metrics"].items()]
                 if metrics and len(metrics) + len(new) > MAX_METRICS_PER_BATCH:
                     break
                 for m in new:
@@ -267,8 +272,18 @@ class Remote:
                 records.popleft()
             spooled = [end for end in batch if end is not None]
             if spooled:
-                self._save_cursor(spooled[-1])
+                self._write(self.dir / cursor, lambda: write_cursor(self.dir, spooled[-1], cursor))
             sent += len(batch)
+        return sent
+
+    def send_system(self) -> int:
+        """Send the system metrics every node sampled (``system/<host>.jsonl``) that MLflow does
+        not hold yet. Returns how many samples were sent."""
+        sent = 0
+        for path in sorted((self.dir / SYSTEM_DIR).glob("*.jsonl")):
+            cursor = f"{SYSTEM_DIR}/{path.stem}.delivered"
+            sent += self.send(collections.deque(read_spool(path, read_cursor(self.dir, cursor))),
+                              cursor)
         return sent
 
     def end_abandoned(self, old: RunState) -> bool:
@@ -343,6 +358,7 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
                          d, len(pending), len(files),
                          sum(f.stat().st_size for f in files) / 2 ** 20, state.run_id)
                 n = remote.send(pending)
+                samples = remote.send_system()
                 a = remote.upload_artifacts()
                 remote.register_models()
                 if state.ended:
@@ -351,7 +367,8 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
                 raise TrackingError(f"could not upload {d} to MLflow at {redacted(state.uri)}: "
                                     f"{one_line(e)}") from None
             state.save(d)
-            lines.append(f"{d}: {n} records, {a} artifacts -> run {state.run_id} at "
+            lines.append(f"{d}: {n} records, {samples} system metric samples, {a} artifacts "
+                         f"-> run {state.run_id} at "
                          f"{redacted(state.uri)}")
         finally:
             held.close()

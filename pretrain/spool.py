@@ -76,15 +76,17 @@ class RunState:
         write_atomic(track_dir / STATE, json.dumps(asdict(self), indent=1).encode())
 
 
-def read_cursor(track_dir: Path) -> int:
+def read_cursor(track_dir: Path, name: str = CURSOR) -> int:
+    """The offset up to which a file of records reached MLflow: the spool's (``delivered``), or
+    a node's system metrics' (``system/<host>.delivered``)."""
     try:
-        return int((track_dir / CURSOR).read_text() or 0)
+        return int((track_dir / name).read_text() or 0)
     except (FileNotFoundError, ValueError):
         return 0
 
 
-def write_cursor(track_dir: Path, offset: int) -> None:
-    write_atomic(track_dir / CURSOR, str(offset).encode())
+def write_cursor(track_dir: Path, offset: int, name: str = CURSOR) -> None:
+    write_atomic(track_dir / name, str(offset).encode())
 
 
 def read_spool(path: Path, offset: int = 0) -> Iterator[tuple[dict, int]]:

@@ -37,6 +37,7 @@ class NoTracking:
 
     run_id = None
     unwritten = 0
+    sampler = None  # the first rank of a node: its NodeSampler (pretrain.system_metrics)
 
     def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
         return None
@@ -59,18 +60,21 @@ class NoTracking:
         pass
 
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
-        pass
+        if self.sampler is not None:
+            self.sampler.close()
 
     def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
-        pass
+        self.close()
 
 
 class MlflowTracker:
     """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers."""
 
+    sampler = None  # this node's NodeSampler (start_tracking's), whose lines the thread sends
+
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
-                 system_metrics: bool = True, flush_every_s: float = 2.0,
-                 close_timeout_s: float = 120.0, abandoned: Optional[RunState] = None):
+                 flush_every_s: float = 2.0, close_timeout_s: float = 120.0,
+                 abandoned: Optional[RunState] = None):
         self.dir = Path(track_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock(self.dir)
@@ -90,23 +94,18 @@ class MlflowTracker:
         self._remote.save_state()
         self.flush_every_s = flush_every_s
         self.close_timeout_s = close_timeout_s
-        self.system_metrics = system_metrics
         # undelivered records of an earlier job in this output_dir go first
         self._pending: collections.deque = collections.deque()
         self._outbox = collections.deque(read_spool(self.dir / SPOOL, read_cursor(self.dir)))
         self._spool = LineFile(self.dir / SPOOL, lambda e: self._write_failed(self.dir / SPOOL, e))
         self._stop = threading.Event()
         self._down = False
-        self._monitor = None
         self._closed = False
         self._ended_there = False  # the run ended in MLflow (its status and end tags set)
         self._close_done = threading.Event()
         self.seconds_in_log = 0.0  # training-thread time inside log(), for the closing note
         self.seconds_setup = 0.0  # ... and in start_tracking / log_sample_grid (once per job)
         self.log_calls = 0
-        # MLflow's system-metrics thread warns (and stops) on every failed request; ours says
-        # it once and restarts that thread when the server is back
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
         self._first_attempt = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
         self._thread.start()
@@ -235,6 +234,8 @@ class MlflowTracker:
         if self._closed:
             return
         self._closed = True
+        if self.sampler is not None:  # its last sample is in its file: the thread sends it
+            self.sampler.close()
         try:
             self._close(status, tags)
         finally:
@@ -362,30 +363,16 @@ class MlflowTracker:
                 r.connect()
             finally:
                 self._first_attempt.set()  # the run id is decided (or not): see settled_run_id
-            if self.system_metrics:
-                self._start_system_metrics()
         while self._pending:  # the training thread appends to _pending; only we touch _outbox
             self._outbox.append(self._pending.popleft())
         r.send(self._outbox)
+        r.send_system()
         r.upload_artifacts()
         r.register_models()
         if self._abandoned is not None and r.end_abandoned(self._abandoned):
             self._abandoned = None
-        monitor = self._monitor
-        if self.system_metrics and monitor is not None and not self._stop.is_set() and not (
-                monitor._process is not None and monitor._process.is_alive()):
-            self._start_system_metrics()  # it stopped during an outage
-
-    def _start_system_metrics(self) -> None:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-        # resume_logging continues MLflow's system/* step counter after the last logged one
-        self._monitor = SystemMetricsMonitor(self.state.run_id, resume_logging=True,
-                                             tracking_uri=self.state.uri)
-        self._monitor.start()
 
     def _finish(self) -> None:
-        if self._monitor is not None:
-            self._monitor.finish()
         self._remote.finish(self.state.ended or "FINISHED")
         self._ended_there = True
 

@@ -10,7 +10,8 @@ params (``optimizer.lr``, ...); tags ``stage``, ``model``, ``dataset``, ``git.co
 resume changes it), ``jobs``, ``config.changed`` (a relaunch's changed settings) + lineage tags
 for fine-tunes; artifacts
 ``config.yaml``, ``deepspeed_config.json``, ``environment.json``, ``train_samples.png``; the
-trainer's metrics against the global step; MLflow's own ``system/*`` metrics.
+trainer's metrics against the global step; every node's ``system/*`` metrics, sampled with
+MLflow's collectors and spooled the same way (:mod:`pretrain.system_metrics`).
 
 How it stays out of the way (:class:`pretrain.tracker.MlflowTracker`):
 
@@ -51,13 +52,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
+from pretrain.distributed import barrier, first_of_node
 from pretrain.run_info import PARENT_STORE, dataset_name, environment, flatten, git_info
 from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, redacted,
                             undelivered)
+from pretrain.system_metrics import NodeSampler, prefix_for
 from pretrain.tracker import MlflowTracker, NoTracking
 from pretrain.tracking_store import resolve_uri
 
@@ -70,24 +74,46 @@ MAX_TAG_CHARS = 5000  # of a tag value: this MLflow takes 8000, older servers 50
 # Wiring for a stage's trainer
 # --------------------------------------------------------------------------------------------
 def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
-                   world_size: int, hosts: Iterable[str] = (), ds_config: Optional[dict] = None,
+                   world_size: int, hosts: Sequence[str] = (), ds_config: Optional[dict] = None,
                    run_id: Optional[str] = None, resumed_at: Optional[int] = None,
                    dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None,
                    resolved: Optional[Mapping[str, object]] = None, changed: Iterable[str] = ()):
-    """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere.
+    """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere;
+    on the first rank of each node it also samples the node's system metrics
+    (:mod:`pretrain.system_metrics`), which rank 0's tracker sends.
 
     ``run_id``/``resumed_at``: the MLflow run id from the checkpoint being resumed and its
     step (None for a fresh run). ``resolved``: values the run worked out for config keys left
     unset (``train.total_steps`` from epochs, the batch layout, the architecture from the model
     name), logged as those params instead of "None". ``extra_tags``: e.g.
-    :func:`pretrain.run_info.lineage_tags` for a fine-tune. Call it on every rank (cheap: rank 0
-    does the work). ``changed``: the settings a resumed job changed (``"optimizer.lr: 0.002 ->
-    0.001"``), which the params (MLflow's are immutable) cannot show: the ``config.changed`` tag
-    and a ``resume_step_N/config.yaml`` artifact say them.
+    :func:`pretrain.run_info.lineage_tags` for a fine-tune. ``changed``: the settings a resumed
+    job changed (``"optimizer.lr: 0.002 -> 0.001"``), which the params (MLflow's are immutable)
+    cannot show: the ``config.changed`` tag and a ``resume_step_N/config.yaml`` artifact say
+    them. Call it on every rank, ``hosts`` holding every rank's host (cheap: rank 0 does the
+    work; with system metrics on, the ranks wait for each other once).
     """
     t = cfg.tracking
-    if rank != 0 or not t.enabled:
+    if not t.enabled:
         return NoTracking()
+    tracker = NoTracking() if rank != 0 else _rank0_tracker(
+        cfg, stage, output_dir, world_size=world_size, hosts=hosts, ds_config=ds_config,
+        run_id=run_id, resumed_at=resumed_at, dataset=dataset, extra_tags=extra_tags,
+        resolved=resolved, changed=changed)
+    if t.system_metrics:
+        barrier()  # rank 0 may have just moved an earlier run's tracking directory aside
+        if first_of_node():
+            host = socket.gethostname()
+            tracker.sampler = NodeSampler(Path(output_dir) / TRACKING_DIR, output_dir,
+                                          t.system_metrics_every_s, prefix_for(host, hosts), host)
+    return tracker
+
+
+def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size: int,
+                   hosts: Iterable[str], ds_config: Optional[dict], run_id: Optional[str],
+                   resumed_at: Optional[int], dataset: Optional[str],
+                   extra_tags: Optional[Mapping[str, str]],
+                   resolved: Optional[Mapping[str, object]], changed: Iterable[str]):
+    t = cfg.tracking
     from pretrain.cli import REPO_ROOT
     from pretrain.config_files import to_yaml
 
@@ -136,9 +162,8 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                          start_time=int(time.time() * 1000),
                          run_name=t.run_name or Path(output_dir).resolve().name,
                          params=params, tags=tags)
-    tracker = MlflowTracker(track_dir, state, system_metrics=t.system_metrics,
-                            flush_every_s=t.flush_every_s, close_timeout_s=t.close_timeout_s,
-                            abandoned=abandoned)
+    tracker = MlflowTracker(track_dir, state, flush_every_s=t.flush_every_s,
+                            close_timeout_s=t.close_timeout_s, abandoned=abandoned)
     # a resumed job's config (when it changed a setting) and DeepSpeed config go next to the
     # first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"

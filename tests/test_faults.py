@@ -456,7 +456,8 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
     proxy = FlakyProxy(mlflow_server.uri)
     out, exp = tmp_path / "run", "http500"
     cmd = deepspeed_cmd(2, *run_args(out, tiny_data, f"tracking.experiment={exp}",
-                                     "tracking.flush_every_s=0.2", "tracking.system_metrics=true"))
+                                     "tracking.flush_every_s=0.2", "tracking.system_metrics=true",
+                                     "tracking.system_metrics_every_s=0.3"))
     with open(tmp_path / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "MLFLOW_TRACKING_URI": proxy.uri})
@@ -465,6 +466,7 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
             assert proc.poll() is None and time.time() < deadline, "the run never got to step 8"
             time.sleep(0.1)
         proxy.failing = False  # the server recovers while the run goes on
+        recovered = time.time() * 1000
         assert proc.wait(timeout=300) == 0
     proxy.shutdown()
     text = (tmp_path / "run.log").read_text()
@@ -477,6 +479,14 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
     history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     metrics_lost = len(set(last_values(out)) - set(history))
     assert history == last_values(out)  # every step, once, with its value
+    # the system metrics sampled while the server failed arrived too, in order
+    [node] = (out / "tracking/system").glob("*.jsonl")
+    sampled = [json.loads(line) for line in node.read_text().splitlines()]
+    assert any(s["time"] < recovered for s in sampled), "no sample taken during the outage"
+    key = "system/cpu_utilization_percentage"
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                              key=lambda m: m.step)] == \
+        [(i, s["metrics"][key]) for i, s in enumerate(sampled)]
     samples_lost, training_changed = compare_with(reference, out)  # training never noticed
     fault_ledger.record(proxy.failures, 0, samples_lost, metrics_lost + training_changed)
 

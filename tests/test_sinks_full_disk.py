@@ -111,7 +111,7 @@ def sinks(out: Path, uri: str):
     jsonl = JsonlLogger(out / "metrics.jsonl")
     tracker = MlflowTracker(out / "tracking", RunState(uri=uri, experiment=EXPERIMENT,
                                                        run_name="full-disk"),
-                            system_metrics=False, flush_every_s=0.05, close_timeout_s=30)
+                            flush_every_s=0.05, close_timeout_s=30)
     return jsonl, tracker
 
 

@@ -26,8 +26,6 @@ STEPS = 40
 def client(mlflow_server, monkeypatch):
     # launched jobs find the server the way cluster jobs do: through the environment
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
-    # MLflow samples system metrics every 10 s by default: longer than these runs
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
     return MlflowClient(mlflow_server.uri)
 
 
@@ -157,7 +155,7 @@ def test_sigkill_and_resume_continue_the_same_run_without_gap_or_repeat(
     out, exp = tmp_path / "run", "resume"
     args = tiny_run_args(out, tiny_data, f"train.total_steps={STEPS}", "eval.every_steps=20",
                          "checkpoint.every_steps=8", f"tracking.experiment={exp}",
-                         "tracking.flush_every_s=0.2")
+                         "tracking.flush_every_s=0.2", "tracking.system_metrics_every_s=0.5")
     proc, log_path = launch(tmp_path, "killed", args)
     ckpts = out / "checkpoints"
 
@@ -195,9 +193,8 @@ def test_sigkill_and_resume_continue_the_same_run_without_gap_or_repeat(
     assert steps_of(client, rid) == list(range(1, STEPS + 1))  # no gap, no repeat
     assert steps_of(client, rid, "train/lr") == list(range(1, STEPS + 1))
     assert steps_of(client, rid, "eval/demo_val/top1") == [20, 40]
-    # MLflow's own system metrics are on (checked here: the outage test may stop the server
-    # before their first sample)
-    assert any(k.startswith("system/") for k in run.data.metrics)
+    # the system metrics are on by default
+    assert "system/cpu_utilization_percentage" in run.data.metrics
     # the resume is exact, so the killed job's values for steps it re-ran stand for both
     mlflow_loss = {m.step: m.value for m in client.get_metric_history(rid, "train/loss")}
     assert mlflow_loss == pytest.approx(last_values(out)["train/loss"], rel=1e-5)
@@ -292,6 +289,66 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
         "error: --uri=htps://127.0.0.1:5001: 'htps' is no MLflow tracking store; write "
         "http(s)://HOST:PORT for a server, sqlite:///PATH.db, or a database URL (postgresql://, "
         "mysql://, mssql://)"]
+
+
+def test_every_node_s_system_metrics_reach_the_run_after_an_outage_and_continue_on_resume(
+        tmp_path, client, mlflow_server, monkeypatch):
+    """In-process: rank 0's job on this host and, beside it, the sampler the first rank of a
+    second node runs (host "gpu-b", writing into the shared output_dir). The server is away for
+    the whole first job: every sample of both nodes arrives with the upload; a resumed job's
+    samples follow on, step by step, sent by its tracker."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.system_metrics import NodeSampler, prefix_for
+    from pretrain.tracking import start_tracking
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    here, out, exp = socket.gethostname(), tmp_path / "run", "system-metrics"
+    hosts = [here, here, "gpu-b", "gpu-b"]  # every rank's host
+    settings = [f"tracking.experiment={exp}", "tracking.flush_every_s=0.05",
+                "tracking.system_metrics_every_s=0.1", "tracking.close_timeout_s=1"]
+
+    def job(uri, run_id=None, resumed_at=None):
+        cfg = load_config(PretrainConfig, None, [f"tracking.uri={uri}", *settings])
+        tracker = start_tracking(cfg, "pretrain", out, 0, world_size=4, hosts=hosts,
+                                 run_id=run_id, resumed_at=resumed_at)
+        other = NodeSampler(out / "tracking", out, 0.1, prefix_for("gpu-b", hosts), "gpu-b")
+        for step in range(1, 5):
+            tracker.log({"train/loss": 1.0 / step}, step)
+            time.sleep(0.15)
+        other.close()
+        tracker.close()
+        return tracker
+
+    def samples(host):
+        lines = (out / "tracking/system" / f"{host}.jsonl").read_text().splitlines()
+        return [json.loads(line)["metrics"][f"system/{host}/cpu_utilization_percentage"]
+                for line in lines]
+
+    def history(rid, host):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(
+            rid, f"system/{host}/cpu_utilization_percentage"), key=lambda m: m.step)]
+
+    first = job(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert first.run_id is None
+    before = {h: samples(h) for h in (here, "gpu-b")}
+    assert all(len(v) >= 3 for v in before.values()), before
+    up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
+    assert up.returncode == 0, up.stderr[-2000:]
+    assert f"4 records, {sum(map(len, before.values()))} system metric samples" in up.stdout
+    rid = the_run(client, exp).info.run_id
+    for host, values in before.items():  # every sample, in order, numbered from 0
+        assert history(rid, host) == list(enumerate(values))
+    run = client.get_run(rid)
+    assert f"system/{here}/output_dir_available_megabytes" in run.data.metrics
+    assert not any(k.startswith("system/") and k.count("/") == 1 for k in run.data.metrics)
+
+    job(mlflow_server.uri, run_id=rid, resumed_at=4)  # the relaunch, the server up
+    for host in (here, "gpu-b"):
+        values = samples(host)
+        assert len(values) > len(before[host])
+        assert history(rid, host) == list(enumerate(values))  # followed on: no gap, no repeat
 
 
 def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
@@ -639,7 +696,7 @@ def test_experiments_are_marked_for_mlflow_3s_machine_learning_view(
     client.create_experiment("kind-chosen", tags={"mlflow.experimentKind": "genai_development"})
     for name in ("kind-new", "kind-existing", "kind-chosen"):
         tracker = MlflowTracker(tmp_path / name, RunState(uri=mlflow_server.uri, experiment=name),
-                                system_metrics=False, flush_every_s=0.05)
+                                flush_every_s=0.05)
         tracker.log({"train/loss": 1.0}, 1)
         tracker.close()
         assert tracker.run_id is not None
@@ -658,7 +715,7 @@ def test_a_file_store_this_mlflow_refuses_is_reported_with_the_fix(tmp_path, mon
     uri = (tmp_path / "mlruns").as_uri()
     with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
         tracker = MlflowTracker(tmp_path / "tracking", RunState(uri=uri, experiment="x"),
-                                system_metrics=False, flush_every_s=0.05)
+                                flush_every_s=0.05)
         tracker.log({"train/loss": 1.0}, 1)
         tracker.close()
     assert tracker.run_id is None
