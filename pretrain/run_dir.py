@@ -10,8 +10,9 @@ the new run's at the next relaunch.
 
 Also here: a relaunch that would continue another model's run is refused (one that changes
 other settings is reported, :func:`check_same_run`), a folder the run
-writes to that cannot be made is a config error, and a start refused before it wrote anything
-leaves no empty ``output_dir`` behind.
+writes to that cannot be made is a config error, an ``output_dir`` that some ranks do not see
+(node-local storage in a multi-node job) is refused (:func:`check_every_rank_sees`), and a
+start refused before it wrote anything leaves no empty ``output_dir`` behind.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import contextlib
 import fnmatch
 import logging
 import os
+import secrets
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional
@@ -139,6 +142,42 @@ def make_dir(path: Path, key: str) -> None:
     except OSError as e:
         raise ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a folder "
                           f"you can write to") from None
+
+
+def check_every_rank_sees(out: Path) -> None:
+    """The output_dir of a job over several nodes must be one folder they all see: every rank
+    writes its part of each checkpoint there, every rank reads its part back, and a relaunch
+    decides where to resume from what it finds there. On a node-local disk (or as a relative
+    path resolved in another working directory on each node) each checkpoint would be split
+    between the nodes, rank 0's manifest vouching for its own node's files only, and a relaunch
+    on other nodes would find other checkpoints, or none. Rank 0 writes a file of a new name
+    (no node can have cached its absence), the others look for it; a collective."""
+    me, world = rank_world()
+    if world == 1:
+        return
+    name = None
+    if me == 0:
+        name = f".seen-by-every-rank-{secrets.token_hex(8)}"
+        try:
+            (out / name).touch()
+        except OSError:  # cannot write there: every rank learns it from the name
+            name = None
+    name = gather(name, world)[0]  # rank 0 wrote the file before it joined this collective
+    seen = gather((socket.gethostname(), name is not None and (out / name).exists()), world)
+    if me == 0 and name is not None:
+        with contextlib.suppress(OSError):
+            (out / name).unlink()
+    if name is None:
+        raise ConfigError(f"output_dir '{out}' cannot be written by rank 0; pick a folder every "
+                          f"rank can write to")
+    blind = [(r, host) for r, (host, ok) in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(
+            f"output_dir '{out}' is not one folder that every rank sees: {len(blind)} of "
+            f"{world} ranks (on {', '.join(sorted({h for _, h in blind}))}) do not find the "
+            f"file rank 0 (on {seen[0][0]}) wrote there; every rank writes and reads "
+            f"checkpoints there, so give an absolute path on storage every node mounts (NFS, "
+            f"Lustre, a parallel file system)")
 
 
 def _same_path(was, now) -> bool:

@@ -36,8 +36,8 @@ from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
-from pretrain.run_dir import (check_same_run, make_dir, removed_if_left_empty,
-                              set_aside_earlier_run)
+from pretrain.run_dir import (check_every_rank_sees, check_same_run, make_dir,
+                              removed_if_left_empty, set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -108,6 +108,7 @@ def _train(cfg: RunConfig, stage) -> dict:
     micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
     make_dir(out, "output_dir")
+    check_every_rank_sees(out)
     if cfg.debug.log_sample_keys:
         make_dir(Path(cfg.debug.log_sample_keys), "debug.log_sample_keys")
     stage.prepare_data(cfg)

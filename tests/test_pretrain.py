@@ -223,6 +223,41 @@ def test_two_nodes_through_the_deepspeed_launcher(tmp_path, tiny_data):
     assert (out / "config.yaml").is_file()
 
 
+def test_two_nodes_that_do_not_share_the_output_dir_are_refused_before_training(
+        tmp_path, tiny_data):
+    """The same two 'nodes', each resolving a relative output_dir in its own working directory,
+    as a node-local scratch path would: checkpoints split between them would not resume. Both
+    ranks stop at the start in one line that says so; neither leaves a folder behind."""
+    import socket
+    import sys
+
+    from conftest import free_port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    port, host = str(free_port()), socket.gethostname()
+    args = tiny_run_args(Path("run"), tiny_data, "train.total_steps=8", "tracking.enabled=false")
+    procs = []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+             "--no_ssh", "--node_rank", str(node), "--master_addr", "127.0.0.1",
+             "--master_port", port, str(REPO / "launch/pretrain.py"), *args],
+            cwd=tmp_path / f"node{node}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], logs[0][-3000:] + logs[1][-3000:]
+    line = (f"error: output_dir 'run' is not one folder that every rank sees: 1 of 2 ranks (on "
+            f"{host}) do not find the file rank 0 (on {host}) wrote there; every rank writes "
+            f"and reads checkpoints there, so give an absolute path on storage every node "
+            f"mounts (NFS, Lustre, a parallel file system)")
+    for log in logs:
+        assert [x for x in log.splitlines() if x.startswith("error: ")] == [line], log[-3000:]
+        assert "step 1" not in log
+    assert not (tmp_path / "node0/run").exists() and not (tmp_path / "node1/run").exists()
+
+
 def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_run_aside(
         tmp_path, tiny_data):
     out = tmp_path / "run"
