@@ -98,10 +98,11 @@ def gather(obj, world: int) -> list:
 
 
 def all_reduce_sum(values: list, device) -> list[float]:
-    """Sums over ranks of a few scalars (tensors or numbers), in one collective."""
+    """Sums over ranks of a few scalars or vectors (tensors or numbers), in one collective;
+    the sums come back flat, in order."""
     import torch
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
-                     for v in values])
+    t = torch.cat([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(-1)
+                   for v in values])
     if is_distributed():
         dist.all_reduce(t)
     return t.tolist()

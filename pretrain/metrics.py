@@ -12,7 +12,8 @@ What is measured (images/s, TFLOP/s, MFU, data wait) is :mod:`pretrain.throughpu
 module does not import torch, so the spool uploader can use it without.
 
 Metric names: ``train/loss``, ``train/lr``, ``train/grad_norm``, ``perf/images_per_sec``,
-``perf/tflops``, ``perf/mfu``, ``perf/data_wait_frac``, ``data/skipped_samples`` and
+``perf/tflops``, ``perf/mfu``, ``perf/data_wait_frac`` (rank 0's; with several ranks also
+``perf/data_wait_frac_max`` and ``perf/data_wait_frac_max_rank``), ``data/skipped_samples`` and
 ``eval/<evaluator>/<metric>`` (see :mod:`pretrain.evaluate`).
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Callable, Mapping, Optional, Protocol, TextIO, runtime_checka
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+# the progress line names the data wait from this share of the step on: the accelerators idle
+DATA_WAIT_SHOWN = 0.05
 
 @runtime_checkable
 class MetricsLogger(Protocol):
@@ -222,6 +225,11 @@ class ConsoleLogger:
             parts.append(f"{_as_float(metrics['perf/images_per_sec']):,.0f} img/s")
         if "perf/mfu" in metrics:
             parts.append(f"MFU {100.0 * _as_float(metrics['perf/mfu']):.1f}%")
+        wait = metrics.get("perf/data_wait_frac_max", metrics.get("perf/data_wait_frac"))
+        if wait is not None and _as_float(wait) >= DATA_WAIT_SHOWN:  # the job is held up
+            rank = metrics.get("perf/data_wait_frac_max_rank")
+            parts.append(f"data wait {100.0 * _as_float(wait):.0f}%" +
+                         (f" (rank {int(rank)})" if rank is not None else ""))
         eta = self._eta(step)
         if eta is not None and math.isfinite(eta):
             parts.append(f"ETA {format_duration(eta)}")

@@ -4,7 +4,7 @@ spent waiting for data.
 - :func:`peak_tflops`: the bf16 dense peak of this GPU (the MFU denominator), or
   ``log.peak_tflops``.
 - :class:`StepTimer`: splits each step into data wait and compute; every logging window it
-  gives the ``perf/*`` metrics.
+  gives the ``perf/*`` metrics; :func:`slowest_data` finds the rank that waits most.
 - :func:`peak_memory_gib`: the peak memory a run used, on a GPU or the CPU.
 """
 from __future__ import annotations
@@ -139,6 +139,12 @@ class StepTimer:
     def steps_in_window(self) -> int:
         return self._steps
 
+    @property
+    def data_wait_frac(self) -> float:
+        """This rank's share of the window so far spent waiting for data."""
+        elapsed = self._wait + self._compute
+        return self._wait / elapsed if elapsed > 0 else 0.0
+
     def summary(self) -> Dict[str, float]:
         """The window's ``perf/*`` metrics (``perf/mfu`` only with a known peak); starts a new
         window. Empty when no step finished since the last summary."""
@@ -149,11 +155,22 @@ class StepTimer:
         images_per_sec = self._images / elapsed
         tflops = images_per_sec * self.flops_per_image / self.world_size / 1e12
         out = {"perf/images_per_sec": images_per_sec, "perf/tflops": tflops,
-               "perf/data_wait_frac": self._wait / elapsed}
+               "perf/data_wait_frac": self.data_wait_frac}
         if self.peak_tflops:
             out["perf/mfu"] = tflops / self.peak_tflops
         self._reset_window()
         return out
+
+
+def slowest_data(waits: list[float]) -> Dict[str, float]:
+    """From every rank's data-wait share (rank order): the largest and its rank. A rank starved
+    of data (a slow disk or network on its node) holds every other rank up at the gradient
+    reduction, where they book the wait as compute: rank 0's own share, ``perf/data_wait_frac``,
+    does not show it. Empty for a single rank."""
+    if len(waits) < 2:
+        return {}
+    worst = max(range(len(waits)), key=waits.__getitem__)
+    return {"perf/data_wait_frac_max": waits[worst], "perf/data_wait_frac_max_rank": worst}
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -95,7 +95,7 @@ def _train(cfg: RunConfig, stage) -> dict:
     from pretrain.engine import build_scheduler
     from pretrain.evaluate import run_due
     from pretrain.metrics import MultiLogger, build_logger, closing_line
-    from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops
+    from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops, slowest_data
     from pretrain.stage import PretrainStage
     from pretrain.tracking import start_tracking
     from pretrain.tracking_store import check_store
@@ -294,8 +294,11 @@ def _train(cfg: RunConfig, stage) -> dict:
 
             if step % cfg.log.every_steps == 0 or step == steps:
                 causes = loader.skipped_by_cause
-                loss_total, total, *counts = all_reduce_sum(
-                    [loss_sum, float(loader.skipped), *causes.values()], backend.device)
+                waits = torch.zeros(world)  # each rank's data-wait share, in its own slot
+                waits[rank] = timer.data_wait_frac
+                loss_total, total, *rest = all_reduce_sum(
+                    [loss_sum, float(loader.skipped), *causes.values(), waits], backend.device)
+                counts, waits = rest[:len(causes)], rest[len(causes):]
                 skipped = {cause: round(n) for cause, n in zip(causes, counts)}
                 metrics = {"train/loss": loss_total / (window * world),
                            "train/lr": backend.optimizer.param_groups[0]["lr"],
@@ -305,7 +308,7 @@ def _train(cfg: RunConfig, stage) -> dict:
                            "data/skipped_samples": round(total),
                            **{f"data/skipped/{c}": n for c, n in skipped.items() if n},
                            "train/epoch": loader.epoch,
-                           **guard.metrics(), **timer.summary()}
+                           **guard.metrics(), **timer.summary(), **slowest_data(waits)}
                 if failed_saves:
                     metrics["checkpoint/failed_saves"] = failed_saves
                 if sink.unwritten:  # metrics.jsonl / the MLflow spool on a full disk

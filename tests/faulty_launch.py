@@ -13,6 +13,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        write; while one is written, OUTPUT_DIR/saving names it
   "slow_start":   seconds              the start-up (pretraining's engine build) takes this much
                                        longer; meanwhile OUTPUT_DIR/starting exists
+  "slow_data":    [rank, seconds]      that rank waits this much longer for each training batch
+                                       (a node with a slow disk or network)
 """
 import json
 import os
@@ -89,6 +91,15 @@ if "slow_start" in FAULTS:
         time.sleep(FAULTS["slow_start"])
         return _build_optimizer(*args, **kwargs)
     eng_lib.build_optimizer = _slow_build_optimizer
+
+if "slow_data" in FAULTS and FAULTS["slow_data"][0] == RANK:
+    import pretrain.data.device_batch as batch_lib
+    _prepare_batch = batch_lib.prepare_batch
+
+    def _slow_prepare_batch(*args, **kwargs):
+        time.sleep(FAULTS["slow_data"][1])
+        return _prepare_batch(*args, **kwargs)
+    batch_lib.prepare_batch = _slow_prepare_batch
 
 if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]

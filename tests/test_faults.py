@@ -491,6 +491,22 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
     fault_ledger.record(proxy.failures, 0, samples_lost, metrics_lost + training_changed)
 
 
+def test_a_rank_starved_of_data_is_named_though_rank_0_waits_for_none(tmp_path, tiny_data):
+    """Rank 1's batches come 1 s late (a node with a slow disk): rank 0 has its batches at
+    once and waits at the gradient reduction instead, booked as compute. Its own data-wait share
+    says nothing is wrong; the largest over the ranks, and whose it is, say which rank holds the
+    job up."""
+    out = tmp_path / "run"
+    text = faulty(out, tiny_data, "train.total_steps=8", "log.every_steps=2",
+                  "eval.every_steps=100", "tracking.enabled=false", faults={"slow_data": [1, 1.0]})
+    logged = [r for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6, 8]
+    for r in logged[1:]:  # the first window holds the start-up's first batches on both
+        assert r["perf/data_wait_frac_max_rank"] == 1, r
+        assert r["perf/data_wait_frac_max"] > 0.5 > r["perf/data_wait_frac"], r
+    assert re.search(r"step 8/8 .* \| data wait \d+% \(rank 1\)", text), text[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Non-finite losses
 # --------------------------------------------------------------------------------------------

@@ -129,6 +129,20 @@ def test_progress_line_shows_mfu_and_eta_from_the_recent_step_rate():
     assert second == "step 20/1000 (2.0%) | loss 2.0000 | MFU 41.2% | ETA 02:43:20"
 
 
+def test_progress_line_names_a_data_wait_that_holds_the_job_up_and_the_rank_that_waits():
+    stream = io.StringIO()
+    console = ConsoleLogger(total_steps=100, stream=stream)
+    console.log({"train/loss": 2.0, "perf/data_wait_frac": 0.01}, step=10)  # nothing to say
+    console.log({"train/loss": 2.0, "perf/data_wait_frac": 0.2}, step=20)  # one rank: its own
+    # rank 0 waits 1 %, rank 5 waits 31 %: every rank is held up by rank 5
+    console.log({"train/loss": 2.0, "perf/data_wait_frac": 0.01, "perf/data_wait_frac_max": 0.31,
+                 "perf/data_wait_frac_max_rank": 5}, step=30)
+    lines = stream.getvalue().splitlines()
+    assert "data wait" not in lines[0]
+    assert " | data wait 20%" in lines[1] and "rank" not in lines[1]
+    assert " | data wait 31% (rank 5)" in lines[2]
+
+
 def test_a_write_that_takes_no_byte_is_a_failed_line_not_an_endless_retry(tmp_path, monkeypatch,
                                                                            caplog):
     """A file system at its limit may take no byte of a write without an error: the sink must
