@@ -391,7 +391,7 @@ class TrackingConfig(Section):
     run_name: Optional[str] = Field(None, description="unset: the output_dir's name")
     system_metrics: bool = Field(True, description="every node's CPU/memory/disk/network/GPU "
                                  "metrics, as MLflow's system/* metrics")
-    system_metrics_every_s: float = Field(10.0, gt=0, description="sample them this often "
+    system_metrics_every_s: float = Field(10.0, ge=0.1, description="sample them this often "
                                           "(MLflow's default)")
     flush_every_s: float = Field(2.0, gt=0, description="send queued metrics this often")
     # At the end of a run, how long to wait for an unreachable server before leaving the rest

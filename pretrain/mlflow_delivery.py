@@ -80,6 +80,11 @@ class Remote:
         self.connected = False
         self.resumed = state.run_id is not None  # attaching to a run that exists already
         self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
+        # per system metric: the time of the latest sample MLflow holds; a sample sent again
+        # (its file's cursor could not be written, or a crash came before it was) is skipped
+        self.last_time: dict[str, int] = {}
+        # per cursor file: the offset sent up to, which a failed cursor write cannot set back
+        self.sent_to: dict[str, int] = {}
 
     def save_state(self) -> None:
         self._write(self.dir / STATE, lambda: self.state.save(self.dir))
@@ -110,6 +115,8 @@ class Remote:
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
+                self.last_time = {m.key: m.timestamp for m in run.data._metric_objs
+                                  if m.key.startswith(SYSTEM_PREFIX)}
                 # a resumed job's own tags (its ranks and hosts) replace the earlier job's; the
                 # others are left as they are in MLflow (a user may have corrected one there)
                 retag = {k: v for k, v in s.tags.items()
@@ -137,7 +144,7 @@ class Remote:
                                          start_time=s.start_time)
             s.run_id = run.info.run_id
             self.save_state()  # from now on a retry re-attaches instead of creating another
-            self.last_step = {}
+            self.last_step, self.last_time = {}, {}
         if s.parent_dir:
             self._nest()
         if not s.params_logged:
@@ -240,7 +247,7 @@ class Remote:
         from mlflow.entities import Metric
         sent = 0
         while records:
-            batch, metrics, last = [], [], dict(self.last_step)
+            batch, metrics, last, last_time = [], [], dict(self.last_step), dict(self.last_time)
             for rec, end in records:
                 if rec.get("rewind"):  # a rollback: the steps after rec["step"] are new values
                     last = {k: s if k.startswith(SYSTEM_PREFIX) else min(s, int(rec["step"]))
@@ -251,11 +258,14 @@ class Remote:
                            if rec["step"] > last.get(k, -1 << 62)]
                 else:
                     new = [Metric(k, float(v), int(rec["time"]), last.get(k, -1) + 1)
-                           for k, v in rec["metrics"].items()]
+                           for k, v in rec["metrics"].items()
+                           if rec["time"] > last_time.get(k, -1 << 62)]
                 if metrics and len(metrics) + len(new) > MAX_METRICS_PER_BATCH:
                     break
                 for m in new:
                     last[m.key] = m.step
+                    if "step" not in rec:
+                        last_time[m.key] = m.timestamp
                 batch.append(end)
                 metrics += new
             try:
@@ -267,11 +277,12 @@ class Remote:
                 # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones
                 log.warning("MLflow rejected %d metrics (%s); they are not in MLflow, but in %s "
                             "and metrics.jsonl", len(metrics), one_line(e), self.dir / SPOOL)
-            self.last_step = last
+            self.last_step, self.last_time = last, last_time
             for _ in batch:
                 records.popleft()
             spooled = [end for end in batch if end is not None]
             if spooled:
+                self.sent_to[cursor] = spooled[-1]
                 self._write(self.dir / cursor, lambda: write_cursor(self.dir, spooled[-1], cursor))
             sent += len(batch)
         return sent
@@ -279,12 +290,16 @@ class Remote:
     def send_system(self) -> int:
         """Send the system metrics every node sampled (``system/<host>.jsonl``) that MLflow does
         not hold yet. Returns how many samples were sent."""
-        sent = 0
-        for path in sorted((self.dir / SYSTEM_DIR).glob("*.jsonl")):
+        pending = []
+        for path in (self.dir / SYSTEM_DIR).glob("*.jsonl"):
             cursor = f"{SYSTEM_DIR}/{path.stem}.delivered"
-            sent += self.send(collections.deque(read_spool(path, read_cursor(self.dir, cursor))),
-                              cursor)
-        return sent
+            start = max(read_cursor(self.dir, cursor), self.sent_to.get(cursor, 0))
+            records = collections.deque(read_spool(path, start))
+            if records:
+                pending.append((records[0][0]["time"], cursor, records))
+        # oldest first: a one-node run requeued on another host has two files of the same
+        # names, and the earlier host's backlog comes before the new host's samples
+        return sum(self.send(records, cursor) for _, cursor, records in sorted(pending))
 
     def end_abandoned(self, old: RunState) -> bool:
         """End the earlier run of this output_dir FAILED, with why and which run replaced it:

@@ -81,8 +81,8 @@ def read_cursor(track_dir: Path, name: str = CURSOR) -> int:
     a node's system metrics' (``system/<host>.delivered``)."""
     try:
         return int((track_dir / name).read_text() or 0)
-    except (FileNotFoundError, ValueError):
-        return 0
+    except (OSError, ValueError):  # none, or unreadable: from the start (MLflow's own record
+        return 0                    # of what it holds keeps values from going in twice)
 
 
 def write_cursor(track_dir: Path, offset: int, name: str = CURSOR) -> None:

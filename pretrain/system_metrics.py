@@ -9,7 +9,9 @@ every ``tracking.system_metrics_every_s`` and appends one line per sample to
 ``output_dir/tracking/system/<host>.jsonl``; the tracker's thread sends the lines it has not
 sent yet (``<host>.delivered`` holds the offset), after an outage too, and
 ``launch/upload_spool.py`` sends what a job left behind. Other nodes' lines reach rank 0 through
-the output_dir, which a multi-node job shares (its checkpoints live there too).
+the output_dir, which a multi-node job shares (its checkpoints live there too). A sample another
+node takes after rank 0's last delivery (in the job's last seconds) stays in its file;
+``upload_spool.py`` sends it.
 
 Names are MLflow's (``system/gpu_0_utilization_percentage``); with more than one node each
 carries its host (``system/<host>/gpu_0_utilization_percentage``), as MLflow's ``node_id`` does.
@@ -124,6 +126,9 @@ class NodeSampler:
             self._file.append((json.dumps(line) + "\n").encode())
 
     def close(self) -> None:
+        """Stop sampling. Waits a second at most: a sample blocked on a hung GPU query or file
+        system must not hold up a job that is ending (a stalled one has seconds left)."""
         self._stop.set()
-        self._thread.join(10.0)
-        self._file.close()
+        self._thread.join(1.0)
+        if not self._thread.is_alive():  # else the file stays open for it: it may yet write
+            self._file.close()

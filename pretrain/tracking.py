@@ -57,10 +57,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from pretrain.distributed import barrier, first_of_node
+from pretrain.distributed import first_of_node, gather
 from pretrain.run_info import PARENT_STORE, dataset_name, environment, flatten, git_info
-from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, redacted,
-                            undelivered)
+from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, one_line,
+                            redacted, undelivered)
 from pretrain.system_metrics import NodeSampler, prefix_for
 from pretrain.tracker import MlflowTracker, NoTracking
 from pretrain.tracking_store import resolve_uri
@@ -95,17 +95,41 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     t = cfg.tracking
     if not t.enabled:
         return NoTracking()
-    tracker = NoTracking() if rank != 0 else _rank0_tracker(
-        cfg, stage, output_dir, world_size=world_size, hosts=hosts, ds_config=ds_config,
-        run_id=run_id, resumed_at=resumed_at, dataset=dataset, extra_tags=extra_tags,
-        resolved=resolved, changed=changed)
+    tracker, error = NoTracking(), None
+    if rank == 0:
+        try:
+            tracker = _rank0_tracker(
+                cfg, stage, output_dir, world_size=world_size, hosts=hosts, ds_config=ds_config,
+                run_id=run_id, resumed_at=resumed_at, dataset=dataset, extra_tags=extra_tags,
+                resolved=resolved, changed=changed)
+        except Exception as e:  # noqa: BLE001 -- raised below, once every rank knows it
+            error = e
     if t.system_metrics:
-        barrier()  # rank 0 may have just moved an earlier run's tracking directory aside
+        # the samplers write into the tracking directory, which rank 0 may have just moved aside
+        # for a new run: they start after it; a start rank 0 refused ends every rank alike
+        refused = gather(None if error is None else one_line(error), world_size)[0]
+        if error is not None:
+            raise error
+        if refused is not None:
+            raise TrackingError(refused)
         if first_of_node():
-            host = socket.gethostname()
-            tracker.sampler = NodeSampler(Path(output_dir) / TRACKING_DIR, output_dir,
-                                          t.system_metrics_every_s, prefix_for(host, hosts), host)
+            tracker.sampler = _sampler(t, output_dir, hosts)
+    elif error is not None:
+        raise error
     return tracker
+
+
+def _sampler(t, output_dir: os.PathLike | str, hosts: Sequence[str]) -> Optional[NodeSampler]:
+    """This node's system-metrics sampler; None, with a warning, where it cannot start (a full
+    disk, say): training goes on without it."""
+    host = socket.gethostname()
+    try:
+        return NodeSampler(Path(output_dir) / TRACKING_DIR, output_dir,
+                           t.system_metrics_every_s, prefix_for(host, hosts), host)
+    except Exception as e:  # noqa: BLE001 -- never the reason a run does not start
+        log.warning("system metrics of %s not sampled (%s); training goes on", host,
+                    one_line(e))
+        return None
 
 
 def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size: int,

@@ -351,6 +351,45 @@ def test_every_node_s_system_metrics_reach_the_run_after_an_outage_and_continue_
         assert history(rid, host) == list(enumerate(values))  # followed on: no gap, no repeat
 
 
+def test_system_samples_reach_mlflow_once_though_their_cursor_cannot_be_written(tmp_path):
+    """The tracker's thread sends a node's new samples at every flush; where the file saying
+    how far it got cannot be written (a full disk), and for a later job that finds that file
+    behind (a crash between the send and the write), what MLflow holds is not sent again."""
+    from pretrain.mlflow_delivery import Remote
+    from pretrain.spool import RunState
+    from pretrain.system_metrics import NodeSampler
+
+    track, uri, key = tmp_path / "tracking", f"sqlite:///{tmp_path}/mlflow.db", \
+        "system/cpu_utilization_percentage"
+    sampler = NodeSampler(track, tmp_path, every_s=3600, host="gpu-a")  # samples when asked
+    for _ in range(3):
+        sampler.sample()
+        time.sleep(0.01)
+    sampler.close()
+    times = [json.loads(line)["time"] for line in
+             (track / "system/gpu-a.jsonl").read_text().splitlines()]
+    cursor = track / "system/gpu-a.delivered"
+    cursor.mkdir()  # cannot be written, as on a full disk
+    failed = []
+    remote = Remote(track, RunState(uri=uri, experiment="x"),
+                    on_write_error=lambda path, e: failed.append(path))
+    remote.connect()
+    assert [remote.send_system() for _ in range(3)] == [3, 0, 0]  # three flushes
+    assert failed == [cursor]  # (the rest of the job's state was written)
+
+    def history():
+        return [(m.step, m.timestamp) for m in sorted(
+            MlflowClient(uri).get_metric_history(remote.state.run_id, key), key=lambda m: m.step)]
+    assert history() == list(enumerate(times))
+    cursor.rmdir()  # the next job finds no cursor: it reads the samples from the start
+    with open(track / "system/gpu-a.jsonl", "a") as f:  # and its own first sample after them
+        f.write(json.dumps({"time": times[-1] + 10_000, "metrics": {key: 1.0}}) + "\n")
+    again = Remote(track, RunState(uri=uri, experiment="x", run_id=remote.state.run_id))
+    again.connect()
+    assert again.send_system() == 4  # 4 read, the 3 MLflow holds skipped
+    assert history() == list(enumerate(times + [times[-1] + 10_000]))
+
+
 def test_tracking_uri_precedence_and_default(tmp_path, monkeypatch, caplog):
     """Config beats MLFLOW_TRACKING_URI beats the default, which is the store a plain `mlflow ui`
     started in the launch directory reads (MLflow's own default, resolved there)."""
