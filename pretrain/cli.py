@@ -140,13 +140,21 @@ def build_parser(prog: str, description: str, schema: Type[Section],
     return p
 
 
-def fail(message: str, code: int = 2) -> typing.NoReturn:
-    """One line on stderr, no traceback: the message names the problem and the fix."""
-    # one write: the ranks of a job share the launcher's stderr, and print() writes the line and
-    # its newline separately, so two ranks' messages could end up on one line
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
+    """One line on stderr, no traceback: the message names the problem and the fix. ``quiet``:
+    the exit code only (another rank says the line)."""
+    if not quiet:
+        # one write: the ranks of a job share the launcher's stderr, and print() writes the line
+        # and its newline separately, so two ranks' messages could end up on one line
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
     raise SystemExit(code)
+
+
+def _said_by_rank_0(exc: BaseException) -> bool:
+    """An error the ranks agreed on (:func:`pretrain.distributed.agreed`), on a rank other than
+    0: every rank raised the same, and rank 0 prints it."""
+    return getattr(exc, "agreed", False) and os.environ.get("RANK", "0") != "0"
 
 
 def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Sequence[str]] = None,
@@ -223,9 +231,9 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
         try:
             run(cfg)
         except user_errors() as e:
-            fail(str(e))
+            fail(str(e), quiet=_said_by_rank_0(e))
         except stop_errors() as e:
-            fail(str(e), code=3)
+            fail(str(e), code=3, quiet=_said_by_rank_0(e))
         except StoppedBySignal as e:  # not an error: the run goes on when relaunched
             if os.environ.get("RANK", "0") == "0":
                 sys.stderr.write(f"stopped: {e}\n")

@@ -77,6 +77,13 @@ def first_of_node() -> bool:
     return rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def agreed(exc: BaseException) -> BaseException:
+    """Mark an error that every rank raises alike, decided together (after a collective): the
+    launchers print its line from rank 0 only, not once per rank."""
+    exc.agreed = True
+    return exc
+
+
 def barrier() -> None:
     """Wait for every rank; nothing to wait for outside a process group."""
     if dist.is_available() and dist.is_initialized():

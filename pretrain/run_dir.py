@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
-from pretrain.distributed import gather, rank_world
+from pretrain.distributed import agreed, gather, rank_world
 from pretrain.run_info import flatten
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Op
                      f"move it yourself or pick another output_dir")
     error = next((e for e in gather(error, world) if e), None)  # all ranks wait for rank 0
     if error:
-        raise ConfigError(error)
+        raise agreed(ConfigError(error))
     return moved
 
 
@@ -168,16 +168,16 @@ def check_every_rank_sees(out: Path) -> None:
         with contextlib.suppress(OSError):
             (out / name).unlink()
     if name is None:
-        raise ConfigError(f"output_dir '{out}' cannot be written by rank 0; pick a folder every "
-                          f"rank can write to")
+        raise agreed(ConfigError(f"output_dir '{out}' cannot be written by rank 0; pick a "
+                                 f"folder every rank can write to"))
     blind = [(r, host) for r, (host, ok) in enumerate(seen) if not ok]
     if blind:
-        raise ConfigError(
+        raise agreed(ConfigError(
             f"output_dir '{out}' is not one folder that every rank sees: {len(blind)} of "
             f"{world} ranks (on {', '.join(sorted({h for _, h in blind}))}) do not find the "
             f"file rank 0 (on {seen[0][0]}) wrote there; every rank writes and reads "
             f"checkpoints there, so give an absolute path on storage every node mounts (NFS, "
-            f"Lustre, a parallel file system)")
+            f"Lustre, a parallel file system)"))
 
 
 def _same_path(was, now) -> bool:

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from pretrain.distributed import first_of_node, gather
+from pretrain.distributed import agreed, first_of_node, gather
 from pretrain.run_info import PARENT_STORE, dataset_name, environment, flatten, git_info
 from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, one_line,
                             redacted, undelivered)
@@ -111,7 +111,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
         if error is not None:
             raise error
         if refused is not None:
-            raise TrackingError(refused)
+            raise agreed(TrackingError(refused))
         if first_of_node():
             tracker.sampler = _sampler(t, output_dir, hosts)
     elif error is not None:
