@@ -177,10 +177,10 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
             start = time.perf_counter()
             scheduler.step_update(step)
             for done in range(accum):  # DeepSpeed updates after the last
+                timer.fetching()
                 images, targets = prepare_batch(next_batch(), device, cfg.data.normalize, mixup,
                                                 dtype)
-                if done == 0:
-                    timer.data_ready()
+                timer.data_ready()
                 loss = eng.train_micro_batch(engine, images, targets, cfg, guard, defer)
             guard.settle()  # a deferred check is read after the update, as the trainer reads it
             if step == warmup + steps - 1 and device.type == "cuda":

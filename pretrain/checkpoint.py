@@ -47,7 +47,7 @@ import torch.distributed as dist
 from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.checkpoint_layout import momentum_as_adam, momentum_back
 from pretrain.config import ConfigError
-from pretrain.distributed import agreed, barrier, first_of_node, rank
+from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
 from pretrain.helper_processes import ignore_stop_signals
 
@@ -130,7 +130,9 @@ class CheckpointStore:
             if rank() == 0:  # never loaded anyway, and on a full disk it is in the way
                 shutil.rmtree(path, ignore_errors=True)
             barrier()
-            raise agreed(CheckpointWriteError(self._write_failure(tag, errors)))
+            # every rank says it: rank 0 may be held up ending its MLflow run, and be ended by
+            # the launcher before it could say it alone
+            raise CheckpointWriteError(self._write_failure(tag, errors))
         return ckpt
 
     def _write_manifest(self, ckpt: Checkpoint, files: dict[str, int]) -> None:

@@ -289,7 +289,7 @@ class Remote:
 
     def send_system(self) -> int:
         """Send the system metrics every node sampled (``system/<host>.jsonl``) that MLflow does
-        not hold yet. Returns how many samples were sent."""
+        not hold yet. Returns how many samples were read past (sent, or found in MLflow)."""
         pending = []
         for path in (self.dir / SYSTEM_DIR).glob("*.jsonl"):
             cursor = f"{SYSTEM_DIR}/{path.stem}.delivered"

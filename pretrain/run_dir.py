@@ -162,11 +162,13 @@ def check_every_rank_sees(out: Path) -> None:
             (out / name).touch()
         except OSError:  # cannot write there: every rank learns it from the name
             name = None
-    name = gather(name, world)[0]  # rank 0 wrote the file before it joined this collective
-    seen = gather((socket.gethostname(), name is not None and (out / name).exists()), world)
-    if me == 0 and name is not None:
-        with contextlib.suppress(OSError):
-            (out / name).unlink()
+    try:
+        name = gather(name, world)[0]  # rank 0 wrote the file before it joined this collective
+        seen = gather((socket.gethostname(), name is not None and _finds(out / name)), world)
+    finally:
+        if me == 0 and name is not None:
+            with contextlib.suppress(OSError):
+                (out / name).unlink()
     if name is None:
         raise agreed(ConfigError(f"output_dir '{out}' cannot be written by rank 0; pick a "
                                  f"folder every rank can write to"))
@@ -178,6 +180,22 @@ def check_every_rank_sees(out: Path) -> None:
             f"file rank 0 (on {seen[0][0]}) wrote there; every rank writes and reads "
             f"checkpoints there, so give an absolute path on storage every node mounts (NFS, "
             f"Lustre, a parallel file system)"))
+
+
+def _finds(path: Path, patience_s: float = 2.0) -> bool:
+    """Whether ``path`` can be found, asked again for ``patience_s`` before answering no: a
+    caching file system may show another node's new file a moment late. An error (no
+    permission on this node, a stale NFS handle) is a no."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            if path.exists():
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
 
 
 def _same_path(was, now) -> bool:

@@ -73,7 +73,9 @@ class StepTimer:
 
     The caller marks two points per step: :meth:`data_ready` when the batch is in hand and
     :meth:`step_done` after the optimizer step. Data wait is the time from the previous
-    ``step_done`` to ``data_ready``; compute is the rest. Call :meth:`exclude_elapsed` after
+    ``step_done`` to ``data_ready``; compute is the rest. A step of several micro-batches (gradient
+    accumulation) marks each: :meth:`fetching` before it asks for one, :meth:`data_ready` once
+    it has it; the later micro-batches' waits count too, not only the first one's. Call :meth:`exclude_elapsed` after
     work that is neither (evaluation, checkpointing) so it is not booked as waiting for data.
 
     On a GPU ``step_done`` waits until the previous step has run on the device: unbounded, the
@@ -100,6 +102,8 @@ class StepTimer:
         self._clock = clock
         self._last = clock()
         self._ready: Optional[float] = None
+        self._fetching: Optional[float] = None  # when a later micro-batch was asked for
+        self._step_wait = 0.0  # the later micro-batches' waits in this step
         self._previous = None  # the CUDA event that marks the end of the previous step
         self._reset_window()
 
@@ -109,10 +113,20 @@ class StepTimer:
         self._wait = 0.0
         self._compute = 0.0
 
+    def fetching(self) -> None:
+        """A micro-batch is being asked for (ignored for a step's first: its wait runs from the
+        previous step's end)."""
+        self._fetching = self._clock()
+
     def data_ready(self) -> None:
         now = self._clock()
-        self._wait += now - self._last
-        self._ready = now
+        if self._ready is None:  # the step's first batch
+            self._wait += now - self._last
+            self._ready = now
+        elif self._fetching is not None:  # a later micro-batch of the same step
+            self._wait += now - self._fetching
+            self._step_wait += now - self._fetching
+        self._fetching = None
 
     def step_done(self, images: int) -> None:
         """End of a step that consumed ``images`` samples over all ranks (the global batch)."""
@@ -126,8 +140,8 @@ class StepTimer:
                 self._previous.synchronize()
             self._previous = done
         now = self._clock()
-        self._compute += now - self._ready
-        self._last, self._ready = now, None
+        self._compute += now - self._ready - self._step_wait
+        self._last, self._ready, self._step_wait = now, None, 0.0
         self._steps += 1
         self._images += images
 

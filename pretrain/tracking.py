@@ -104,18 +104,16 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                 resolved=resolved, changed=changed)
         except Exception as e:  # noqa: BLE001 -- raised below, once every rank knows it
             error = e
-    if t.system_metrics:
-        # the samplers write into the tracking directory, which rank 0 may have just moved aside
-        # for a new run: they start after it; a start rank 0 refused ends every rank alike
-        refused = gather(None if error is None else one_line(error), world_size)[0]
-        if error is not None:
-            raise error
-        if refused is not None:
-            raise agreed(TrackingError(refused))
-        if first_of_node():
-            tracker.sampler = _sampler(t, output_dir, hosts)
-    elif error is not None:
+    # a start rank 0 refused ends every rank alike (else the others train into their first
+    # collective and wait there); and the samplers write into the tracking directory, which
+    # rank 0 may have just moved aside for a new run: they start after it
+    refused = gather(None if error is None else one_line(error), world_size)[0]
+    if error is not None:
         raise error
+    if refused is not None:
+        raise agreed(TrackingError(refused))
+    if t.system_metrics and first_of_node():
+        tracker.sampler = _sampler(t, output_dir, hosts)
     return tracker
 
 

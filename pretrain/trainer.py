@@ -263,10 +263,10 @@ def _train(cfg: RunConfig, stage) -> dict:
             scheduler.step_update(step)
             done, step_loss = 0, torch.zeros((), device=backend.device)
             while done < accum:
+                timer.fetching()
                 images, targets = prepare_batch(next(batches), backend.device,
                                                 cfg.data.normalize, mixup, backend.dtype)
-                if done == 0:
-                    timer.data_ready()
+                timer.data_ready()
                 loss = backend.train_micro_batch(images, targets, cfg, guard,
                                                  last=done == accum - 1)
                 if loss is None:  # not finite: dropped on every rank; the next one replaces it

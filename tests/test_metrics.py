@@ -74,6 +74,21 @@ def test_step_timer_splits_wait_and_compute_and_computes_mfu():
     assert set(cpu.summary()) == {"perf/images_per_sec", "perf/tflops", "perf/data_wait_frac"}
 
 
+def test_with_gradient_accumulation_every_micro_batch_s_wait_counts():
+    """4 micro-batches per update, each waiting 0.25 s for its data and computing 0.25 s: half
+    the time is spent waiting (the first micro-batch's wait alone would say an eighth)."""
+    clock = FakeClock()
+    timer = StepTimer(1.0, cuda_sync=False, clock=clock)
+    for _ in range(2):
+        for _ in range(4):
+            timer.fetching()
+            clock.advance(0.25)
+            timer.data_ready()
+            clock.advance(0.25)
+        timer.step_done(images=32)
+    assert timer.summary()["perf/data_wait_frac"] == pytest.approx(0.5)
+
+
 def test_step_done_without_data_ready_is_a_clear_error():
     with pytest.raises(RuntimeError, match="data_ready"):
         StepTimer(1.0, cuda_sync=False).step_done(images=1)
