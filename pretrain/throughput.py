@@ -73,10 +73,11 @@ class StepTimer:
 
     The caller marks two points per step: :meth:`data_ready` when the batch is in hand and
     :meth:`step_done` after the optimizer step. Data wait is the time from the previous
-    ``step_done`` to ``data_ready``; compute is the rest. A step of several micro-batches (gradient
-    accumulation) marks each: :meth:`fetching` before it asks for one, :meth:`data_ready` once
-    it has it; the later micro-batches' waits count too, not only the first one's. Call :meth:`exclude_elapsed` after
-    work that is neither (evaluation, checkpointing) so it is not booked as waiting for data.
+    ``step_done`` to ``data_ready``; compute is the rest. A step of several micro-batches
+    (gradient accumulation) marks each: :meth:`fetching` before it asks for one,
+    :meth:`data_ready` once it has it; the later micro-batches' waits count too, not only the
+    first one's. Call :meth:`exclude_elapsed` after work that is neither (evaluation,
+    checkpointing) so it is not booked as waiting for data.
 
     On a GPU ``step_done`` waits until the previous step has run on the device: unbounded, the
     host could run steps ahead, compute would be the kernel-launch time and the split would be

@@ -90,7 +90,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     job changed (``"optimizer.lr: 0.002 -> 0.001"``), which the params (MLflow's are immutable)
     cannot show: the ``config.changed`` tag and a ``resume_step_N/config.yaml`` artifact say
     them. Call it on every rank, ``hosts`` holding every rank's host (cheap: rank 0 does the
-    work; with system metrics on, the ranks wait for each other once).
+    work, and the ranks wait for it once).
     """
     t = cfg.tracking
     if not t.enabled:
