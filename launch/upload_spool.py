@@ -3,9 +3,11 @@ the server.
 
     python launch/upload_spool.py OUTPUT_DIR [--uri URI]
 
-A job that could not reach its tracking server keeps every metric in OUTPUT_DIR/tracking/spool.jsonl.
+A job that could not reach its tracking server keeps every metric in OUTPUT_DIR/tracking/spool.jsonl
+(and every node's system metrics in OUTPUT_DIR/tracking/system/<host>.jsonl).
 This creates the MLflow run if the job never could, sends the records MLflow does not have yet
-(one value per step: steps MLflow already holds are skipped), uploads pending artifacts, then
+(one value per step: steps MLflow already holds are skipped; system metrics numbered on from
+the last sample MLflow holds), uploads pending artifacts, then
 registers the uploaded models still waiting for their tracking.register_as version (after the
 upload, so that a version never points at a half-uploaded model). Run it after the job has
 ended. --uri sends to another server than the one the job was given.
