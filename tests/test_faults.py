@@ -462,8 +462,13 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "MLFLOW_TRACKING_URI": proxy.uri})
         deadline = time.time() + 300
-        while not (out / "metrics.jsonl").exists() or max(last_values(out), default=0) < 8:
-            assert proc.poll() is None and time.time() < deadline, "the run never got to step 8"
+
+        def sampled():  # a system metrics sample taken while the server fails
+            return any(p.stat().st_size for p in (out / "tracking/system").glob("*.jsonl"))
+        while not (out / "metrics.jsonl").exists() or max(last_values(out), default=0) < 8 \
+                or not sampled():
+            assert proc.poll() is None and time.time() < deadline, \
+                "the run never got to step 8 with a system metrics sample taken"
             time.sleep(0.1)
         proxy.failing = False  # the server recovers while the run goes on
         recovered = time.time() * 1000
