@@ -275,8 +275,10 @@ class Remote:
                 if not is_permanent(e):
                     raise
                 # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones
-                log.warning("MLflow rejected %d metrics (%s); they are not in MLflow, but in %s "
-                            "and metrics.jsonl", len(metrics), one_line(e), self.dir / SPOOL)
+                kept = (f"{self.dir / SPOOL} and metrics.jsonl" if cursor == CURSOR else
+                        str(self.dir / cursor.replace(".delivered", ".jsonl")))
+                log.warning("MLflow rejected %d metrics (%s); they are not in MLflow, but in %s",
+                            len(metrics), one_line(e), kept)
             self.last_step, self.last_time = last, last_time
             for _ in batch:
                 records.popleft()
