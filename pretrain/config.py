@@ -138,7 +138,8 @@ class DataConfig(Section):
     # The built-in demo: procedural images of model.num_classes classes, written in the raw
     # ImageNet-21k layout and prepared like real data, at data.root when it has no _info.json.
     generate_demo: bool = Field(False, description="create the procedural demo dataset at "
-                                "data.root if missing")
+                                "data.root if missing (a recipe's true is for its own data.root: "
+                                "a data.root override alone sets it false)")
     # Shards listed in _info.json but absent (local paths are checked at start), or remote
     # ones that stay unreachable after read_attempts.
     missing_shards: Literal["error", "skip"] = Field(
@@ -435,6 +436,11 @@ class RunConfig(Section):
 
     # Alternatives: a command-line override of one clears the other from the recipe.
     exclusive_keys: ClassVar = (("train.total_steps", "train.epochs"),)
+    # A recipe's value of the first key is meant for its value of the second: overriding the
+    # second alone drops the first back to its default. The demo recipe generates its data into
+    # its own data.root; a data.root given on the command line (a mistyped path to one's shards,
+    # say) is not filled with demo images to train on and exit 0.
+    recipe_bound_keys: ClassVar = {"data.generate_demo": "data.root"}
     # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
     # is refused (pretrain/run_dir.py, check_same_run).
     identity_keys: ClassVar = ("model",)

@@ -35,6 +35,9 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
                 for other in set(group) - given:
                     _set_dotted(raw, other, None)
         _set_dotted(raw, key, value)
+    for key, bound_to in getattr(schema, "recipe_bound_keys", {}).items():
+        if bound_to in given and key not in given:
+            _drop_dotted(raw, key)
     _keep_section_defaults(schema, raw, getattr(schema, "exclusive_keys", ()))
     try:
         cfg = schema.model_validate(raw)
@@ -140,6 +143,16 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
                               f"not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _drop_dotted(raw: dict, key: str) -> None:
+    *sections, leaf = key.split(".")
+    node = raw
+    for part in sections:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return
+    node.pop(leaf, None)
 
 
 def config_keys(schema: Type[Section], prefix: str = "") -> list[str]:

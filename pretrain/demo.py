@@ -48,7 +48,8 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
         from pretrain.data.sources import load_synsets
         from pretrain.data.synthetic import write_cifar, write_synset_tars
 
-        # a warning: data.root given on the command line without --config lands here too
+        # a warning: where the demo is asked for by mistake (a recipe built on the demo's), a
+        # run on procedural images must not pass for one on real data
         log.warning("data.generate_demo=true and '%s' holds no dataset: generating the built-in "
                     "demo dataset there (procedural images, %d classes, %s layout); for real "
                     "data give a recipe with --config, or set data.generate_demo=false", root,

@@ -156,14 +156,36 @@ def test_finetune_dry_run_checks_the_init_as_the_run_would(tmp_path):
         f"error: init '{tmp_path / 'vit.npz'}' is not a readable .npz (No data left in file)"]
 
 
+def test_a_data_root_given_on_the_command_line_is_not_filled_with_the_demo(tmp_path):
+    """The demo recipe (the default) with a mistyped path to one's shards: the run stops with
+    the loader's line instead of generating the demo there, training on it and exiting 0."""
+    typo = tmp_path / "shrads"
+    for stage, config in (("pretrain.py", []),
+                          ("finetune.py", ["--config", "configs/finetune/demo.yaml", "init=null"])):
+        proc = run_launcher(stage, *config, f"data.root={typo}", f"output_dir={tmp_path / 'run'}",
+                            "data.num_workers=0")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: no _info.json or info.json in '{typo}'; point data.root at a directory "
+            f"written by launch/prepare_data.py")
+        assert not typo.exists() and not (tmp_path / "run").exists()
+    # the recipe's data.generate_demo still applies to its own data.root, and to one given
+    # with data.generate_demo=true
+    proc = run_launcher("pretrain.py", "--print-config", f"output_dir={tmp_path / 'run'}")
+    assert "generate_demo: true" in proc.stdout, proc.stderr[-2000:]
+    proc = run_launcher("pretrain.py", "--print-config", f"data.root={typo}",
+                        "data.generate_demo=true")
+    assert "generate_demo: true" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_the_demo_is_never_written_among_a_users_own_files(tmp_path):
-    """data.root pointed at a folder of one's own images, the demo recipe left as it is: the
+    """data.generate_demo=true with data.root pointed at a folder of one's own images: the
     dry-run and the run refuse to generate the demo there, and say how to train on them."""
     mine = tmp_path / "mine"
     (mine / "cat").mkdir(parents=True)
     (mine / "cat/1.jpg").write_bytes(b"\xff\xd8")
     for extra in (["--dry-run"], [f"output_dir={tmp_path / 'run'}", "data.num_workers=0"]):
-        proc = run_launcher("pretrain.py", f"data.root={mine}", *extra)
+        proc = run_launcher("pretrain.py", f"data.root={mine}", "data.generate_demo=true", *extra)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: data.root '{mine}' holds files but no prepared dataset, and "
@@ -173,7 +195,8 @@ def test_the_demo_is_never_written_among_a_users_own_files(tmp_path):
     assert sorted(p.name for p in mine.rglob("*")) == ["1.jpg", "cat"]
     assert not (tmp_path / "run").exists()  # the refused start took its empty output_dir back
     (tmp_path / "kept").mkdir()  # ... but only one it made itself
-    proc = run_launcher("pretrain.py", f"data.root={mine}", f"output_dir={tmp_path / 'kept'}")
+    proc = run_launcher("pretrain.py", f"data.root={mine}", "data.generate_demo=true",
+                        f"output_dir={tmp_path / 'kept'}")
     assert proc.returncode == 2 and (tmp_path / "kept").is_dir(), proc.stderr[-2000:]
 
 

@@ -353,6 +353,7 @@ def test_a_bad_deepspeed_file_fails_a_run_before_its_demo_data_is_made(text, mes
     ds.write_text(text)
     proc = run_launcher("pretrain.py", "--config", "configs/pretrain/demo.yaml",
                         f"output_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'demo'}",
+                        "data.generate_demo=true",
                         f"deepspeed.config={ds}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert re.match(rf"error: config key 'deepspeed.config': '{re.escape(str(ds))}' {message}",

@@ -118,6 +118,7 @@ def test_zero0_with_micro_batches_to_sum_in_fp32_is_refused_before_the_demo_data
         tmp_path):
     proc = run_launcher("pretrain.py", "--config", "configs/pretrain/demo.yaml",
                         f"output_dir={tmp_path / 'run'}", f"data.root={tmp_path / 'demo'}",
+                        "data.generate_demo=true",
                         "train.precision=bf16", "deepspeed.zero_stage=0",
                         "train.micro_batch_size=16")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
