@@ -205,6 +205,29 @@ def _same_path(was, now) -> bool:
         os.path.realpath(was) == os.path.realpath(now)
 
 
+def _saved_config(out: Path, saved: Path, schema: type[RunConfig]) -> RunConfig:
+    """The run's config.yaml; one that is the other stage's (a fine-tune given the pretraining
+    run's folder as its output_dir) is refused as such, not as keys of the user's to fix."""
+    try:
+        return load_config(schema, saved)
+    except ConfigError as e:
+        import finetune.config  # noqa: F401  (the fine-tune's schema, to be among the stages)
+        for other in RunConfig.__subclasses__():
+            if other is schema or not other.launcher:
+                continue
+            try:
+                load_config(other, saved)
+            except ConfigError:
+                continue
+            raise ConfigError(f"output_dir '{out}' holds a run of {other.launcher}, not of "
+                              f"{schema.launcher}; give this run an output_dir of its own") \
+                from None
+        raise ConfigError(f"output_dir '{out}' holds a config.yaml this run cannot read ({e}); "
+                          f"pick a new output_dir, or set checkpoint.resume=false to start a new "
+                          f"run there (the earlier one is moved into '{out}/earlier-<time>/')") \
+            from None
+
+
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> list[str]:
     """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
     the same ``identity_keys`` (the model; a fine-tune's init too). Returns the other settings
@@ -216,7 +239,7 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
     saved = out / "config.yaml"
     if not saved.is_file():
         return []
-    old = load_config(type(cfg), saved)
+    old = _saved_config(out, saved, type(cfg))
     for key in cfg.identity_keys:
         was, now = getattr(old, key), getattr(cfg, key)
         if was != now and hasattr(now, "model_fields"):  # a section: name the first difference

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, free_port, run_deepspeed, tiny_run_args
+from conftest import REPO, free_port, run_deepspeed, run_launcher, tiny_run_args
 from pretrain.metrics import read_jsonl
 
 
@@ -55,6 +55,19 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
                f"final/, final.json, final.safetensors, metrics.jsonl, per_class_top1.json" in closing
     assert card["init"]["format"] == "scratch"
     assert results["pretrained"] > 0.3  # chance is 0.1
+
+    # a stage pointed at the other's run folder: refused as that, nothing there touched
+    before = {p: p.stat().st_mtime_ns for p in (*pre.rglob("*"), *out.rglob("*"))}
+    for script, args, there, other in (
+            ("finetune.py", ["--config", "configs/finetune/demo.yaml",
+                             *finetune_args(pre, tiny_cifar, pre)], pre, "pretrain"),
+            ("pretrain.py", tiny_run_args(out, tiny_data), out, "finetune")):
+        proc = run_launcher(script, *args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: output_dir '{there}' holds a run of launch/{other}.py, not of "
+            f"launch/{script}; give this run an output_dir of its own")
+    assert {p: p.stat().st_mtime_ns for p in (*pre.rglob("*"), *out.rglob("*"))} == before
     assert results["pretrained"] > results["scratch"] + 0.05, results  # pretraining helps
 
     # lineage in MLflow (the suite's throwaway store): the fine-tune names its pretraining run
