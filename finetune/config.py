@@ -71,6 +71,7 @@ class FinetuneConfig(RunConfig):
     launcher: ClassVar[str] = "launch/finetune.py"
     # a fine-tune resumed with another init would keep the weights it started from
     identity_keys: ClassVar = ("model", "init")
+    head_per_class: ClassVar[bool] = True
     # what a fine-tune's recipe (or an override) must say: a pretraining recipe, whose keys the
     # fine-tune's config all has, would otherwise plan a fine-tune from scratch into its run
     recipe_keys: ClassVar = {"init": "a fine-tune starts from a pretraining run (init=runs/NAME) "

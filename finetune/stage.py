@@ -22,6 +22,10 @@ from pretrain.stage import Stage
 
 log = logging.getLogger("finetune")
 
+# Fewer dev images than this, and best.safetensors is chosen on a top-1 that moves in steps of
+# 4 % or more: the choice is noise, and the run says so.
+DEV_IMAGES_FEW = 25
+
 
 def finetune(cfg: FinetuneConfig) -> dict:
     """Fine-tune until ``train.total_steps``; returns the final metrics (rank 0's view)."""
@@ -50,6 +54,7 @@ class FinetuneStage(Stage):
         self.lineage = {"format": "scratch"}
         self.best = -1.0  # dev top-1 of best.safetensors
         self.test = None
+        self.dev = None  # the dev split's evaluator, which best.safetensors is chosen on
 
     def backend(self, cfg):
         from finetune.backend import AccelerateBackend
@@ -115,6 +120,7 @@ class FinetuneStage(Stage):
         # model selection on the dev split held out of train, every eval.every_steps
         dev = [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
             if cfg.data.dev_fraction else []
+        self.dev = dev[0] if dev else None
         if not dev and "every_steps" in cfg.eval.model_fields_set and rank == 0:
             log.warning("eval.every_steps=%d evaluates nothing: the fine-tune's periodic "
                         "evaluation (and its best export) is on the dev split, and "
@@ -129,6 +135,14 @@ class FinetuneStage(Stage):
 
     def after_eval(self, results: dict, step: int, backend, tracker) -> None:
         top1 = results.get("eval/dev/top1")
+        if top1 is not None and self.best < 0 and backend.rank == 0 and \
+                self.dev.samples < DEV_IMAGES_FEW:  # said once, at the first dev evaluation
+            d = self.cfg.data
+            log.warning("the dev split holds %d image%s (data.dev_fraction=%g of '%s'): "
+                        "best.safetensors is chosen on a top-1 that moves in steps of %.0f %%; "
+                        "raise data.dev_fraction (the paper holds out 2 %% of CIFAR's train, "
+                        "1,000 images)", self.dev.samples, "" if self.dev.samples == 1 else "s",
+                        d.dev_fraction, d.train_split, 100 / self.dev.samples)
         if top1 is not None and top1 > self.best:
             self.best = top1
             self._export(backend, "best", step, results, tracker.settled_run_id())

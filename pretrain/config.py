@@ -444,6 +444,9 @@ class RunConfig(Section):
     # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
     # is refused (pretrain/run_dir.py, check_same_run).
     identity_keys: ClassVar = ("model",)
+    # One output per class of the dataset (a fine-tune's new head), not at least one: a
+    # pretraining head may be wider than the labels a subset of ImageNet-21k uses.
+    head_per_class: ClassVar[bool] = False
 
     output_dir: str = Field("runs/pretrain", min_length=1,
                             description="checkpoints, logs, resolved config")

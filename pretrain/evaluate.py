@@ -232,6 +232,7 @@ class ClassificationEvaluator:
         # Top-1 per class (None for a class absent from the split): what a confusion-style
         # report needs at the end of a fine-tune; not logged as metrics (there are 21k classes).
         self.per_class_counts = counts.tolist()
+        self.samples = total
         self.per_class_top1 = [c / n if n else None for c, n in zip(*self.per_class_counts)]
         if cells is not None:
             n = per_class.shape[1]

@@ -88,7 +88,7 @@ def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
     labels beyond model.num_classes, which would stop the run."""
     if info is None:
         return f"data: not read here ({why})"
-    info.check_labels(cfg.data.root, cfg.model.num_classes)
+    info.check_labels(cfg.data.root, cfg.model.num_classes, cfg.head_per_class)
     sizes = _split_sizes(info, cfg.data.train_split, cfg.data.val_split)
     labels = f", {info.num_labels:,} labels" if info.num_labels else ""
     return f"data: {cfg.data.root}: {sizes} samples{labels}"

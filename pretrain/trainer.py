@@ -118,6 +118,7 @@ def _train(cfg: RunConfig, stage) -> dict:
     loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
                                 world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
                                 holdout=stage.holdout(cfg),
+                                exact_classes=cfg.head_per_class,
                                 log_sample_keys=cfg.debug.log_sample_keys,
                                 pin_memory=backend.on_gpu)
 

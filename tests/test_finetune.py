@@ -39,6 +39,7 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
         out = tmp_path / name
         proc = torchrun(*finetune_args(out, tiny_cifar, init))
         assert "global batch 32 = 2 ranks x 16 x 1 accumulation" in proc.stdout + proc.stderr
+        assert "the dev split holds" not in proc.stderr  # 64 images: enough to choose on
         for noise in ("Setting accelerator to CPU", "Add type hints to the `predict` method"):
             assert noise not in proc.stdout + proc.stderr  # DeepSpeed's and MLflow's, mid-log
         final = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/test/top1" in r][-1]
@@ -105,6 +106,42 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
     source = meta["vitscale"]["source"]
     assert source["step"] == best["step"] and source["tracking_run_id"] == tuned.info.run_id
     assert source["init"]["pretrain_run_id"] == pretrain_run.info.run_id
+
+
+def test_a_fine_tune_head_wider_than_the_datasets_classes_is_refused(tmp_path, tiny_cifar,
+                                                                    tiny_data):
+    """12 outputs for 10 classes trained on as if right, and the exports lost the class names
+    (their count no longer matched); the run and its dry-run now refuse it in one line."""
+    args = ["--config", "configs/finetune/demo.yaml",
+            *finetune_args(tmp_path / "ft", tiny_cifar, "null"), "model.num_classes=12"]
+    for extra in (["--dry-run"], []):
+        proc = run_launcher("finetune.py", *args, *extra)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: '{tiny_cifar}' has 10 classes but model.num_classes is 12: the head's other "
+            f"2 outputs would never be a right answer, and the exports would not know the class "
+            f"names; set model.num_classes=10")
+    assert not (tmp_path / "ft").exists()
+    # a pretraining head may be wider than the labels used (a subset of ImageNet-21k's synsets)
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={tiny_data}",
+                        "model.num_classes=10")
+    assert proc.returncode == 0 and "samples, 8 labels" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_dev_split_too_small_to_choose_on_is_said_once(tmp_path, tiny_cifar):
+    """2 % of 640 images: best.safetensors chosen on a dozen images is noise; the log says so
+    at the first dev evaluation, once."""
+    import re
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml",
+                        *finetune_args(tmp_path / "ft", tiny_cifar, "null"),
+                        "data.dev_fraction=0.02", "train.total_steps=4", "eval.every_steps=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = re.findall(r"the dev split holds (\d+) images \(data.dev_fraction=0.02 of 'train'\): "
+                      r"best.safetensors is chosen on a top-1 that moves in steps of (\d+) %",
+                      proc.stderr)
+    assert len(said) == 1, proc.stderr[-3000:]
+    images, step = map(int, said[0])
+    assert 5 < images < 25 and step == round(100 / images)
 
 
 def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path, tiny_cifar):

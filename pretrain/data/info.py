@@ -62,10 +62,16 @@ class DatasetInfo:
             return None
         return len(self.classes) if self.classes else None
 
-    def check_labels(self, root: str, num_classes: Optional[int]) -> None:
+    def check_labels(self, root: str, num_classes: Optional[int], exact: bool = False) -> None:
         """Refuse to train a model of ``num_classes`` outputs on this dataset when its labels
-        reach beyond them: all but a few of its samples would be skipped."""
+        reach beyond them: all but a few of its samples would be skipped. ``exact`` (a
+        fine-tune's new head): fewer labels than outputs are refused too."""
         labels = self.num_labels
+        if exact and num_classes and labels and labels < num_classes:
+            raise DatasetInfoError(
+                f"'{root}' has {labels} classes but model.num_classes is {num_classes}: the "
+                f"head's other {num_classes - labels} outputs would never be a right answer, and "
+                f"the exports would not know the class names; set model.num_classes={labels}")
         if not num_classes or not labels or labels <= num_classes:
             return
         recorded = "num_labels" in self.extra

@@ -326,13 +326,14 @@ def _describe(layout: dict) -> str:
 def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
                        log_sample_keys: Optional[str] = None, pin_memory: bool = False,
-                       holdout: float = 0.0) -> TrainLoader:
+                       holdout: float = 0.0, exact_classes: bool = False) -> TrainLoader:
     """The train loader of ``data`` (a :class:`pretrain.config.DataConfig`), without the
-    ``holdout`` share of the split (a dev split, see :meth:`ShardSet.holding_out`)."""
+    ``holdout`` share of the split (a dev split, see :meth:`ShardSet.holding_out`).
+    ``exact_classes``: refuse a dataset of fewer classes than ``num_classes`` too."""
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
     shards = ShardSet.from_info(data.root, data.train_split, retry_policy(data),
-                                data.missing_shards, num_classes)
+                                data.missing_shards, num_classes, exact_classes)
     shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "rest")

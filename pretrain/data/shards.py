@@ -145,11 +145,13 @@ class ShardSet:
 
     @classmethod
     def from_info(cls, root: str, split: str, retry: RetryPolicy = RetryPolicy(),
-                  on_missing: str = "skip", num_classes: Optional[int] = None) -> "ShardSet":
+                  on_missing: str = "skip", num_classes: Optional[int] = None,
+                  exact_classes: bool = False) -> "ShardSet":
         """``split`` as the info file of ``root`` lists it. ``num_classes``: the model's; a
-        dataset with more classes is refused (all but a few of its samples would be skipped)."""
+        dataset with more classes is refused (all but a few of its samples would be skipped),
+        with ``exact_classes`` one with fewer too."""
         dataset = read_info(root, retry)
-        dataset.check_labels(root, num_classes)
+        dataset.check_labels(root, num_classes, exact_classes)
         info = dataset.split(split)
         lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
         if len(lengths) != len(info.filenames):
