@@ -42,7 +42,14 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
     try:
         cfg = schema.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_describe(e, schema)) from None
+        msg = _describe(e, schema)
+        loc = [str(p) for p in e.errors()[0]["loc"] if not isinstance(p, int)]
+        key = ".".join(loc)
+        if path is not None and key and not any(key == g or key.startswith(g + ".")
+                                                for g in given):
+            where = _file_setting(Path(path), key)
+            msg = f"config file '{where}': {msg}" if where else msg
+        raise ConfigError(msg) from None
     for key, why in getattr(schema, "recipe_keys", {}).items() if path is not None else ():
         if key not in raw:  # (an override is in raw by now)
             raise ConfigError(f"config file '{path}' sets no {key}: {why}")
@@ -104,6 +111,29 @@ def _read_yaml(path: Path, _seen: tuple = ()) -> dict:
         return data
     base = _read_yaml(path.parent / parent, _seen + (path.resolve(),))
     return _deep_merge(base, data)
+
+
+def _file_setting(path: Path, key: str, depth: int = 0) -> Optional[Path]:
+    """Which file of a recipe's ``inherit:`` chain sets ``key`` (the most derived one): where a
+    bad key or value is to be fixed."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            break
+        node = node[part]
+    else:
+        return path
+    if key in data:  # written dotted in the file
+        return path
+    parent = data.get(INHERIT_KEY)
+    return _file_setting(path.parent / parent, key, depth + 1) \
+        if isinstance(parent, str) and depth < 20 else None
 
 
 def _deep_merge(base: dict, top: dict) -> dict:

@@ -176,10 +176,10 @@ def _train(cfg: RunConfig, stage) -> dict:
     timer = StepTimer(spec.train_flops_per_image(), world_size=world,
                       peak_tflops=peak_tflops(cfg.log.peak_tflops))
     if rank == 0:
-        log.info("%s %s at %d px for %d steps%s: global batch %d = %d ranks x %d x %d "
+        log.info("%s %s at %d px for %d steps%s: global batch %d = %d rank%s x %d x %d "
                  "accumulation, %.3f TFLOP per image", stage.verb, spec.name, spec.img_size,
-                 steps, stage.describe_start(), cfg.train.global_batch_size, world, micro, accum,
-                 spec.train_flops_per_image() / 1e12)
+                 steps, stage.describe_start(), cfg.train.global_batch_size, world,
+                 "s" if world > 1 else "", micro, accum, spec.train_flops_per_image() / 1e12)
         if step >= steps:
             log.info("the run finished its %d steps before: nothing to train", steps)
 

@@ -171,13 +171,15 @@ def test_a_config_of_the_other_stage_or_a_dotted_yaml_key_is_named_as_such(tmp_p
                       tmp_path / "pre/config.yaml")
     with pytest.raises(ConfigError) as e:
         load_config(FinetuneConfig, pre)
-    assert str(e.value) == ("'deepspeed' is a key of launch/pretrain.py, not launch/finetune.py: "
+    assert str(e.value) == (f"config file '{pre}': "
+                            "'deepspeed' is a key of launch/pretrain.py, not launch/finetune.py: "
                             "a config (or output_dir) of the other stage? Run it with "
                             "launch/pretrain.py, or give launch/finetune.py one of its own; "
                             "DeepSpeed in a fine-tune is Accelerate's config (accelerate launch "
                             "--config_file configs/accelerate/deepspeed_zero2.yaml "
                             "launch/finetune.py)")
-    with pytest.raises(ConfigError, match="^'data.dev_fraction', 'init' are keys of "
+    with pytest.raises(ConfigError, match=f"^config file '{REPO / 'configs/finetune/demo.yaml'}': "
+                                          "'data.dev_fraction', 'init' are keys of "
                                           "launch/finetune.py, not launch/pretrain.py"):
         load_config(PretrainConfig, REPO / "configs/finetune/demo.yaml")
     # a pretraining recipe holds no key the fine-tune lacks: it is its missing init that tells
@@ -191,9 +193,32 @@ def test_a_config_of_the_other_stage_or_a_dotted_yaml_key_is_named_as_such(tmp_p
                        ["init=null"]).init is None  # said in an override: as meant
     flat = tmp_path / "flat.yaml"
     flat.write_text("optimizer.lr: 1.0e-3\n")
-    with pytest.raises(ConfigError, match=r"^config key 'optimizer.lr' is written dotted in a YAML "
-                                          r"file; nest it there \(optimizer: \{lr: ...\}\)"):
+    with pytest.raises(ConfigError, match=rf"^config file '{flat}': config key 'optimizer.lr' is "
+                                          r"written dotted in a YAML file; nest it there "
+                                          r"\(optimizer: \{lr: ...\}\)"):
         load_config(PretrainConfig, flat)
+
+
+def test_a_bad_key_or_value_in_a_recipe_names_the_file_that_sets_it(tmp_path):
+    """A recipe inheriting another: the error names the file to fix, the inherited one where
+    the key is there; a bad value given on the command line names no file."""
+    (tmp_path / "base.yaml").write_text(f"inherit: {REPO / 'configs/pretrain/demo.yaml'}\n"
+                                        "optimizer:\n  lrr: 1.0e-3\n")
+    (tmp_path / "mine.yaml").write_text("inherit: base.yaml\ntrain:\n  total_steps: five\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, tmp_path / "mine.yaml")
+    assert str(e.value) == (f"config file '{tmp_path / 'base.yaml'}': unknown config key "
+                            f"'optimizer.lrr'; did you mean 'optimizer.lr'? (+1 more problem)")
+    (tmp_path / "base.yaml").write_text(f"inherit: {REPO / 'configs/pretrain/demo.yaml'}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, tmp_path / "mine.yaml")
+    assert str(e.value) == (f"config file '{tmp_path / 'mine.yaml'}': config key "
+                            f"'train.total_steps': input should be a valid integer, unable to "
+                            f"parse string as an integer (got 'five')")
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, tmp_path / "mine.yaml", ["train.total_steps=six"])
+    assert str(e.value).startswith("config key 'train.total_steps': input should be a valid "
+                                   "integer")
 
 
 def test_finetune_config_has_the_paper_transfer_defaults():
