@@ -89,7 +89,7 @@ class OneLineParser(argparse.ArgumentParser):
     the launchers is, instead of its usage block (which every rank of a job prints)."""
 
     def error(self, message: str) -> typing.NoReturn:
-        fail(f"{message}; see {self.prog} --help")
+        fail(f"{message}; see {self.prog} --help", quiet=_said_by_local_rank_0())
 
 
 # the options of --dry-run's plan, with their defaults
@@ -157,6 +157,13 @@ def _said_by_rank_0(exc: BaseException) -> bool:
     return getattr(exc, "agreed", False) and os.environ.get("RANK", "0") != "0"
 
 
+def _said_by_local_rank_0() -> bool:
+    """For errors of the command line and the config files, on a rank other than its node's
+    first: the ranks of a node share both (the launcher gives each the same arguments), so
+    they all raise the same, and the node's first rank prints it: a line per node, not per GPU."""
+    return os.environ.get("LOCAL_RANK", "0") != "0"
+
+
 def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Sequence[str]] = None,
           default_config: Optional[Path] = None):
     """Parse the command line into (args, validated config); exits with one line on bad input."""
@@ -167,13 +174,14 @@ def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Seq
         one = len(plan_only) == 1
         fail(f"{', '.join(plan_only)} only {'shapes' if one else 'shape'} the --dry-run plan; "
              f"add --dry-run, or drop {'it' if one else 'them'} (a run's ranks are its "
-             f"launcher's)")
+             f"launcher's)", quiet=_said_by_local_rank_0())
     if args.config is None:
-        fail("--config is required, e.g. --config configs/finetune/demo.yaml")
+        fail("--config is required, e.g. --config configs/finetune/demo.yaml",
+             quiet=_said_by_local_rank_0())
     try:
         cfg = load_config(schema, args.config, args.overrides)
     except ConfigError as e:
-        fail(str(e))
+        fail(str(e), quiet=_said_by_local_rank_0())
     return args, cfg
 
 

@@ -17,6 +17,22 @@ def test_misspelled_key_is_one_line_naming_it_and_the_fix():
     assert proc.stdout == ""
 
 
+def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_rank():
+    """Every rank of a node reads the same arguments and files: the node's first rank says
+    it, the others exit with the same code (a line per GPU is 8 lines a node)."""
+    import subprocess
+    from conftest import REPO, deepspeed_cmd
+    for bad, line in (
+            ("optimizer.lr_rate=1",
+             "error: unknown config key 'optimizer.lr_rate'; did you mean 'optimizer.lr'?"),
+            ("--bogus", "error: unrecognized arguments: --bogus; see pretrain.py --help")):
+        proc = subprocess.run(deepspeed_cmd(2, bad), cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        said = [t for t in (proc.stdout + proc.stderr).splitlines() if "error:" in t]
+        assert said == [line], proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 # On one GPU the batch of 4096 is 32 (ViT-L/16) or 64 (ViT-H/14) micro-batches summed in fp32:
 # ZeRO-1 holds bf16 params and grads (2 + 2 bytes), the fp32 gradient sums (4) and the fp32
 # master weights, gradient partition and Adam moments (16): 24 bytes a parameter.
