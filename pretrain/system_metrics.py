@@ -9,9 +9,10 @@ every ``tracking.system_metrics_every_s`` and appends one line per sample to
 ``output_dir/tracking/system/<host>.jsonl``; the tracker's thread sends the lines it has not
 sent yet (``<host>.delivered`` holds the offset), after an outage too, and
 ``launch/upload_spool.py`` sends what a job left behind. Other nodes' lines reach rank 0 through
-the output_dir, which a multi-node job shares (its checkpoints live there too). A sample another
-node takes after rank 0's last delivery (in the job's last seconds) stays in its file;
-``upload_spool.py`` sends it.
+the output_dir, which a multi-node job shares (its checkpoints live there too). At a job's end
+every node stops sampling before the ranks' last collective, after which rank 0 delivers: the
+last samples of every node arrive. A job stopped or failed leaves what other nodes sampled after
+rank 0's last delivery in their files: the resumed job, or ``upload_spool.py``, sends it.
 
 Names are MLflow's (``system/gpu_0_utilization_percentage``); with more than one node each
 carries its host (``system/<host>/gpu_0_utilization_percentage``), as MLflow's ``node_id`` does.

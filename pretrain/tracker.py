@@ -31,13 +31,26 @@ MAX_RETRY_WAIT_S = 30.0  # the longest pause between two delivery attempts
 # --------------------------------------------------------------------------------------------
 # The sink
 # --------------------------------------------------------------------------------------------
-class NoTracking:
+class NodeSampling:
+    """What both trackers hold on the first rank of a node: its system metrics sampler."""
+
+    sampler = None  # a NodeSampler (pretrain.system_metrics), set by start_tracking
+
+    def stop_sampling(self) -> None:
+        """Stop this node's sampler; its last sample is then in its file. At a job's end every
+        rank stops before the ranks' last collective, after which rank 0's tracker closes: its
+        last delivery has every node's samples."""
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None
+
+
+class NoTracking(NodeSampling):
     """Ranks other than 0, or ``tracking.enabled=false``: every public call of
     :class:`MlflowTracker`, doing nothing."""
 
     run_id = None
     unwritten = 0
-    sampler = None  # the first rank of a node: its NodeSampler (pretrain.system_metrics)
 
     def settled_run_id(self, timeout: float = 60.0) -> Optional[str]:
         return None
@@ -60,17 +73,15 @@ class NoTracking:
         pass
 
     def close(self, status: str = "FINISHED", tags: Optional[Mapping[str, str]] = None) -> None:
-        if self.sampler is not None:
-            self.sampler.close()
+        self.stop_sampling()
 
     def fail(self, tags: Optional[Mapping[str, str]] = None) -> None:
         self.close()
 
 
-class MlflowTracker:
-    """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers."""
-
-    sampler = None  # this node's NodeSampler (start_tracking's), whose lines the thread sends
+class MlflowTracker(NodeSampling):
+    """The MLflow sink (``MetricsLogger``): ``log`` spools and queues, a thread delivers (the
+    lines of every node's sampler too)."""
 
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
                  flush_every_s: float = 2.0, close_timeout_s: float = 120.0,
@@ -234,8 +245,7 @@ class MlflowTracker:
         if self._closed:
             return
         self._closed = True
-        if self.sampler is not None:  # its last sample is in its file: the thread sends it
-            self.sampler.close()
+        self.stop_sampling()  # its last sample is in its file: the thread sends it
         try:
             self._close(status, tags)
         finally:

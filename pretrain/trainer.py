@@ -352,8 +352,9 @@ def _train(cfg: RunConfig, stage) -> dict:
         watchdog.stop()
         stream.close()
         stop.restore()
+    tracker.stop_sampling()  # every node's last system sample on disk before rank 0's tracker
+    peaks = gather(peak_memory_gib(backend.device), world)  # delivers the last (sink.close)
     sink.close()
-    peaks = gather(peak_memory_gib(backend.device), world)
     if rank == 0:
         log.info("data: %s", describe_skips(skipped))
         log.info("%s", closing_line(out, metrics, peaks))

@@ -15,6 +15,10 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        longer; meanwhile OUTPUT_DIR/starting exists
   "slow_data":    [rank, seconds]      that rank waits this much longer for each training batch
                                        (a node with a slow disk or network)
+  "node":         [rank, host]         that rank is the first of a second node of that host
+                                       name ($LOCAL_RANK 0), on this machine
+  "slow_end":     [rank, seconds]      that rank's work after the last step (pretraining's
+                                       finish) takes this much longer
 """
 import json
 import os
@@ -100,6 +104,20 @@ if "slow_data" in FAULTS and FAULTS["slow_data"][0] == RANK:
         time.sleep(FAULTS["slow_data"][1])
         return _prepare_batch(*args, **kwargs)
     batch_lib.prepare_batch = _slow_prepare_batch
+
+if "node" in FAULTS and FAULTS["node"][0] == RANK:
+    import socket
+    socket.gethostname = lambda: FAULTS["node"][1]
+    os.environ["LOCAL_RANK"] = "0"
+
+if "slow_end" in FAULTS and FAULTS["slow_end"][0] == RANK:
+    import pretrain.stage as stage_lib
+    _finish = stage_lib.PretrainStage.finish
+
+    def _slow_finish(*args, **kwargs):
+        time.sleep(FAULTS["slow_end"][1])
+        return _finish(*args, **kwargs)
+    stage_lib.PretrainStage.finish = _slow_finish
 
 if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]

@@ -496,6 +496,28 @@ def test_a_tracking_server_answering_500_leaves_training_untouched_and_loses_not
     fault_ledger.record(proxy.failures, 0, samples_lost, metrics_lost + training_changed)
 
 
+def test_every_nodes_last_system_metrics_reach_mlflow_at_the_jobs_end(tmp_path, tiny_data,
+                                                                      mlflow_server):
+    """Rank 1 plays a second node ("gpu-b": a sampler of its own) that ends 1 s after rank 0:
+    every sample it took, to its end, is in MLflow when the job is over (rank 0's tracker
+    delivered before the others stopped sampling: the last ones waited for upload_spool.py)."""
+    out, exp = tmp_path / "run", "two-nodes"
+    faulty(out, tiny_data, "train.total_steps=4", "eval.every_steps=100",
+           f"tracking.experiment={exp}", "tracking.system_metrics=true",
+           "tracking.system_metrics_every_s=0.2", faults={"node": [1, "gpu-b"],
+                                                         "slow_end": [1, 1.0]},
+           env={"MLFLOW_TRACKING_URI": mlflow_server.uri})
+    sampled = [json.loads(line) for line in
+               (out / "tracking/system/gpu-b.jsonl").read_text().splitlines()]
+    assert len(sampled) >= 5  # through its last second at least
+    client = MlflowClient(mlflow_server.uri)
+    [run] = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+    key = "system/gpu-b/cpu_utilization_percentage"
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key),
+                                              key=lambda m: m.step)] == \
+        [(i, s["metrics"][key]) for i, s in enumerate(sampled)]
+
+
 def test_a_rank_starved_of_data_is_named_though_rank_0_waits_for_none(tmp_path, tiny_data):
     """Rank 1's batches come 1 s late (a node with a slow disk): rank 0 has its batches at
     once and waits at the gradient reduction instead, booked as compute. Its own data-wait share
