@@ -14,7 +14,9 @@ step, writes its part of the same checkpoint and leaves -- none saves alone, non
 in a collective for a rank that left. The question travels on a separate gloo (CPU) group and
 is answered one step late: the reduction of step N's flags is started after step N and read
 after step N+1, so the GPU stream never waits for it. A signal therefore stops the run one step
-after it arrived, which costs a second or so of a grace period of tens of seconds.
+after it arrived, which costs a second or so of a grace period of tens of seconds. After a
+periodic checkpoint the question is answered at once: a signal that came while it was written
+stops the run on it, with no second checkpoint a step later.
 
 A second signal while the checkpoint is being written is noted and ignored: the save finishes
 (a SIGKILL cannot be ignored, and a checkpoint cut short by one is never loaded: see
@@ -195,6 +197,20 @@ class StopSignals:
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._pending = (work, flag)
         return None
+
+    def agreed_now(self) -> Optional[str]:
+        """Collective, right after a periodic checkpoint: as :meth:`agreed`, answered at once.
+        A signal that came while it was written then stops the run on it, instead of a boundary
+        later with a second checkpoint (twice the time of a grace period). A blocking reduction
+        of one integer is nothing next to a save."""
+        if not self.signals:
+            return None
+        if self._group is None:
+            return self.name
+        self.drain()  # its flags are in this one too: a rank's signal stays noted
+        flag = torch.tensor([self.received or 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return signal.Signals(int(flag.item())).name if flag.item() else None
 
     def drain(self) -> None:
         """Finish a reduction still in flight (collective): call before the process group

@@ -327,9 +327,12 @@ def _train(cfg: RunConfig, stage) -> dict:
             signame = stop.agreed() if step < steps else None
             if step % cfg.checkpoint.every_steps == 0 or step == steps or signame:
                 started = time.monotonic()
-                failed_saves += not save(store, backend, loader, stage, cfg, step, steps, world,
-                                         tracker.run_id, guard, must_succeed=bool(signame),
-                                         loss_window=(float(loss_sum), window))
+                saved = save(store, backend, loader, stage, cfg, step, steps, world,
+                             tracker.run_id, guard, must_succeed=bool(signame),
+                             loss_window=(float(loss_sum), window))
+                failed_saves += not saved
+                if saved and not signame and step < steps:  # signalled while it was written?
+                    signame = stop.agreed_now()  # then it is the stop checkpoint
                 if signame:
                     stop.ending()
                     stop.report_save(time.monotonic() - started, signame)

@@ -948,10 +948,12 @@ def test_sigterm_stops_pretraining_with_a_checkpoint_and_the_relaunch_loses_noth
     fault_ledger.record(1, 1, *lost)
 
 
-def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
+def test_a_signal_during_a_periodic_checkpoint_stops_on_it_and_more_signals_change_nothing(
         tmp_path, tiny_data, reference, fault_ledger):
-    """SIGTERM to the group while a periodic checkpoint is being written, then SIGTERM and
-    SIGINT again while the stop checkpoint is: the save finishes, complete, once."""
+    """SIGTERM to the group while the periodic checkpoint of step 5 is being written, then
+    SIGTERM and SIGINT again while it still is: the save finishes, complete, once, and the run
+    stops on it (before, it trained on and wrote a second checkpoint a step later: twice the
+    time of a grace period)."""
     out = tmp_path / "run"
     saving = out / "saving"
 
@@ -965,37 +967,23 @@ def test_more_signals_while_the_stop_checkpoint_is_written_change_nothing(
 
     proc = launch(deepspeed_cmd(2, *run_args(out, tiny_data), script=FAULTY), tmp_path / "run.log",
                   env={"FAULTS": json.dumps({"slow_save": 0.5})})
-
-    def wait_for_save(step):
-        deadline = time.time() + 120
-        while f"step_{step:08d}" not in being_saved():
-            assert proc.poll() is None and time.time() < deadline, f"no save of step {step}"
-            time.sleep(0.02)
-
-    wait_for_save(EVERY)  # in the middle of the periodic checkpoint at step 5
+    deadline = time.time() + 120
+    while f"step_{EVERY:08d}" not in being_saved():
+        assert proc.poll() is None and time.time() < deadline, f"no save of step {EVERY}"
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGTERM)
-    seen = []
-
-    def during_the_stop_save():
-        deadline = time.time() + 120
-        while True:  # the next checkpoint being written is the stop checkpoint
-            text = being_saved()
-            found = re.search(r"step_(\d+)", text)
-            if found and int(found.group(1)) > EVERY:
-                seen.append(int(found.group(1)))
-                break
-            assert time.time() < deadline, "the stop checkpoint was never written"
-            time.sleep(0.02)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-    during_the_stop_save()
+    time.sleep(0.2)
+    assert f"step_{EVERY:08d}" in being_saved()  # every file takes 0.5 s: still being written
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.killpg(proc.pid, sig)
     proc.wait(timeout=300)
     wait_for_group(proc.pid)
     text = (tmp_path / "run.log").read_text()
-    assert stopped_step(text) == seen[0] and text.count("stopped: ") == 1
-    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [seen[0], EVERY]
+    assert stopped_step(text) == EVERY and text.count("stopped: ") == 1, text[-3000:]
+    assert text.count(f"checkpoint {out / 'checkpoints'}/step_") == 1  # no second save
+    assert re.search(r"SIGTERM: checkpoint written in [\d.]+ s, [\d.]+ s after the signal", text)
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [EVERY]
     again = faulty(out, tiny_data)
-    assert resumed_at(again) == [seen[0]]
+    assert resumed_at(again) == [EVERY]
     samples_lost, metrics_lost = compare_with(reference, out)
     fault_ledger.record(3, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
