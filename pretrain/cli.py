@@ -223,7 +223,8 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
          argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None,
          preflight: Optional[Callable[[Section], None]] = None) -> None:
     """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
-    input (config, data, checkpoint) ends in one line on stderr and exit code 2, a run that
+    input (config, data, checkpoint) ends in one line on stderr and exit code 2, storage that
+    stayed unreachable through the retries in one line and exit code 1 (as a crash), a run that
     had to stop (see :func:`stop_errors`) in one line and exit code 3, a run stopped by a
     signal after a complete checkpoint (``checkpoint.stop_signals``) in one line and exit
     code 4 (a stalled rank ends itself with exit code 5: :mod:`pretrain.watchdog`)."""
@@ -236,8 +237,11 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
         from pretrain.distributed import leave
         from pretrain.stopping import EXIT_STOPPED, StoppedBySignal, unignore_stop_signals
         unignore_stop_signals(cfg.checkpoint.stop_signals)
+        from pretrain.data.info import StorageUnreachable
         try:
             run(cfg)
+        except StorageUnreachable as e:  # not bad input: the storage may come back
+            fail(str(e), code=1, quiet=_said_by_rank_0(e))
         except user_errors() as e:
             fail(str(e), quiet=_said_by_rank_0(e))
         except stop_errors() as e:

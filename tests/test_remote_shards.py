@@ -54,7 +54,7 @@ class FlakyHandler(SimpleHTTPRequestHandler):
             roll, cut = server.rng.random(), server.rng.randrange(1, max(2, len(body)))
             server.requests += 1
             server.resumed += start > 0
-        if roll < server.p_503:
+        if roll < server.p_503 and path.name.endswith(server.failing):
             with server.lock:
                 server.failures += 1
             self.send_error(503, "busy")
@@ -64,7 +64,8 @@ class FlakyHandler(SimpleHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if roll < server.p_503 + server.p_cut and len(body) > 1:
+        if roll < server.p_503 + server.p_cut and len(body) > 1 and \
+                path.name.endswith(server.failing):
             with server.lock:
                 server.failures += 1
             self.wfile.write(body[:cut])
@@ -100,6 +101,7 @@ def flaky_http(tmp_path):
     server.rng, server.lock = random.Random(0), threading.Lock()
     server.p_503, server.p_cut = 0.15, 0.35
     server.requests = server.resumed = server.failures = server.refuse_get = 0
+    server.failing = ""  # the files that fail: those whose names end so (all)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server, www
@@ -146,6 +148,38 @@ def test_a_shard_that_stays_unreachable_is_reported_after_the_retries(flaky_http
     with pytest.raises(Unreachable, match=r"3 attempts in a row failed at byte 0 \(last: "
                                           r"ConnectionError: HTTP 503"):
         open_shard(f"{url}/toy-train-000000.tar", RetryPolicy(attempts=3, backoff_s=0.01))
+
+
+def test_storage_unreachable_through_the_retries_ends_the_run_as_a_crash_not_as_bad_input(
+        tmp_path, flaky_http, tiny_data):
+    """Exit code 2 means "a person must fix the input" (slurm_pretrain.sh never requeues it); a
+    storage outage longer than data.read_attempts covers may end by itself: exit code 1, as a
+    crash, one line, whether the shards (read in a loader worker) or the info file failed."""
+    import shutil
+    from conftest import tiny_run_args
+    url, server, www = flaky_http
+    shutil.copytree(tiny_data, www, dirs_exist_ok=True)
+    server.p_503, server.p_cut, server.failing = 1.0, 0.0, ".tar"  # _info.json still answers
+    args = [*tiny_run_args(tmp_path / "run", url), "data.read_attempts=2",
+            "data.retry_backoff_s=0.01", "data.num_workers=1", "tracking.enabled=false"]
+    proc = run_launcher("pretrain.py", *args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(
+        rf"error: shard {url}/\S+\.tar is unreachable \(.*2 attempts in a row failed at byte 0 "
+        r"\(last: ConnectionError: HTTP 503 busy\)\); check the storage \(relaunching resumes "
+        r"from the newest complete checkpoint\), or set data.missing_shards=skip to go on "
+        r"without it", proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
+    server.failing = ""  # the info file too
+    proc = run_launcher("pretrain.py", *args)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot read {url}/_info.json: "), proc.stderr[-3000:]
+    # a shard that is not there (404) is still the input's fault
+    server.failing, server.p_503 = ".tar", 0.0
+    (www / json.loads((www / "_info.json").read_text())["splits"]["train"]["filenames"][0]
+     ).unlink()
+    proc = run_launcher("pretrain.py", *args)
+    assert proc.returncode == 2 and " is missing (" in proc.stderr.strip().splitlines()[-1], \
+        proc.stderr[-3000:]
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
+from pretrain.data.loader_workers import (failed, iterate_workers, new_batch_images, raise_failed,
                                           worker_loader)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
@@ -37,7 +37,7 @@ class _EvalDataset(IterableDataset):
         try:
             yield from self._batches(samples, warn)
         except LoaderError as e:
-            yield Failed(str(e))
+            yield failed(e)
 
     def _batches(self, samples, warn: RateLimitedLog):
         for _ in range(self.batches):

@@ -28,6 +28,17 @@ class InfoNotRead(DatasetInfoError):
     malformed one, possibly fine where the run itself reads it."""
 
 
+class StorageUnreachable(Exception):
+    """Part of the errors of storage that failed every retry (a blip longer than
+    ``data.read_attempts`` covers): unlike bad input it may come back, so the launchers exit
+    with code 1, as a crash does (requeued; the relaunch resumes from the newest complete
+    checkpoint), not 2."""
+
+
+class InfoUnreachable(InfoNotRead, StorageUnreachable):
+    """The info file's storage failed every retry."""
+
+
 class NoInfo(InfoNotRead):
     """The folder holds no info file at all: not prepared (yet)."""
 
@@ -112,7 +123,7 @@ def join(root: str, filename: str) -> str:
 def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix (read with
     ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
-    from pretrain.data.remote import Missing, RetryPolicy, read_bytes
+    from pretrain.data.remote import Missing, RetryPolicy, Unreachable, read_bytes
     root = str(root)
     raw = loc = None
     for name in INFO_NAMES:
@@ -123,7 +134,10 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
                 break
             except Missing:
                 continue
-            except OSError as e:  # unreachable after the retries, or no permission
+            except Unreachable as e:
+                raise InfoUnreachable(f"cannot read {loc}: {e}; check the storage (a relaunch "
+                                      f"reads it again)") from None
+            except OSError as e:  # no permission
                 raise InfoNotRead(f"cannot read {loc}: {e}") from None
         elif os.path.isfile(loc):
             try:

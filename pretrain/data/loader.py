@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from pretrain.data.device_batch import Batch
-from pretrain.data.loader_workers import (Failed, iterate_workers, new_batch_images, raise_failed,
+from pretrain.data.loader_workers import (failed, iterate_workers, new_batch_images, raise_failed,
                                           worker_loader)
 from pretrain.data.remote import retry_policy
 from pretrain.data.samples import Skip, decode_sample
@@ -83,7 +83,7 @@ class _TrainDataset(IterableDataset):
         try:
             yield from self._batches(logical, good, skips)
         except LoaderError as e:
-            yield Failed(str(e))
+            yield failed(e)
 
     def _batches(self, logical: int, good, skips: WorkerPos):
         # One good sample is always decoded ahead: a batch's position is that of the next

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from pretrain.data.fork_guard import stuck_in_fork  # (importing it installs the fork hook)
-from pretrain.data.shards import LoaderError
+from pretrain.data.shards import LoaderError, ShardUnreachable
 from pretrain.helper_processes import ignore_stop_signals
 from pretrain.watchdog import dump_stacks_on_sigquit, progress
 
@@ -30,11 +30,16 @@ class Failed(NamedTuple):
     """A worker's LoaderError, passed as an item: raised in the worker it would reach the
     user wrapped in torch's multi-line traceback text instead of its one line."""
     message: str
+    unreachable: bool = False  # a ShardUnreachable: the storage may come back
+
+
+def failed(e: LoaderError) -> Failed:
+    return Failed(str(e), isinstance(e, ShardUnreachable))
 
 
 def raise_failed(item) -> None:
     if isinstance(item, Failed):
-        raise LoaderError(item.message)
+        raise (ShardUnreachable if item.unreachable else LoaderError)(item.message)
 
 
 def seed_generator() -> torch.Generator:

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-from pretrain.data.info import join, read_info
+from pretrain.data.info import StorageUnreachable, join, read_info
 from pretrain.data.remote import RetryPolicy, Unreachable, is_remote, open_shard
 
 log = logging.getLogger("pretrain.data.loader")  # one logger for what the loader warns about
@@ -57,6 +57,10 @@ def describe_skips(counts: Dict[str, int]) -> str:
 
 class LoaderError(ValueError):
     """The loader cannot be built as configured (one line naming the problem and the fix)."""
+
+
+class ShardUnreachable(LoaderError, StorageUnreachable):
+    """A shard failed every retry under ``data.missing_shards=error``."""
 
 
 class RateLimitedLog:
@@ -257,10 +261,14 @@ def _records(plan: ShardPlan, shard_ids: Sequence[int], warn: RateLimitedLog) ->
             if isinstance(e, (FileNotFoundError, Unreachable)):  # Missing is a FileNotFoundError
                 cause = "missing_shard" if isinstance(e, FileNotFoundError) else \
                     "unreachable_shard"
+                if shards.on_missing == "error" and cause == "missing_shard":
+                    raise LoaderError(f"shard {url} is missing ({e}); check the storage, or set "
+                                      f"data.missing_shards=skip to go on without it") from None
                 if shards.on_missing == "error":
-                    raise LoaderError(f"shard {url} is {cause.split('_')[0]} ({e}); check the "
-                                      f"storage, or set data.missing_shards=skip to go on "
-                                      f"without it") from None
+                    raise ShardUnreachable(
+                        f"shard {url} is unreachable ({e}); check the storage (relaunching "
+                        f"resumes from the newest complete checkpoint), or set "
+                        f"data.missing_shards=skip to go on without it") from None
             if expected < 0:  # unknown length: at least the sample being read is gone
                 expected = read + 1
         if expected > read:
