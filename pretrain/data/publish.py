@@ -260,6 +260,7 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
                 record.flush()
             if i == len(names) or i % max(1, len(names) // 20) == 0:
                 log.info("published %d/%d files to %s", i, len(names), location)
-    log.info("uploaded %d of %d files to %s (the others were there already, sent from this "
-             "stage folder)", sent, len(names), location)
+    log.info("uploaded %d of %d files to %s%s", sent, len(names), location,
+             " (the others were there already, sent from this stage folder)"
+             if sent < len(names) else "")
     return sent
