@@ -140,10 +140,19 @@ def build_parser(prog: str, description: str, schema: Type[Section],
     return p
 
 
+# A rank that leaves the line to another waits this long before it exits: a launcher ends
+# every rank once one has exited, and the one with the line (slower to start on a busy node)
+# must not be ended before it has said it. It ends this one too, once it has.
+QUIET_EXIT_WAIT_S = 3.0
+
+
 def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
     """One line on stderr, no traceback: the message names the problem and the fix. ``quiet``:
-    the exit code only (another rank says the line)."""
-    if not quiet:
+    the exit code only (another rank says the line), after :data:`QUIET_EXIT_WAIT_S`."""
+    if quiet:
+        import time
+        time.sleep(QUIET_EXIT_WAIT_S)
+    else:
         # one write: the ranks of a job share the launcher's stderr, and print() writes the line
         # and its newline separately, so two ranks' messages could end up on one line
         sys.stderr.write(f"error: {message}\n")
@@ -223,7 +232,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
          argv: Optional[Sequence[str]] = None, default_config: Optional[Path] = None,
          preflight: Optional[Callable[[Section], None]] = None) -> None:
     """A stage launcher: parse, then ``--print-config``, ``--dry-run``, or ``run(cfg)``; bad
-    input (config, data, checkpoint) ends in one line on stderr and exit code 2, storage that
+    input (config, data, checkpoint) ends in one line on stderr and exit code 2, shards that
     stayed unreachable through the retries in one line and exit code 1 (as a crash), a run that
     had to stop (see :func:`stop_errors`) in one line and exit code 3, a run stopped by a
     signal after a complete checkpoint (``checkpoint.stop_signals``) in one line and exit

@@ -152,9 +152,10 @@ def test_a_shard_that_stays_unreachable_is_reported_after_the_retries(flaky_http
 
 def test_storage_unreachable_through_the_retries_ends_the_run_as_a_crash_not_as_bad_input(
         tmp_path, flaky_http, tiny_data):
-    """Exit code 2 means "a person must fix the input" (slurm_pretrain.sh never requeues it); a
-    storage outage longer than data.read_attempts covers may end by itself: exit code 1, as a
-    crash, one line, whether the shards (read in a loader worker) or the info file failed."""
+    """Exit code 2 means "a person must fix the input" (slurm_pretrain.sh never requeues it); an
+    outage of storage that answered at the start, longer than data.read_attempts covers, may
+    end by itself: exit code 1, as a crash, one line (the shards are read in a loader worker).
+    Storage that never answered (the info file unread) and a missing shard stay bad input."""
     import shutil
     from conftest import tiny_run_args
     url, server, www = flaky_http
@@ -169,9 +170,9 @@ def test_storage_unreachable_through_the_retries_ends_the_run_as_a_crash_not_as_
         r"\(last: ConnectionError: HTTP 503 busy\)\); check the storage \(relaunching resumes "
         r"from the newest complete checkpoint\), or set data.missing_shards=skip to go on "
         r"without it", proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
-    server.failing = ""  # the info file too
+    server.failing = ""  # the info file too: a wrong endpoint looks the same from here
     proc = run_launcher("pretrain.py", *args)
-    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: cannot read {url}/_info.json: "), proc.stderr[-3000:]
     # a shard that is not there (404) is still the input's fault
     server.failing, server.p_503 = ".tar", 0.0

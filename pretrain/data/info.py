@@ -29,14 +29,12 @@ class InfoNotRead(DatasetInfoError):
 
 
 class StorageUnreachable(Exception):
-    """Part of the errors of storage that failed every retry (a blip longer than
-    ``data.read_attempts`` covers): unlike bad input it may come back, so the launchers exit
-    with code 1, as a crash does (requeued; the relaunch resumes from the newest complete
-    checkpoint), not 2."""
-
-
-class InfoUnreachable(InfoNotRead, StorageUnreachable):
-    """The info file's storage failed every retry."""
+    """Part of the errors of storage that answered at the run's start (its info file was read)
+    and then failed every retry (an outage longer than ``data.read_attempts`` covers): unlike
+    bad input it may end by itself, so the launchers exit with code 1, as a crash does (the
+    relaunch resumes from the newest complete checkpoint), not 2. Storage that never answered
+    (a mistyped host, a wrong endpoint, a missing ``pipe:`` command) fails the info file's read
+    at the start: bad input, code 2."""
 
 
 class NoInfo(InfoNotRead):
@@ -123,7 +121,7 @@ def join(root: str, filename: str) -> str:
 def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix (read with
     ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
-    from pretrain.data.remote import Missing, RetryPolicy, Unreachable, read_bytes
+    from pretrain.data.remote import Missing, RetryPolicy, read_bytes
     root = str(root)
     raw = loc = None
     for name in INFO_NAMES:
@@ -134,10 +132,7 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
                 break
             except Missing:
                 continue
-            except Unreachable as e:
-                raise InfoUnreachable(f"cannot read {loc}: {e}; check the storage (a relaunch "
-                                      f"reads it again)") from None
-            except OSError as e:  # no permission
+            except OSError as e:  # unreachable after the retries, or no permission
                 raise InfoNotRead(f"cannot read {loc}: {e}") from None
         elif os.path.isfile(loc):
             try:
