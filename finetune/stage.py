@@ -140,9 +140,11 @@ class FinetuneStage(Stage):
             d = self.cfg.data
             log.warning("the dev split holds %d image%s (data.dev_fraction=%g of '%s'): "
                         "best.safetensors is chosen on a top-1 that moves in steps of %.0f %%; "
-                        "raise data.dev_fraction (the paper holds out 2 %% of CIFAR's train, "
+                        "raise data.dev_fraction%s (the paper holds out 2 %% of CIFAR's train, "
                         "1,000 images)", self.dev.samples, "" if self.dev.samples == 1 else "s",
-                        d.dev_fraction, d.train_split, 100 / self.dev.samples)
+                        d.dev_fraction, d.train_split, 100 / self.dev.samples,
+                        "" if self.cfg.eval.max_samples is None else
+                        f" or eval.max_samples={self.cfg.eval.max_samples}, which caps it")
         if top1 is not None and top1 > self.best:
             self.best = top1
             self._export(backend, "best", step, results, tracker.settled_run_id())

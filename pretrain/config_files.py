@@ -45,8 +45,10 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
         msg = _describe(e, schema)
         loc = [str(p) for p in e.errors()[0]["loc"] if not isinstance(p, int)]
         key = ".".join(loc)
-        if path is not None and key and not any(key == g or key.startswith(g + ".")
-                                                for g in given):
+        # not where the command line set it, or set anything inside it (a section's own check,
+        # data.crop_scale's say, reports the section: the value may be the override's)
+        if path is not None and key and not any(
+                key == g or key.startswith(g + ".") or g.startswith(key + ".") for g in given):
             where = _file_setting(Path(path), key)
             msg = f"config file '{where}': {msg}" if where else msg
         raise ConfigError(msg) from None

@@ -15,6 +15,7 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        longer; meanwhile OUTPUT_DIR/starting exists
   "slow_data":    [rank, seconds]      that rank waits this much longer for each training batch
                                        (a node with a slow disk or network)
+  "late":         [rank, seconds]      that rank starts this much later (a busy node)
   "node":         [rank, host]         that rank is the first of a second node of that host
                                        name ($LOCAL_RANK 0), on this machine
   "slow_end":     [rank, seconds]      that rank's work after the last step (pretraining's
@@ -104,6 +105,9 @@ if "slow_data" in FAULTS and FAULTS["slow_data"][0] == RANK:
         time.sleep(FAULTS["slow_data"][1])
         return _prepare_batch(*args, **kwargs)
     batch_lib.prepare_batch = _slow_prepare_batch
+
+if "late" in FAULTS and FAULTS["late"][0] == RANK:
+    time.sleep(FAULTS["late"][1])
 
 if "node" in FAULTS and FAULTS["node"][0] == RANK:
     import socket

@@ -1,4 +1,6 @@
 """The pretraining launcher as a user runs it: dry runs of the recipes and one-line errors."""
+import os
+
 import pytest
 import yaml
 
@@ -31,6 +33,20 @@ def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_
         assert proc.returncode == 2, proc.stderr[-2000:]
         said = [t for t in (proc.stdout + proc.stderr).splitlines() if "error:" in t]
         assert said == [line], proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the node's first rank starting late (a busy node) under torchrun, which ends every rank
+    # within 0.1 s of one exiting: the others wait for its line instead of exiting first
+    import json
+    import sys
+    from conftest import free_port
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         str(free_port()), str(REPO / "tests/faulty_launch.py"), "optimizer.lr_rate=1"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "FAULTS": json.dumps({"late": [0, 1.0]})})
+    assert proc.returncode != 0
+    said = [t for t in (proc.stdout + proc.stderr).splitlines() if t.startswith("error:")]
+    assert said == ["error: unknown config key 'optimizer.lr_rate'; did you mean "
+                    "'optimizer.lr'?"], proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 # On one GPU the batch of 4096 is 32 (ViT-L/16) or 64 (ViT-H/14) micro-batches summed in fp32:

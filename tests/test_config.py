@@ -219,6 +219,12 @@ def test_a_bad_key_or_value_in_a_recipe_names_the_file_that_sets_it(tmp_path):
         load_config(PretrainConfig, tmp_path / "mine.yaml", ["train.total_steps=six"])
     assert str(e.value).startswith("config key 'train.total_steps': input should be a valid "
                                    "integer")
+    # a section's own check reports the section: a bad value given on the command line is not
+    # pinned on a recipe that merely has that section
+    with pytest.raises(ConfigError) as e:
+        load_config(PretrainConfig, tmp_path / "mine.yaml",
+                    ["train.total_steps=5", "data.crop_scale=[1.0,0.5]"])
+    assert not str(e.value).startswith("config file") and "crop_scale" in str(e.value)
 
 
 def test_finetune_config_has_the_paper_transfer_defaults():
