@@ -70,6 +70,10 @@ def unignore_stop_signals(names: Sequence[str]) -> None:
                           else signal.SIG_DFL)
 
 
+def _named(flag: torch.Tensor) -> str:
+    return signal.Signals(int(flag.item())).name
+
+
 _exiting = threading.Lock()  # held by the thread that ends this process with exit_now
 
 
@@ -192,11 +196,15 @@ class StopSignals:
             work.wait()
             self._pending = None
             if flag.item():
-                return signal.Signals(int(flag.item())).name
-        flag = torch.tensor([self.received or 0], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        self._pending = (work, flag)
+                return _named(flag)
+        self._pending = self._reduce(async_op=True)
         return None
+
+    def _reduce(self, async_op: bool):
+        """(work, flag): the largest signal number noted on any rank (0: none), in ``flag``."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int32)
+        return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
+                               async_op=async_op), flag
 
     def agreed_now(self) -> Optional[str]:
         """Collective, right after a periodic checkpoint: as :meth:`agreed`, answered at once.
@@ -208,9 +216,8 @@ class StopSignals:
         if self._group is None:
             return self.name
         self.drain()  # its flags are in this one too: a rank's signal stays noted
-        flag = torch.tensor([self.received or 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
+        _, flag = self._reduce(async_op=False)
+        return _named(flag) if flag.item() else None
 
     def drain(self) -> None:
         """Finish a reduction still in flight (collective): call before the process group
