@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         return 0
     if args.command == "table":
         return run_table(args)
-    from pretrain.cli import user_errors
+    from pretrain.cli import input_exit_code, user_errors
     try:  # a bad model, precision or data: one line, as the launchers say it
         if args.command == "train":
             with _stdout_to_stderr():
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
             result = run_loader(args)
             show = bench_tables.loader
     except user_errors() as e:
-        fail(str(e))
+        fail(str(e), code=input_exit_code(e))
     if args.command == "train" and args.record:
         from pretrain import bench_records
         bench_records.append(args.record, result, sys.argv[1:] if argv is None else argv)

@@ -23,7 +23,8 @@ Output: the figures on stdout; metrics.json, per_class_top1.json, confusion_matr
 beyond 1000 classes) and confusion_matrix.png in --out. MLflow: an evaluation run (tag
 stage=evaluate, metrics eval/SPLIT/top1 and top5, the files as artifacts) in the experiment of
 the run that produced the model, nested under it. If MLflow cannot be reached: one warning, and
-`python launch/upload_spool.py OUT` sends it later. Bad input ends in one line and exit code 2.
+`python launch/upload_spool.py OUT` sends it later. Bad input ends in one line and exit code 2;
+remote shards that stay unreachable through the retries in one line and exit code 1.
 """
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
                          workers=args.workers, device=args.device, precision=args.precision)
         written = report.write_outputs(ev, out)
     except cli.user_errors() as e:
-        cli.fail(str(e))
+        cli.fail(str(e), code=cli.input_exit_code(e))
     except OSError as e:  # unwritable --out, full disk
         cli.fail(f"cannot write the results: {e}")
     for note in ev.notes:

@@ -25,6 +25,15 @@ def user_errors() -> tuple:
     return ConfigError, DatasetInfoError, LoaderError, PrepareError, TrackingError
 
 
+def input_exit_code(exc: BaseException) -> int:
+    """The exit code of one of :func:`user_errors`: 2 (a person must fix the input), but 1, as
+    a crash, for storage that answered at the start and then failed every retry
+    (:class:`pretrain.data.info.StorageUnreachable`): the outage may end by itself, so a
+    wrapper that relaunches on failures retries it."""
+    from pretrain.data.info import StorageUnreachable
+    return 1 if isinstance(exc, StorageUnreachable) else 2
+
+
 def stop_errors() -> tuple:
     """Exceptions that end a run on purpose (non-finite losses, a failed checkpoint write): their
     message says what happened, what is intact and what to do; exit code 3."""
@@ -246,13 +255,10 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
         from pretrain.distributed import leave
         from pretrain.stopping import EXIT_STOPPED, StoppedBySignal, unignore_stop_signals
         unignore_stop_signals(cfg.checkpoint.stop_signals)
-        from pretrain.data.info import StorageUnreachable
         try:
             run(cfg)
-        except StorageUnreachable as e:  # not bad input: the storage may come back
-            fail(str(e), code=1, quiet=_said_by_rank_0(e))
         except user_errors() as e:
-            fail(str(e), quiet=_said_by_rank_0(e))
+            fail(str(e), code=input_exit_code(e), quiet=_said_by_rank_0(e))
         except stop_errors() as e:
             fail(str(e), code=3, quiet=_said_by_rank_0(e))
         except StoppedBySignal as e:  # not an error: the run goes on when relaunched

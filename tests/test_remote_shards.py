@@ -170,6 +170,14 @@ def test_storage_unreachable_through_the_retries_ends_the_run_as_a_crash_not_as_
         r"\(last: ConnectionError: HTTP 503 busy\)\); check the storage \(relaunching resumes "
         r"from the newest complete checkpoint\), or set data.missing_shards=skip to go on "
         r"without it", proc.stderr.strip().splitlines()[-1]), proc.stderr[-3000:]
+    # the one-off tools read shards through the same loader and end the same way
+    bench = run_launcher("benchmark.py", "train", "--model", "vit_tiny_patch16_224",
+                         "--image-size", "16", "--num-classes", "8", "--batch", "4",
+                         "--precision", "fp32", "--steps", "1", "--warmup", "1", "--shards", url,
+                         "--workers", "1", "--set", "data.read_attempts=2",
+                         "--set", "data.retry_backoff_s=0.01")
+    assert bench.returncode == 1 and bench.stderr.strip().splitlines()[-1].startswith(
+        f"error: shard {url}/"), bench.stderr[-3000:]
     server.failing = ""  # the info file too: a wrong endpoint looks the same from here
     proc = run_launcher("pretrain.py", *args)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
