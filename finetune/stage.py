@@ -74,6 +74,8 @@ class FinetuneStage(Stage):
     def holdout(self, cfg) -> float:
         return cfg.data.dev_fraction
 
+    finish_reads_weights = True  # the test split and the exports are of the final weights
+
     def init_weights(self, model) -> None:
         if self.cfg.init:
             from finetune.weights import load_init

@@ -325,6 +325,12 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
                                     save_latest=False)
 
+    def client_state(self, root: Path, ckpt) -> dict:
+        """What :meth:`load_checkpoint` returns, read from rank 0's file without loading any
+        weights (``weights_only``: no screening needed)."""
+        from pretrain.consolidate import read_client_state
+        return read_client_state(Path(root) / ckpt.tag)
+
     def load_checkpoint(self, root: Path, ckpt) -> dict:
         from pretrain.pickle_screen import check_pickles_are_inert
         universal = bool(self._needs_universal(ckpt))

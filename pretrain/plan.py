@@ -145,10 +145,12 @@ def fewshot_line(cfg: RunConfig) -> list[str]:
     return [f"few-shot probe: {e.fewshot_root}: {sizes} samples"]
 
 
-def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None) -> Optional[str]:
+def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None,
+                steps: Optional[int] = None) -> Optional[str]:
     """What a run in ``output_dir`` starts from, when a run was there: its newest complete
     checkpoint, with the settings that changed since and (pretraining: ``stage`` known) whether
-    DeepSpeed converts it first; refused in one line where the run would refuse it."""
+    DeepSpeed converts it first -- not when it is at or past ``steps`` (known: the run's
+    length), which trains nothing; refused in one line where the run would refuse it."""
     from pretrain.checkpoint import CheckpointStore
     from pretrain.run_dir import check_same_run
 
@@ -162,7 +164,9 @@ def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None) -> Opti
         return f"resume: no (checkpoint.resume=false): the run in {out} is moved aside first"
     changed = check_same_run(out, cfg, ckpt)
     line = f"resume: from {ckpt.path} at step {ckpt.step:,}"
-    if stage is not None:
+    if steps is not None and ckpt.step >= steps:
+        line += f": the run has trained its {steps:,} steps, nothing to train"
+    elif stage is not None:
         from pretrain.checkpoint_layout import conversion
         why = conversion(ckpt, world, stage, cfg.train.precision, cfg.optimizer.name)
         line += f", converted to DeepSpeed's universal checkpoint first ({why})" if why else ""
@@ -199,10 +203,6 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     sums = ", the fp32 gradient sums" if fp32_sums and stage <= 1 else ""
     lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
                  f"(params, grads{sums}, optimizer; activations come on top{ckpt})")
-    resume = resume_line(cfg, world, stage)
-    if resume:
-        lines.append(resume)
-
     samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
                                     if info else None)
     given = ", --samples" if samples_per_epoch else ""  # which may differ from data.root's
@@ -226,4 +226,7 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
         # 3 significant digits: a small MFU given on purpose must not read as 0 %
         lines.append(f"time to finish at {100 * mfu:.3g}% MFU of {peak:g} TFLOP/s per GPU: "
                      f"{format_duration(seconds)} on {world} GPU(s)")
+    resume = resume_line(cfg, world, stage, steps)
+    if resume:
+        lines.append(resume)
     return "\n".join(lines)

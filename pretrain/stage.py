@@ -57,6 +57,12 @@ class Stage:
         """After the last step and its checkpoint; returns more final metrics."""
         return {}
 
+    # Whether finish() reads the trained weights from the backend. Pretraining's reads the
+    # checkpoint's files, so a run relaunched after its last step (a requeue after the
+    # finish, say) takes only the step and its MLflow run from the checkpoint: on another world
+    # size nothing is converted to DeepSpeed's universal layout (a checkpoint-sized copy).
+    finish_reads_weights = False
+
     def tracking_tags(self) -> dict:
         return {}
 

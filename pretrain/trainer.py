@@ -128,11 +128,15 @@ def _train(cfg: RunConfig, stage) -> dict:
         set_aside_earlier_run(out, stage.inputs(cfg))
     changed = check_same_run(out, cfg, resume)
 
+    steps = total_steps(cfg, loader.num_samples)
+    # a run relaunched after its last step trains nothing: its weights are loaded only when
+    # the stage's finish reads them
+    weights_from = None if (resume is not None and resume.step >= steps
+                            and not stage.finish_reads_weights) else resume
     seed_everything(cfg.seed)  # identical initial weights on every rank
-    backend.build(cfg, micro, accum, resume, store,
+    backend.build(cfg, micro, accum, weights_from, store,
                   init_weights=stage.init_weights if resume is None else None)
     evaluators = stage.evaluators(cfg, spec, backend)  # checks the eval shards now
-    steps = total_steps(cfg, loader.num_samples)
     scheduler = build_scheduler(backend.optimizer, cfg, steps)
     mixup = build_mixup(cfg.data, spec.num_classes)
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
@@ -140,7 +144,8 @@ def _train(cfg: RunConfig, stage) -> dict:
 
     step, run_id, carried = 0, None, None
     if resume is not None:
-        client = store.load(backend, resume)
+        client = (store.load(backend, resume) if weights_from is not None
+                  else backend.client_state(store.root, resume))
         step, run_id = int(client["step"]), client.get("tracking_run_id")
         if resume.world_size == world:  # the loss window the next log line averages
             carried = (client.get("loss_window") or [None] * world)[rank]

@@ -121,6 +121,33 @@ def test_only_the_newest_keep_last_checkpoints_are_kept(reference):
         "step_00000010", "step_00000015", "step_00000020"]
 
 
+def test_a_finished_run_relaunched_on_fewer_ranks_trains_and_converts_nothing(
+        reference, tmp_path, tiny_data):
+    """A run relaunched after its last step (a requeue after the finish, say) on another world
+    size: nothing to train, so its checkpoint is not converted to DeepSpeed's universal layout
+    first (a checkpoint-sized copy left behind, minutes at ViT-H) and the MLflow run it wrote
+    to is the one it reopens."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    losses = last_values(out)
+    run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    plan = run_launcher("pretrain.py", "--dry-run", "--world-size", "1",
+                        *run_args(out, tiny_data))
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert f"resume: from {out}/checkpoints/step_{STEPS:08d} at step {STEPS}: the run has " \
+           f"trained its {STEPS} steps, nothing to train" in plan.stdout, plan.stdout[-2000:]
+    proc = run_deepspeed(1, *run_args(out, tiny_data))
+    text = proc.stdout + proc.stderr
+    assert f"resumed from {out}/checkpoints/step_{STEPS:08d} at step {STEPS}" in text, text[-3000:]
+    assert f"the run finished its {STEPS} steps before: nothing to train" in text
+    assert "universal" not in text, text[-3000:]
+    assert not list((out / "checkpoints").glob("*_universal")), "converted a finished run"
+    assert last_values(out) == losses
+    assert json.loads((out / "tracking/run.json").read_text())["run_id"] == run_id
+    assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == \
+        "FINISHED"
+
+
 # --------------------------------------------------------------------------------------------
 # 1 + 2. SIGKILL of one rank at random steps, and in the middle of writing a checkpoint
 # --------------------------------------------------------------------------------------------
