@@ -81,6 +81,17 @@ positive_int = _count_of_at_least(1)
 whole_number = _count_of_at_least(0)
 
 
+def positive_number(text: str) -> float:
+    """argparse ``type=`` for a size above 0, such as a GPU's memory in GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got '{text}'")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse ``type=`` for a fraction in (0, 1], such as an MFU."""
     try:
@@ -102,7 +113,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # the options of --dry-run's plan, with their defaults
-PLAN_FLAGS = {"world_size": None, "gpus_per_node": 8, "mfu": 0.45, "samples": None}
+PLAN_FLAGS = {"world_size": None, "gpus_per_node": 8, "mfu": 0.45, "samples": None,
+              "gpu_memory": None}
 
 
 def build_parser(prog: str, description: str, schema: Type[Section],
@@ -139,6 +151,9 @@ def build_parser(prog: str, description: str, schema: Type[Section],
         p.add_argument("--mfu", type=fraction, default=PLAN_FLAGS["mfu"], metavar="F",
                        help="with --dry-run: the model FLOPs utilisation the time-to-finish "
                             "estimate assumes, a fraction in (0, 1] (default 0.45)")
+        p.add_argument("--gpu-memory", type=positive_number, default=None, metavar="GIB",
+                       help="with --dry-run: each GPU's memory in GiB, which the plan's memory "
+                            "estimate is checked against (default 79: an H100 80GB)")
         p.add_argument("--samples", type=positive_int, default=None, metavar="N",
                        help="with --dry-run: samples per epoch to plan with (default: "
                             "data.root's train split, when readable here; ImageNet-21k fall11: "
@@ -218,7 +233,7 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
     per GPU for its ZeRO stage, steps and the time to finish. ``preflight``: the stage's own
     checks of its inputs (the fine-tune's ``init``), as the run makes them at its start."""
     from pretrain.config import PretrainConfig
-    from pretrain.plan import describe, plan, resume_line
+    from pretrain.plan import DEFAULT_GPU_MEMORY_GIB, describe, plan, resume_line
     from pretrain.tracking_store import check_store
 
     try:
@@ -227,7 +242,8 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
             preflight(cfg)
         if isinstance(cfg, PretrainConfig):
             summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-                           samples_per_epoch=args.samples)
+                           samples_per_epoch=args.samples,
+                           gpu_memory_gib=args.gpu_memory or DEFAULT_GPU_MEMORY_GIB)
         else:
             lines = describe(cfg, world_size(args))[0]
             summary = "\n".join(lines + [line for line in [resume_line(cfg, world_size(args))]

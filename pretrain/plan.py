@@ -1,8 +1,9 @@
 """The ``--dry-run`` plan: what a run will cost, computed on the meta device in seconds.
 
 Architecture, parameters and training FLOPs per image; the batch layout for a world size; steps
-per epoch and in total; model-state memory per GPU for the ZeRO stage (DeepSpeed's estimators);
-and the time to finish at an assumed MFU.
+per epoch and in total; memory per GPU: model states for the ZeRO stage (DeepSpeed's estimators)
+and the activations of a micro-batch (a measured constant); and the time to finish at an
+assumed MFU.
 """
 from __future__ import annotations
 
@@ -51,6 +52,30 @@ def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
     # fp32 master weights, fp32 grads and Adam's two moments (16 bytes) sharded (ZeRO-1) or not;
     # summing in fp32, ZeRO-1 keeps an fp32 copy of all the gradients besides (4 bytes)
     return (4 + 4 * fp32_sums) * params + 16 * params // (world if stage == 1 else 1)
+
+
+# What autograd keeps for the backward, in bytes per token and per unit of width, of one block
+# (16-bit; flash attention keeps no attention matrix): measured, ViT-H/14's peak on one H100
+# grew from 23.9 to 49.4 GiB between micro-batches 48 and 128 (compiled, benchmarks/train.jsonl),
+# 0.319 GiB an image over 32 blocks of 257 tokens x 1280. Counted tensor by tensor, a block keeps
+# 18 of those bytes for its norms and attention and 4 per unit of MLP width (its fc1 output and
+# GELU output): 34 at the ViT's MLP ratio of 4, which the measured 32.5 scales.
+ACTIVATION_BYTES = 32.5
+# the GPU memory a plan checks its estimate against when --gpu-memory is not given: the H100
+# 80GB's, as torch reports it (DEFAULT_PEAK_TFLOPS is that GPU's too)
+DEFAULT_GPU_MEMORY_GIB = 79.0
+
+
+def activation_bytes(spec, micro: int, precision: str, checkpointed: int = 0) -> int:
+    """About what one micro-batch's activations take at their peak, the end of the forward: the
+    blocks' (the stem's and the head's are small beside them). A recomputed block
+    (``train.activation_checkpointing``) keeps its 16-bit input only, and one at a time holds
+    all of its own again in the backward."""
+    per_block = (ACTIVATION_BYTES * (18 + 4 * spec.mlp_ratio) / 34 * spec.seq_len
+                 * spec.embed_dim * micro * (2 if precision == "fp32" else 1))
+    inputs = 2 * spec.seq_len * spec.embed_dim * micro * (2 if precision == "fp32" else 1)
+    return round(per_block * (spec.depth - checkpointed + (checkpointed > 0))
+                 + inputs * checkpointed)
 
 
 # A plan tries a remote data.root this often: a run's own data.read_attempts can take minutes.
@@ -178,7 +203,8 @@ def _split_sizes(info, *splits: Optional[str]) -> str:
 
 
 def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
-         samples_per_epoch: Optional[int] = None) -> str:
+         samples_per_epoch: Optional[int] = None,
+         gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> str:
     """The pretraining report; raises ConfigError for an impossible architecture or batch, and
     ValueError for a world, node size, MFU or epoch size no run can have (the launchers' own
     checks of --world-size, --gpus-per-node, --mfu and --samples reject them first)."""
@@ -186,10 +212,11 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     from pretrain.grad_accum import HALF, summed_in
 
     if world < 1 or gpus_per_node < 1 or not 0 < mfu <= 1 or (
-            samples_per_epoch is not None and samples_per_epoch < 1):
-        raise ValueError(f"plan needs world >= 1, gpus_per_node >= 1, 0 < mfu <= 1 and "
-                         f"samples_per_epoch >= 1; got {world}, {gpus_per_node}, {mfu}, "
-                         f"{samples_per_epoch}")
+            samples_per_epoch is not None and samples_per_epoch < 1) or not gpu_memory_gib > 0:
+        raise ValueError(f"plan needs world >= 1, gpus_per_node >= 1, 0 < mfu <= 1, "
+                         f"samples_per_epoch >= 1 and gpu_memory_gib > 0; got {world}, "
+                         f"{gpus_per_node}, {mfu}, {samples_per_epoch}, {gpu_memory_gib}")
+    from pretrain.engine import checkpointed_blocks
 
     lines, model, params, (micro, accum), info = describe(cfg, world)
     flops = model.spec.train_flops_per_image()
@@ -199,10 +226,28 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
         and cfg.train.precision in HALF
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node, fp32_sums)
-    ckpt = ", fewer with activation checkpointing" if cfg.train.activation_checkpointing else ""
+    spec = model.spec
+    recomputed = (checkpointed_blocks(cfg.train, spec.depth)
+                  if cfg.train.activation_checkpointing else 0)
+    act = activation_bytes(spec, micro, cfg.train.precision, recomputed)
+    ckpt = f", {recomputed} of {spec.depth} blocks recomputed" if recomputed else ""
     sums = ", the fp32 gradient sums" if fp32_sums and stage <= 1 else ""
-    lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states "
-                 f"(params, grads{sums}, optimizer; activations come on top{ckpt})")
+    # the two do not peak together (the gradients come as the activations go): measured peaks
+    # were 3 to 17 % below the sum (tests/test_cli.py holds it against benchmarks/train.jsonl)
+    lines.append(f"memory per GPU, ZeRO-{stage}: {_gib(mem)} of model states (params, "
+                 f"grads{sums}, optimizer) + about {_gib(act)} of activations (micro-batch "
+                 f"{micro}{ckpt}) = {_gib(mem + act)} of the GPU's {gpu_memory_gib:g} GiB "
+                 f"(--gpu-memory)")
+    room = gpu_memory_gib * 2 ** 30
+    if mem + act > room:
+        fits = int((room - mem) // activation_bytes(spec, 1, cfg.train.precision, recomputed))
+        lines.append(
+            "warning: more than the GPU's memory: " + (
+                f"at most {fits} image(s) a micro-batch fit; set train.micro_batch_size (the "
+                f"steps accumulate to the same global batch) or train.activation_checkpointing"
+                f"=true" if fits >= 1 else
+                "the model states alone do not fit; a higher ZeRO stage "
+                "(deepspeed.zero_stage) or more GPUs share them"))
     samples = samples_per_epoch or (info.split(cfg.data.train_split).num_samples
                                     if info else None)
     given = ", --samples" if samples_per_epoch else ""  # which may differ from data.root's

@@ -1,10 +1,12 @@
 """The pretraining launcher as a user runs it: dry runs of the recipes and one-line errors."""
+import json
 import os
+import re
 
 import pytest
 import yaml
 
-from conftest import run_launcher, tiny_run_args
+from conftest import REPO, run_launcher, tiny_run_args
 from finetune.config import FinetuneConfig
 from pretrain.config import PretrainConfig
 from pretrain.config_files import config_keys
@@ -51,22 +53,74 @@ def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_
 
 # On one GPU the batch of 4096 is 32 (ViT-L/16) or 64 (ViT-H/14) micro-batches summed in fp32:
 # ZeRO-1 holds bf16 params and grads (2 + 2 bytes), the fp32 gradient sums (4) and the fp32
-# master weights, gradient partition and Adam moments (16): 24 bytes a parameter.
-@pytest.mark.parametrize("recipe,params,backbone,tflop,memory", [
-    ("vit_l16_i21k.yaml", "326.7 M", "303.3 M", "0.369 TFLOP", "7.3 GiB"),
-    ("vit_h14_i21k.yaml", "660.4 M", "630.8 M", "1.004 TFLOP", "14.8 GiB"),
+# master weights, gradient partition and Adam moments (16): 24 bytes a parameter. Activations:
+# 32.5 bytes per token, unit of width and block (pretrain/plan.py), x micro-batch.
+@pytest.mark.parametrize("recipe,params,backbone,tflop,memory,micro,activations", [
+    ("vit_l16_i21k.yaml", "326.7 M", "303.3 M", "0.369 TFLOP", "7.3 GiB", 128, "18.8 GiB"),
+    ("vit_h14_i21k.yaml", "660.4 M", "630.8 M", "1.004 TFLOP", "14.8 GiB", 64, "20.4 GiB"),
 ])
 def test_dry_run_of_the_i21k_recipes_prints_size_and_flops(recipe, params, backbone, tflop,
-                                                           memory):
+                                                           memory, micro, activations):
     proc = run_launcher("pretrain.py", "--config", f"configs/pretrain/{recipe}", "--dry-run",
                         "--local_rank=0")  # what the DeepSpeed launcher appends
     assert proc.returncode == 0, proc.stderr
     assert f"params: {params} (backbone {backbone}" in proc.stdout
     assert f"train FLOPs per image: {tflop}" in proc.stdout
     assert f"memory per GPU, ZeRO-1: {memory} of model states (params, grads, the fp32 " \
-           f"gradient sums, optimizer;" in proc.stdout
+           f"gradient sums, optimizer) + about {activations} of activations (micro-batch " \
+           f"{micro}) = " in proc.stdout
     resolved = yaml.safe_load(proc.stdout.split("\nmodel: vit_")[0])
     assert resolved["model"]["num_classes"] == 21843
+
+
+H100_RECORDS = [r for r in map(json.loads, (REPO / "benchmarks/train.jsonl").open())
+                if r["device"].startswith("NVIDIA H100") and r["model"] in (
+                    "vit_large_patch16_224", "vit_huge_patch14_224")]
+
+
+def test_the_plans_memory_per_gpu_bounds_every_peak_measured_on_an_h100():
+    """The dry-run's memory per GPU (model states + activations) for each ViT-L/16 and ViT-H/14
+    configuration measured on an H100 (launch/benchmark.py train, benchmarks/train.jsonl): never
+    below the measured peak, at most 25 % above it -- so a plan that fits, fits."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.plan import plan
+    assert len(H100_RECORDS) >= 20
+    checked = {}
+    for r in H100_RECORDS:
+        width = {"vit_large_patch16_224": 1024, "vit_huge_patch14_224": 1280}[r["model"]]
+        batch = r["batch_per_rank"] * r.get("grad_accum_steps", 1) * r["ranks"]
+        overrides = [  # what launch/benchmark.py train sets in the recipe
+            f"model.name={r['model']}", f"model.representation_size={width}",
+            f"train.micro_batch_size={r['batch_per_rank']}",
+            f"train.global_batch_size={batch}",
+            f"deepspeed.zero_stage={r['zero_stage']}", f"train.precision={r['precision']}",
+            f"train.activation_checkpointing={str(r['activation_checkpointing']).lower()}"]
+        if r["checkpointed_blocks"] is not None:
+            overrides.append(f"train.checkpointed_blocks={r['checkpointed_blocks']}")
+        key = tuple(overrides)
+        if key not in checked:
+            cfg = load_config(PretrainConfig, REPO / "configs/pretrain/vit_l16_i21k.yaml",
+                              overrides)
+            [line] = [s for s in plan(cfg, r["ranks"]).splitlines()
+                      if s.startswith("memory per GPU")]
+            checked[key] = float(re.search(r" = ([\d.]+) GiB of the GPU", line).group(1))
+        assert 1.0 <= checked[key] / r["peak_memory_gib"] <= 1.25, (
+            f"{r['command']}: measured {r['peak_memory_gib']:.1f} GiB, planned {checked[key]}")
+    assert len(checked) >= 5  # L16 and H14, accumulating or not, ZeRO-1 and 3, recomputed
+
+
+def test_dry_run_warns_when_the_plan_does_not_fit_the_gpu():
+    args = ["pretrain.py", "--config", "configs/pretrain/vit_l16_i21k.yaml", "--dry-run"]
+    proc = run_launcher(*args, "--world-size", "4", "train.micro_batch_size=1024")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: more than the GPU's memory: at most 522 image(s) a micro-batch fit; set " \
+           "train.micro_batch_size" in proc.stdout
+    proc = run_launcher(*args, "--gpu-memory", "6")  # 7.3 GiB of model states on one GPU
+    assert "warning: more than the GPU's memory: the model states alone do not fit" in proc.stdout
+    assert "of the GPU's 6 GiB (--gpu-memory)" in proc.stdout
+    proc = run_launcher(*args)  # the recipe as shipped fits an H100
+    assert "of the GPU's 79 GiB (--gpu-memory)" in proc.stdout and "warning:" not in proc.stdout
 
 
 def test_dry_run_rejects_a_batch_that_does_not_split_over_the_world():
