@@ -139,7 +139,8 @@ def build_parser(prog: str, description: str, schema: Type[Section],
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, print it with the model size, training FLOPs per "
                         "image and batch layout"
-                        + (", model-state memory per GPU, steps and time to finish" if plans
+                        + (", memory per GPU (model states and activations), steps and time to "
+                           "finish" if plans
                            else "")
                         + ", and exit without allocating the model")
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
