@@ -171,11 +171,12 @@ def fewshot_line(cfg: RunConfig) -> list[str]:
 
 
 def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None,
-                steps: Optional[int] = None) -> Optional[str]:
+                steps: Optional[int] = None, step_s: Optional[float] = None) -> Optional[str]:
     """What a run in ``output_dir`` starts from, when a run was there: its newest complete
     checkpoint, with the settings that changed since and (pretraining: ``stage`` known) whether
     DeepSpeed converts it first -- not when it is at or past ``steps`` (known: the run's
-    length), which trains nothing; refused in one line where the run would refuse it."""
+    length), which trains nothing, and the steps left (their time, at ``step_s`` seconds a
+    step); refused in one line where the run would refuse it."""
     from pretrain.checkpoint import CheckpointStore
     from pretrain.run_dir import check_same_run
 
@@ -189,9 +190,13 @@ def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None,
         return f"resume: no (checkpoint.resume=false): the run in {out} is moved aside first"
     changed = check_same_run(out, cfg, ckpt)
     line = f"resume: from {ckpt.path} at step {ckpt.step:,}"
-    if steps is not None and ckpt.step >= steps:
+    left = None if steps is None else steps - ckpt.step
+    if left is not None and left <= 0:
         line += f": the run has trained its {steps:,} steps, nothing to train"
-    elif stage is not None:
+    elif left is not None:
+        line += f" ({left:,} steps left" + (
+            f", {format_duration(left * step_s)} at the MFU above" if step_s else "") + ")"
+    if stage is not None and (left is None or left > 0):
         from pretrain.checkpoint_layout import conversion
         why = conversion(ckpt, world, stage, cfg.train.precision, cfg.optimizer.name)
         line += f", converted to DeepSpeed's universal checkpoint first ({why})" if why else ""
@@ -265,13 +270,14 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
         steps = None
         lines.append("steps: unknown (data.root's info file is not read here; give the "
                      "epoch size with --samples N)")
+    seconds = None
     if steps:
         peak = cfg.log.peak_tflops or DEFAULT_PEAK_TFLOPS
         seconds = steps * cfg.train.global_batch_size * flops / (world * peak * 1e12 * mfu)
         # 3 significant digits: a small MFU given on purpose must not read as 0 %
         lines.append(f"time to finish at {100 * mfu:.3g}% MFU of {peak:g} TFLOP/s per GPU: "
                      f"{format_duration(seconds)} on {world} GPU(s)")
-    resume = resume_line(cfg, world, stage, steps)
+    resume = resume_line(cfg, world, stage, steps, seconds / steps if seconds else None)
     if resume:
         lines.append(resume)
     return "\n".join(lines)

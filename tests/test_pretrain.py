@@ -354,7 +354,8 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
                   "deepspeed.zero_stage=2", "train.precision=bf16")
     assert plan.returncode == 0, plan.stderr[-3000:]
     [line] = [s for s in plan.stdout.splitlines() if s.startswith("resume: ")]
-    assert line.startswith(f"resume: from {out}/checkpoints/step_00000012 at step 12, converted "
+    assert line.startswith(f"resume: from {out}/checkpoints/step_00000012 at step 12 (2 steps "
+                           f"left, 00:00:00 at the MFU above), converted "
                            f"to DeepSpeed's universal checkpoint first (world size changed "
                            f"(1 -> 2 ranks)); settings changed since: "), line
     assert "train.total_steps: 6 -> 14" in line, line  # (since the run's config.yaml)
