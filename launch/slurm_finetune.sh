@@ -24,7 +24,7 @@
 #   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
 #   ACCELERATE_USE_DEEPSPEED=true  fine-tune under DeepSpeed, as `accelerate launch` with a
-#                    DeepSpeed config would: ACCELERATE_DEEPSPEED_ZERO_STAGE=1|2|3 (default 2),
+#                    DeepSpeed config would: ACCELERATE_DEEPSPEED_ZERO_STAGE=0|1|2|3 (default 2),
 #                    or ACCELERATE_DEEPSPEED_CONFIG_FILE=FILE (its "auto" values are the run's)
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
 # Exit code: the step's: 0 finished; torchrun turns any other code of a rank (2 bad input, 3 a

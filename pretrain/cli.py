@@ -113,8 +113,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 # the options of --dry-run's plan, with their defaults
-PLAN_FLAGS = {"world_size": None, "gpus_per_node": 8, "mfu": 0.45, "samples": None,
-              "gpu_memory": None}
+PLAN_FLAGS = {"world_size": None, "mfu": 0.45, "samples": None, "gpu_memory": None}
 
 
 def build_parser(prog: str, description: str, schema: Type[Section],
@@ -146,9 +145,6 @@ def build_parser(prog: str, description: str, schema: Type[Section],
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="with --dry-run: plan for N >= 1 ranks (default: $WORLD_SIZE or 1)")
     if plans:
-        p.add_argument("--gpus-per-node", type=positive_int, default=PLAN_FLAGS["gpus_per_node"],
-                       metavar="N",
-                       help="with --dry-run: GPUs per node, for the memory estimate (default 8)")
         p.add_argument("--mfu", type=fraction, default=PLAN_FLAGS["mfu"], metavar="F",
                        help="with --dry-run: the model FLOPs utilisation the time-to-finish "
                             "estimate assumes, a fraction in (0, 1] (default 0.45)")
@@ -206,9 +202,10 @@ def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Seq
                  if getattr(args, k, default) != default]
     if plan_only and not args.dry_run:  # a run's world is its launcher's: it would be ignored
         one = len(plan_only) == 1
+        ranks = " (a run's ranks are its launcher's)" if "--world-size" in plan_only else ""
         fail(f"{', '.join(plan_only)} only {'shapes' if one else 'shape'} the --dry-run plan; "
-             f"add --dry-run, or drop {'it' if one else 'them'} (a run's ranks are its "
-             f"launcher's)", quiet=_said_by_local_rank_0())
+             f"add --dry-run, or drop {'it' if one else 'them'}{ranks}",
+             quiet=_said_by_local_rank_0())
     if args.config is None:
         fail("--config is required, e.g. --config configs/finetune/demo.yaml",
              quiet=_said_by_local_rank_0())
@@ -242,8 +239,7 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
         if preflight is not None:
             preflight(cfg)
         if isinstance(cfg, PretrainConfig):
-            summary = plan(cfg, world_size(args), gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-                           samples_per_epoch=args.samples,
+            summary = plan(cfg, world_size(args), mfu=args.mfu, samples_per_epoch=args.samples,
                            gpu_memory_gib=args.gpu_memory or DEFAULT_GPU_MEMORY_GIB)
         else:
             lines = describe(cfg, world_size(args))[0]

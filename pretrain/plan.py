@@ -32,26 +32,25 @@ def _gib(n: float) -> str:
 
 
 def model_state_bytes(params: int, largest_layer: int, stage: int, world: int,
-                      gpus_per_node: int, fp32_sums: bool = False) -> int:
-    """Parameters + gradients + Adam states per GPU (mixed precision), without activations.
-    ``fp32_sums``: a step's micro-batch gradients summed in fp32 (see grad_accum)."""
-    # DeepSpeed's estimators divide by nodes x GPUs per node: a world that is no whole number
-    # of nodes is given to them as one node, so the divisor is the world itself
-    per_node, nodes = ((gpus_per_node, world // gpus_per_node) if world % gpus_per_node == 0
-                       else (world, 1))
+                      fp32_sums: bool = False, fp32: bool = False) -> int:
+    """Parameters + gradients + Adam states per GPU, without activations. ``fp32_sums``: a
+    step's micro-batch gradients summed in fp32 (see grad_accum); ``fp32``: train.precision=fp32,
+    whose parameters and gradients take 4 bytes where mixed precision's take 2."""
+    # DeepSpeed's estimators per GPU depend on the number of GPUs alone (nodes x GPUs per node)
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-        return estimate_zero3_model_states_mem_needs(
-            params, largest_layer, num_gpus_per_node=per_node, num_nodes=nodes,
-            cpu_offload=False)[1]
+        mixed = estimate_zero3_model_states_mem_needs(
+            params, largest_layer, num_gpus_per_node=world, num_nodes=1, cpu_offload=False)[1]
+        return mixed + fp32 * 4 * params // world  # params and grads sharded
     if stage == 2:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-        return estimate_zero2_model_states_mem_needs(
-            params, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=False)[1]
+        mixed = estimate_zero2_model_states_mem_needs(
+            params, num_gpus_per_node=world, num_nodes=1, cpu_offload=False)[1]
+        return mixed + fp32 * (2 * params + 2 * params // world)  # params whole, grads sharded
     # DeepSpeed has no estimator for these: 16-bit params and grads (2 + 2 bytes) replicated,
     # fp32 master weights, fp32 grads and Adam's two moments (16 bytes) sharded (ZeRO-1) or not;
     # summing in fp32, ZeRO-1 keeps an fp32 copy of all the gradients besides (4 bytes)
-    return (4 + 4 * fp32_sums) * params + 16 * params // (world if stage == 1 else 1)
+    return (4 + 4 * fp32 + 4 * fp32_sums) * params + 16 * params // (world if stage == 1 else 1)
 
 
 # What autograd keeps for the backward, in bytes per token and per unit of width, of one block
@@ -207,7 +206,7 @@ def _split_sizes(info, *splits: Optional[str]) -> str:
     return ", ".join(f"{info.split(s).num_samples:,} '{s}'" for s in splits if s)
 
 
-def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0.45,
+def plan(cfg: PretrainConfig, world: int, mfu: float = 0.45,
          samples_per_epoch: Optional[int] = None,
          gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> str:
     """The pretraining report; raises ConfigError for an impossible architecture or batch, and
@@ -216,11 +215,11 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     from pretrain.deepspeed_json import deepspeed_config, zero_stage
     from pretrain.grad_accum import HALF, summed_in
 
-    if world < 1 or gpus_per_node < 1 or not 0 < mfu <= 1 or (
+    if world < 1 or not 0 < mfu <= 1 or (
             samples_per_epoch is not None and samples_per_epoch < 1) or not gpu_memory_gib > 0:
-        raise ValueError(f"plan needs world >= 1, gpus_per_node >= 1, 0 < mfu <= 1, "
-                         f"samples_per_epoch >= 1 and gpu_memory_gib > 0; got {world}, "
-                         f"{gpus_per_node}, {mfu}, {samples_per_epoch}, {gpu_memory_gib}")
+        raise ValueError(f"plan needs world >= 1, 0 < mfu <= 1, samples_per_epoch >= 1 and "
+                         f"gpu_memory_gib > 0; got {world}, {mfu}, {samples_per_epoch}, "
+                         f"{gpu_memory_gib}")
     from pretrain.engine import checkpointed_blocks
 
     lines, model, params, (micro, accum), info = describe(cfg, world)
@@ -230,7 +229,8 @@ def plan(cfg: PretrainConfig, world: int, gpus_per_node: int = 8, mfu: float = 0
     fp32_sums = accum > 1 and summed_in(ds, cfg.train.precision) == "fp32" \
         and cfg.train.precision in HALF
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    mem = model_state_bytes(params["total"], largest, stage, world, gpus_per_node, fp32_sums)
+    mem = model_state_bytes(params["total"], largest, stage, world, fp32_sums,
+                            fp32=cfg.train.precision == "fp32")
     spec = model.spec
     recomputed = (checkpointed_blocks(cfg.train, spec.depth)
                   if cfg.train.activation_checkpointing else 0)

@@ -175,7 +175,7 @@ def test_help_explains_every_config_key_of_both_stages(script, schema):
 @pytest.mark.parametrize("flag,value", [
     ("--mfu", "0"), ("--mfu", "-1"), ("--mfu", "1.5"), ("--mfu", "nan"),
     ("--world-size", "0"), ("--world-size", "-2"), ("--samples", "-5"), ("--samples", "0"),
-    ("--gpus-per-node", "0"),
+    ("--gpu-memory", "0"), ("--gpu-memory", "nan"),
 ])
 def test_dry_run_refuses_an_impossible_plan_flag_in_one_line(flag, value):
     proc = run_launcher("pretrain.py", "--dry-run", flag, value)
@@ -184,7 +184,7 @@ def test_dry_run_refuses_an_impossible_plan_flag_in_one_line(flag, value):
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith(f"error: argument {flag}: expected ")
     assert f"got '{value}'; see pretrain.py --help" in line
-    assert ("(0, 1]" if flag == "--mfu" else "at least 1") in line
+    assert {"--mfu": "(0, 1]", "--gpu-memory": "above 0"}.get(flag, "at least 1") in line
 
 
 def test_plan_options_without_dry_run_are_refused_not_ignored():
@@ -197,7 +197,7 @@ def test_plan_options_without_dry_run_are_refused_not_ignored():
         "ranks are its launcher's)"]
     proc = run_launcher("pretrain.py", "--samples", "1000", "--mfu", "0.5")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith(
+    assert proc.stderr.strip().splitlines()[-1] == (
         "error: --mfu, --samples only shape the --dry-run plan; add --dry-run, or drop them")
 
 
