@@ -113,6 +113,10 @@ def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
     if info is None:
         return f"data: not read here ({why})"
     info.check_labels(cfg.data.root, cfg.model.num_classes, cfg.head_per_class)
+    from pretrain.data.shards import ShardSet
+    for split in [s for s in (cfg.data.train_split, cfg.data.val_split) if s in info.splits]:
+        # local shard files: a missing one stops the run at its start (data.missing_shards)
+        ShardSet.from_dataset(cfg.data.root, info, split).check_present(cfg.data.missing_shards)
     sizes = _split_sizes(info, cfg.data.train_split, cfg.data.val_split)
     labels = f", {info.num_labels:,} labels" if info.num_labels else ""
     return f"data: {cfg.data.root}: {sizes} samples{labels}"

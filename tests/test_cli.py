@@ -328,9 +328,25 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
         "error: split 'test' not found in dataset 'tiny' (splits: train, validation); "
         "set data.train_split / data.val_split"]
 
-    # an info file edited by hand into broken JSON: named, by the plan and by the run
+    # a shard file gone: the run would stop at its start, so the plan stops with its line
     root = tmp_path / "shards"
     shutil.copytree(tiny_data, root)
+    gone = sorted(root.glob("tiny-validation-*.tar"))[-1]
+    gone.unlink()
+    for script, extra in (("pretrain.py", []), ("finetune.py", [
+            "--config", "configs/finetune/demo.yaml", "init=null", "data.val_split=validation"])):
+        proc = run_launcher(script, *extra, "--dry-run", f"data.root={root}",
+                            "model.num_classes=8")
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: 1 of 4 'validation' shard files are missing ({gone.name}, 16 samples) in "
+            f"{root}; restore them, or set data.missing_shards=skip to go on without them"]
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={root}", "model.num_classes=8",
+                        "data.missing_shards=skip")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.copy(tiny_data / gone.name, gone)
+
+    # an info file edited by hand into broken JSON: named, by the plan and by the run
     text = (root / "_info.json").read_text()
     (root / "_info.json").write_text(text.replace('"num_labels": 8', '"num_labels": 8,,'))
     proc = run_launcher("pretrain.py", "--dry-run", f"data.root={root}")

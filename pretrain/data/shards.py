@@ -156,6 +156,12 @@ class ShardSet:
         with ``exact_classes`` one with fewer too."""
         dataset = read_info(root, retry)
         dataset.check_labels(root, num_classes, exact_classes)
+        return cls.from_dataset(root, dataset, split, retry, on_missing)
+
+    @classmethod
+    def from_dataset(cls, root: str, dataset, split: str, retry: RetryPolicy = RetryPolicy(),
+                     on_missing: str = "skip") -> "ShardSet":
+        """``split`` of ``dataset``, the info file of ``root`` read already."""
         info = dataset.split(split)
         lengths = list(info.shard_lengths) or [-1] * len(info.filenames)
         if len(lengths) != len(info.filenames):
