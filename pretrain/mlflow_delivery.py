@@ -113,6 +113,13 @@ class Remote:
                 log.warning("MLflow run %s not found at %s; starting a new run", s.run_id,
                             redacted(s.uri))
                 s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
+                # the new run holds nothing of the old: what was delivered there goes again
+                # (upload_spool.py --uri another store reads the spool from its start)
+                for m in s.models:
+                    m.pop("version", None)
+                self.sent_to.clear()
+                for f in [self.dir / CURSOR, *(self.dir / SYSTEM_DIR).glob("*.delivered")]:
+                    f.unlink(missing_ok=True)
             else:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
                 self.last_time = {m.key: m.timestamp for m in run.data._metric_objs

@@ -282,6 +282,19 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert version.run_id == ft.info.run_id and version.source == f"runs:/{ft.info.run_id}/model"
     assert "model/MLmodel" in {a.path for a in client.list_artifacts(ft.info.run_id, "model")}
 
+    # sent to another store too: all of it, into a run of its own there (the metrics and the
+    # registration went into the first store's run; before, the new run got params only)
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    copy = run_launcher("upload_spool.py", str(out), "--uri", other, timeout=120)
+    assert copy.returncode == 0 and "5 records" in copy.stdout, copy.stderr[-2000:]
+    there = MlflowClient(other)
+    [run] = there.search_runs([there.get_experiment_by_name(exp).experiment_id])
+    assert run.info.run_id != ft.info.run_id and run.info.status == "FINISHED"
+    assert steps_of(there, run.info.run_id) == [1, 2, 3, 4, 5]
+    (version,) = there.search_model_versions("name = 'late'")
+    assert version.run_id == run.info.run_id
+    assert steps_of(client, ft.info.run_id) == [1, 2, 3, 4, 5]  # the first store's as it was
+
     missing = run_launcher("upload_spool.py", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
     typo = run_launcher("upload_spool.py", str(out), "--uri", "htps://127.0.0.1:5001")
