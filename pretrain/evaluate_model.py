@@ -74,7 +74,8 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     run_eval = mf.run_config.get("eval") or {}
     run_data = mf.run_config.get("data") or {}
     source, holdout = dev_split(mf, split)
-    info = dataset_info(root, source)
+    info = dataset_info(root, source, with_dev=mf.stage == "finetune"
+                        and bool(run_data.get("dev_fraction")))
     classes, notes = info.classes, list(mf.notes)
     trained_on = run_data.get("root")
     same_data = bool(trained_on) and os.path.realpath(trained_on) == os.path.realpath(root)
@@ -173,7 +174,9 @@ def dev_split(mf: ModelFile, split: str) -> tuple[str, float]:
     return data.get("train_split", "train"), float(data["dev_fraction"])
 
 
-def dataset_info(root: str, split: str):
+def dataset_info(root: str, split: str, with_dev: bool = False):
+    """``root``'s info file, with ``split`` in it; ``with_dev``: the model's run held a dev
+    split out (:func:`dev_split`), which a refusal names among the splits to pass."""
     from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, read_info
 
     if "://" not in root and not root.startswith("pipe:") and not os.path.isdir(root):
@@ -191,7 +194,8 @@ def dataset_info(root: str, split: str):
     if split not in info.splits:
         raise EvaluateError(f"--split '{split}' is not in dataset '{info.name}' at {root} "
                             f"(its splits: {', '.join(sorted(info.splits)) or 'none'}); pass one "
-                            f"of those")
+                            f"of those" + (", or dev: the share of the training split the "
+                                           "fine-tune held out" if with_dev else ""))
     return info
 
 

@@ -415,7 +415,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         messages.append(str(e.value))
         assert "\n" not in str(e.value)
     assert "neither a model folder" in messages[0] and "checkpoint" in messages[1]
-    assert "splits: test, train" in messages[2]
+    assert messages[2].endswith("(its splits: test, train); pass one of those, or dev: the "
+                                "share of the training split the fine-tune held out")
     assert "10 classes but" in messages[3] and "has 5" in messages[3]
     assert "--overwrite" in messages[5] and "training run's output dir" in messages[6]
     assert messages[7] == f"--out '{ft.out / 'final'}' is a model folder; name another folder " \
