@@ -81,24 +81,25 @@ positive_int = _count_of_at_least(1)
 whole_number = _count_of_at_least(0)
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")  # which every range check below refuses
+
+
 def positive_number(text: str) -> float:
     """argparse ``type=`` for a size above 0, such as a GPU's memory in GiB."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):  # also refuses nan
+    value = _number(text)
+    if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number above 0, got '{text}'")
     return value
 
 
 def fraction(text: str) -> float:
     """argparse ``type=`` for a fraction in (0, 1], such as an MFU."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= 1:  # also refuses nan and inf
+    value = _number(text)
+    if not 0 < value <= 1:  # also refuses inf
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], e.g. 0.45 for 45 %, "
                                          f"got '{text}'")
     return value

@@ -70,11 +70,10 @@ def activation_bytes(spec, micro: int, precision: str, checkpointed: int = 0) ->
     blocks' (the stem's and the head's are small beside them). A recomputed block
     (``train.activation_checkpointing``) keeps its 16-bit input only, and one at a time holds
     all of its own again in the backward."""
-    per_block = (ACTIVATION_BYTES * (18 + 4 * spec.mlp_ratio) / 34 * spec.seq_len
-                 * spec.embed_dim * micro * (2 if precision == "fp32" else 1))
-    inputs = 2 * spec.seq_len * spec.embed_dim * micro * (2 if precision == "fp32" else 1)
+    values = spec.seq_len * spec.embed_dim * micro * (2 if precision == "fp32" else 1)
+    per_block = ACTIVATION_BYTES * (18 + 4 * spec.mlp_ratio) / 34 * values
     return round(per_block * (spec.depth - checkpointed + (checkpointed > 0))
-                 + inputs * checkpointed)
+                 + 2 * values * checkpointed)  # a recomputed block's 16-bit input
 
 
 # A plan tries a remote data.root this often: a run's own data.read_attempts can take minutes.
