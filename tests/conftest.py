@@ -230,15 +230,17 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
-def sqlite_store(base: Path) -> str:
-    """The URI of a new sqlite MLflow store in ``base`` whose default experiment keeps its
-    artifacts in ``base`` too. Left to MLflow, a sqlite store's artifacts go to ./mlruns of the
-    process that creates the experiment: the repository root for launched runs."""
+def sqlite_store(base: Path, experiment: str | None = None) -> str:
+    """The URI of a new sqlite MLflow store in ``base`` whose experiment (default: the runs'
+    default) keeps its artifacts in ``base`` too. Left to MLflow, a sqlite store's artifacts go
+    to ./mlruns of the process that creates the experiment: the repository root for launched
+    runs, which ``_tracking_store_outside_the_repo`` checks stays clean."""
     from mlflow.tracking import MlflowClient
 
     from pretrain.config import TrackingConfig
+    base.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{base / 'mlflow.db'}"
-    MlflowClient(uri).create_experiment(TrackingConfig().experiment,
+    MlflowClient(uri).create_experiment(experiment or TrackingConfig().experiment,
                                         artifact_location=(base / "artifacts").as_uri())
     return uri
 
@@ -247,14 +249,20 @@ def sqlite_store(base: Path) -> str:
 def _tracking_store_outside_the_repo(tmp_path_factory):
     """Every launched run tracks to MLflow; without a URI that is ./mlflow.db in the repository
     root (the product's default). Tests point runs at a throwaway store instead; the tracking
-    tests point theirs at a real server."""
+    tests point theirs at a real server. Nothing of MLflow's may land in the repository:
+    a test that leaves ./mlruns or ./mlflow.db there fails the session."""
     old = os.environ.get("MLFLOW_TRACKING_URI")
+    leaks = [REPO / "mlruns", REPO / "mlflow.db"]
+    there = {p for p in leaks if p.exists()}
     os.environ["MLFLOW_TRACKING_URI"] = sqlite_store(tmp_path_factory.mktemp("mlflow-default"))
     yield
     if old is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = old
+    left = [str(p) for p in leaks if p.exists() and p not in there]
+    assert not left, f"a test wrote MLflow files into the repository: {left}; give its store " \
+        "an artifact location of its own (conftest.sqlite_store)"
 
 
 # --------------------------------------------------------------------------------------------

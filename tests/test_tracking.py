@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from conftest import (REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher, tiny_run_args,
-                      wait_until)
+from conftest import (REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher, sqlite_store,
+                      tiny_run_args, wait_until)
 from pretrain.metrics import read_jsonl
 
 STEPS = 40
@@ -284,7 +284,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
 
     # sent to another store too: all of it, into a run of its own there (the metrics and the
     # registration went into the first store's run; before, the new run got params only)
-    other = f"sqlite:///{tmp_path / 'other.db'}"
+    other = sqlite_store(tmp_path / "other", exp)
     copy = run_launcher("upload_spool.py", str(out), "--uri", other, timeout=120)
     assert copy.returncode == 0 and "5 records" in copy.stdout, copy.stderr[-2000:]
     there = MlflowClient(other)
@@ -372,7 +372,7 @@ def test_system_samples_reach_mlflow_once_though_their_cursor_cannot_be_written(
     from pretrain.spool import RunState
     from pretrain.system_metrics import NodeSampler
 
-    track, uri, key = tmp_path / "tracking", f"sqlite:///{tmp_path}/mlflow.db", \
+    track, uri, key = tmp_path / "tracking", sqlite_store(tmp_path, "x"), \
         "system/cpu_utilization_percentage"
     sampler = NodeSampler(track, tmp_path, every_s=3600, host="gpu-a")  # samples when asked
     for _ in range(3):
@@ -491,7 +491,7 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
     # a bad constant in the delivery code: its params batches raise TypeError there
     monkeypatch.setattr("pretrain.mlflow_delivery.MAX_PARAMS_PER_BATCH", None)
     cfg = load_config(PretrainConfig, None, [
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "tracking.system_metrics=false",
+        f"tracking.uri={sqlite_store(tmp_path)}", "tracking.system_metrics=false",
         "tracking.flush_every_s=0.05", "tracking.close_timeout_s=0.5"])
     with caplog.at_level(logging.INFO, logger="pretrain.tracking"):
         tracker = start_tracking(cfg, "pretrain", tmp_path / "run", 0, world_size=1)
