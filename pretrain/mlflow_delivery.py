@@ -78,13 +78,15 @@ class Remote:
         self.on_write_error = on_write_error
         self.client = None  # made on first connect: importing mlflow takes seconds
         self.connected = False
-        self.resumed = state.run_id is not None  # attaching to a run that exists already
         self.last_step: dict[str, int] = {}  # per metric: highest step MLflow holds
         # per system metric: the time of the latest sample MLflow holds; a sample sent again
         # (its file's cursor could not be written, or a crash came before it was) is skipped
         self.last_time: dict[str, int] = {}
         # per cursor file: the offset sent up to, which a failed cursor write cannot set back
         self.sent_to: dict[str, int] = {}
+        # the spool's records up to this offset went to a run that is gone: a running job,
+        # whose queue starts after them, queues them again for the new run (MlflowTracker)
+        self.resend_to = 0
 
     def save_state(self) -> None:
         self._write(self.dir / STATE, lambda: self.state.save(self.dir))
@@ -110,17 +112,11 @@ class Remote:
             except Exception as e:  # noqa: BLE001
                 if not is_permanent(e):
                     raise
-                log.warning("MLflow run %s not found at %s; starting a new run", s.run_id,
-                            redacted(s.uri))
-                s.run_id, s.params_logged, s.uploaded, self.resumed = None, False, [], False
-                # the new run holds nothing of the old: what was delivered there goes again
-                # (upload_spool.py --uri another store reads the spool from its start)
-                for m in s.models:
-                    m.pop("version", None)
-                self.sent_to.clear()
-                for f in [self.dir / CURSOR, *(self.dir / SYSTEM_DIR).glob("*.delivered")]:
-                    f.unlink(missing_ok=True)
+                self.forget_run("is not in")  # upload_spool.py --uri another store; a reset
             else:
+                if run.info.lifecycle_stage == "deleted":  # MLflow keeps it, refusing records
+                    self.forget_run("was deleted from")
+            if s.run_id is not None:
                 self.last_step = {m.key: m.step for m in run.data._metric_objs}
                 self.last_time = {m.key: m.timestamp for m in run.data._metric_objs
                                   if m.key.startswith(SYSTEM_PREFIX)}
@@ -163,6 +159,36 @@ class Remote:
             self.save_state()
         self.connected = True
         return s.run_id
+
+    def run_gone(self) -> str:
+        """Whether the run, found or created by :meth:`connect`, has since been deleted from
+        the store (in the UI, ``mlflow runs delete``: "was deleted from") or the store lost it
+        (reset, restored from an older backup: "is not in"), for :meth:`forget_run`; "" while
+        it is there. MLflow refuses every request for a run gone as a bad request."""
+        try:
+            run = self.client.get_run(self.state.run_id)
+        except Exception as e:  # noqa: BLE001
+            if not is_permanent(e):
+                raise
+            return "is not in"
+        return "was deleted from" if run.info.lifecycle_stage == "deleted" else ""
+
+    def forget_run(self, how: str) -> None:
+        """The run ``is not in`` the store or ``was deleted from`` it: leave it, so that the next
+        :meth:`connect` creates a new run, which is sent everything, the records, system
+        samples, artifacts and model registrations delivered to the old one included."""
+        s = self.state
+        log.warning("MLflow run %s %s the store at %s; a new run gets everything this run "
+                    "logged", s.run_id, how, redacted(s.uri))
+        self.resend_to = max(self.resend_to, read_cursor(self.dir), self.sent_to.get(CURSOR, 0))
+        s.run_id, s.params_logged, s.uploaded = None, False, []
+        for m in s.models:
+            m.pop("version", None)
+        self.sent_to.clear()
+        self.last_step, self.last_time = {}, {}
+        for f in [self.dir / CURSOR, *(self.dir / SYSTEM_DIR).glob("*.delivered")]:
+            self._write(f, lambda: f.unlink(missing_ok=True))
+        self.connected = False
 
     def _nest(self) -> None:
         """Nest the run under the run of ``parent_dir`` once that one is in this store."""
@@ -279,8 +305,8 @@ class Remote:
                 if metrics:
                     self.client.log_batch(self.state.run_id, metrics=metrics)
             except Exception as e:  # noqa: BLE001
-                if not is_permanent(e):
-                    raise
+                if not is_permanent(e) or self.run_gone():
+                    raise  # a run deleted meanwhile refuses everything: see Remote.run_gone
                 # e.g. a value MLflow refuses: dropping this batch beats blocking all later ones
                 kept = (f"{self.dir / SPOOL} and metrics.jsonl" if cursor == CURSOR else
                         str(self.dir / cursor.replace(".delivered", ".jsonl")))

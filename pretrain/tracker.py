@@ -327,6 +327,9 @@ class MlflowTracker(NodeSampling):
                 if stopping:
                     self._finish()
             except Exception as e:  # noqa: BLE001 -- any failure: keep training, retry later
+                if self._run_lost(e):  # a new run gets everything, from the next attempt on
+                    wait = self.flush_every_s
+                    continue
                 if is_permanent(e) and not self._remote.connected:
                     log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
                                 redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
@@ -364,6 +367,18 @@ class MlflowTracker(NodeSampling):
                     return
                 wait = min(wait, max(deadline - time.monotonic(), 0.0))
 
+    def _run_lost(self, exc: BaseException) -> bool:
+        """``exc`` because the run was deleted from the store since it was found (or the store
+        lost it): leave it, and queue again what it had been sent for the new run."""
+        r = self._remote
+        try:
+            how = is_permanent(exc) and r.connected and r.run_gone()
+        except Exception:  # noqa: BLE001 -- the server went away meanwhile: an outage
+            return False
+        if how:
+            r.forget_run(how)
+        return bool(how)
+
     def _attempt(self) -> None:
         r = self._remote
         if self._held:  # the disk was full: maybe there is room again
@@ -373,6 +388,10 @@ class MlflowTracker(NodeSampling):
                 r.connect()
             finally:
                 self._first_attempt.set()  # the run id is decided (or not): see settled_run_id
+            if r.resend_to:  # a new run, for one that is gone: it gets what that one had too
+                self._outbox.extendleft(reversed([(rec, end) for rec, end in read_spool(
+                    self.dir / SPOOL) if end <= r.resend_to]))
+                r.resend_to = 0
         while self._pending:  # the training thread appends to _pending; only we touch _outbox
             self._outbox.append(self._pending.popleft())
         r.send(self._outbox)

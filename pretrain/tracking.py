@@ -31,6 +31,9 @@ How it stays out of the way (:class:`pretrain.tracker.MlflowTracker`):
   MLflow already holds. MLflow keeps every value logged at a step (``get_metric_history``
   returns duplicates), so this filter is what keeps one value per step: steps the killed job
   delivered after its last checkpoint keep the killed job's values (identical on an exact resume).
+- The run deleted in MLflow (by a user, mid-job or before a resume) or lost by its store: MLflow
+  refuses every record for it, so the tracker leaves it and a new run gets the whole spool from
+  its first line, the system samples and the artifacts (``Remote.run_gone``, ``forget_run``).
 - Rolled back (non-finite losses): the steps after the checkpoint are trained again on other
   batches, so their new values are sent too (``rewind(step)``): MLflow holds both, the later
   one is the metric's latest value, and the chart shows the discarded stretch and the retrained

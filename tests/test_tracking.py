@@ -481,6 +481,72 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     assert client.get_run(rid).data.tags["jobs"] == "3"
 
 
+def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
+        tmp_path, client, mlflow_server, caplog):
+    """Someone deletes the run in the UI while its job trains (or before the job is resumed):
+    MLflow keeps it, deleted, and refuses every record for it. The tracker starts a new run
+    and sends it everything: the steps the deleted run had, the later ones, the artifacts, the
+    system samples, each once. Before, every flush warned that MLflow "rejected" its metrics and
+    dropped them (they were not sent again later either), and a resumed job was refused its
+    run for good."""
+    from pretrain.spool import RunState
+    from pretrain.system_metrics import NodeSampler
+    from pretrain.tracker import MlflowTracker
+
+    exp, track, key = "deleted", tmp_path / "tracking", "system/cpu_utilization_percentage"
+    sampler = NodeSampler(track, tmp_path, every_s=3600, host="gpu-a")  # samples when asked
+
+    def active_run():
+        runs = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+        assert len(runs) == 1, [r.info.run_id for r in runs]
+        return runs[0]
+
+    def train(tracker, steps, then=None):
+        for step in steps:
+            tracker.log({"train/loss": 1.0 / step}, step)
+            sampler.sample()
+            time.sleep(0.01)  # samples are told apart by their time
+        if then:
+            deadline = time.time() + 60
+            while steps_of(client, tracker.run_id or "none") != list(range(1, steps[-1] + 1)):
+                assert time.time() < deadline, "the tracker never delivered"
+                time.sleep(0.05)
+            then(tracker.run_id)
+
+    with caplog.at_level(logging.WARNING):
+        tracker = MlflowTracker(track, RunState(uri=mlflow_server.uri, experiment=exp),
+                                flush_every_s=0.05, close_timeout_s=30)
+        tracker.log_artifact_bytes("notes.txt", b"kept")
+        train(tracker, range(1, 4), then=client.delete_run)  # in MLflow, then deleted
+        first = tracker.run_id
+        train(tracker, range(4, 7))
+        tracker.close()
+        run = active_run()
+        assert run.info.run_id != first and run.info.status == "FINISHED"
+        assert client.get_run(first).info.lifecycle_stage == "deleted"  # left as the user left it
+        assert steps_of(client, run.info.run_id) == [1, 2, 3, 4, 5, 6]
+        assert "notes.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert steps_of(client, run.info.run_id, key) == [0, 1, 2, 3, 4, 5]  # 6 samples
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert said == [f"MLflow run {first} was deleted from the store at {mlflow_server.uri}; "
+                        f"a new run gets everything this run logged"], said
+
+        # deleted after the job: the resumed job (its run.json names the deleted run) does
+        # the same, its spool read from where the last job's delivery had got to
+        client.delete_run(run.info.run_id)
+        tracker = MlflowTracker(track, RunState.load(track), flush_every_s=0.05,
+                                close_timeout_s=30)
+        train(tracker, range(7, 9))
+        tracker.close()
+    sampler.close()
+    again = active_run()
+    assert again.info.run_id not in (first, run.info.run_id)
+    assert steps_of(client, again.info.run_id) == list(range(1, 9))
+    assert steps_of(client, again.info.run_id, key) == list(range(8))
+    assert "notes.txt" in {a.path for a in client.list_artifacts(again.info.run_id)}
+    assert not [r for r in caplog.records if "rejected" in r.getMessage()]
+
+
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
         tmp_path, monkeypatch, caplog):
     """A bug in the delivery reads otherwise as "MLflow unreachable" for the whole run."""
