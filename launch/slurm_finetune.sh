@@ -21,15 +21,18 @@
 #   REQUEUE_ON_TERM  1: requeue after a SIGTERM too (scancel, a preemption that cancels), unless
 #                    the step ended with 0, 2 or 3; stop such a job with scancel while it is
 #                    pending. Default 0: scancel stops for good
+#   REQUEUE_ON_CRASH 1 (default): requeue a step that crashed (1, 5 a stalled rank, 137 the OOM
+#                    killer, ...) after completing a checkpoint in this allocation; one that
+#                    crashed before any is left to a person (it would crash the same way). 0: never
 #   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
 #   ACCELERATE_USE_DEEPSPEED=true  fine-tune under DeepSpeed, as `accelerate launch` with a
 #                    DeepSpeed config would: ACCELERATE_DEEPSPEED_ZERO_STAGE=0|1|2|3 (default 2),
 #                    or ACCELERATE_DEEPSPEED_CONFIG_FILE=FILE (its "auto" values are the run's)
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
-# Exit code: the step's: 0 finished; torchrun turns any other code of a rank (2 bad input, 3 a
-# person must decide, 4 stopped with a checkpoint) into 1, so after the stop signal this script
-# requeues on anything but 0 (a failure to look at shows in the log, and MAX_REQUEUES bounds it).
+# Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
+# with a checkpoint, 5 a stalled rank). torchrun turns every code of a rank into 1; the trainer's
+# rank 0 writes its own to the file named in VITSCALE_JOB_STATUS, which this script reads.
 #SBATCH --job-name=vit-finetune
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

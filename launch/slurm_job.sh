@@ -27,7 +27,9 @@ on_term() {
 }
 trap on_usr1 USR1
 trap on_term TERM
-cleanup() { :; }   # a script that leaves files behind (a hostfile) redefines it
+CLEANUP=()   # files this shell made, removed when it ends or requeues (a hostfile, ...)
+cleanup() { if (( ${#CLEANUP[@]} )); then rm -f "${CLEANUP[@]}"; fi; }
+trap cleanup EXIT
 
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the caller's header is its manual
   sed -n '2,/^#SBATCH/{/^#SBATCH/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[1]}"
@@ -43,8 +45,12 @@ shift   # the caller's "$@": the key=value overrides from here on
 
 MAX_REQUEUES=${MAX_REQUEUES:-50}
 REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-0}
+REQUEUE_ON_CRASH=${REQUEUE_ON_CRASH:-1}
 RESTARTS=${SLURM_RESTART_COUNT:-0}
 [[ $MAX_REQUEUES =~ ^[0-9]+$ ]] || { echo "MAX_REQUEUES=$MAX_REQUEUES is not a number" >&2; exit 2; }
+[[ $REQUEUE_ON_CRASH == [01] ]] || {
+  echo "REQUEUE_ON_CRASH=$REQUEUE_ON_CRASH: give 1 (requeue a crash after a checkpoint) or 0" >&2
+  exit 2; }
 [[ $RESTARTS =~ ^[0-9]+$ ]] || RESTARTS=0
 say "job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s), SLURM_RESTART_COUNT=$RESTARTS" \
     "(requeued $RESTARTS of at most MAX_REQUEUES=$MAX_REQUEUES times)"
@@ -86,10 +92,11 @@ requeue() {
 
 # run_step PROGRAM ARG...: PROGRAM (bash) runs once per node with ARG... as its "$@"; the trainer's
 # key=value overrides go in as arguments, never into PROGRAM's text, so each reaches the trainer
-# as one argument, unchanged, and SLURM_NODEID is read on each node. Exits with the step's code
-# after requeueing the job when the stop came from the time limit.
+# as one argument, unchanged, and SLURM_NODEID is read on each node. Exits with the trainer's
+# code after requeueing the job when the stop came from the time limit, or when the step
+# crashed after completing a checkpoint (the next allocation starts past where this one did).
 run_step() {
-  local program=$1 rc arg
+  local program=$1 rc code arg checkpoints=0 chosen=""
   shift
   for arg in "$@"; do
     if [[ $arg == checkpoint.stop_signals=* && $arg != *SIGUSR1* ]]; then
@@ -101,6 +108,17 @@ run_step() {
     requeue || true
     exit 4
   fi
+  # The trainer's rank 0 writes a line here per complete checkpoint and the exit code it chose
+  # (pretrain/job_status.py): torchrun turns every code into 1. On storage every node sees.
+  if VITSCALE_JOB_STATUS=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" ".job-status-$SLURM_JOB_ID.XXXXXX")
+  then
+    CLEANUP+=("$VITSCALE_JOB_STATUS")
+  else
+    VITSCALE_JOB_STATUS=""
+    say "warning: cannot write to ${SLURM_SUBMIT_DIR:-.}; a crash will not be requeued, and" \
+        "torchrun's 1 stands for every code of the trainer's"
+  fi
+  export VITSCALE_JOB_STATUS
   # trap '' is kept across exec and inherited by the launchers and the ranks: the launchers
   # ignore SIGUSR1 (and the deepspeed runner, which has no SIGTERM handler with --no_ssh,
   # survives a SIGTERM while launch.py stops the ranks); each rank installs its own handlers.
@@ -116,20 +134,36 @@ run_step() {
     (( INTERRUPTED && rc > 128 )) || break
   done
   STEP_PID=""
-  say "the step ended with exit code $rc"
+  if [[ -f $VITSCALE_JOB_STATUS ]]; then
+    checkpoints=$(grep -c '^checkpoint ' "$VITSCALE_JOB_STATUS" || true)
+    chosen=$(sed -n 's/^exit \([0-9][0-9]*\)$/\1/p' "$VITSCALE_JOB_STATUS" | tail -n 1)
+  fi
+  code=$rc
+  if (( rc == 1 )) && [[ -n $chosen ]]; then code=$chosen; fi   # torchrun's 1 for any code
+  say "the step ended with exit code $rc$( (( code == rc )) || echo " (the trainer's: $code)")," \
+      "$checkpoints checkpoint(s) completed in this allocation"
 
   if (( rc == 0 )); then say "finished"; exit 0; fi
-  if (( GOT_USR1 )) || (( GOT_TERM && REQUEUE_ON_TERM == 1 )); then
-    case $rc in
-      2|3) say "not requeued: exit code $rc means a person must look (2 bad input, 3 see the log)" ;;
-      *) requeue || true ;;
-    esac
+  if (( code == 2 || code == 3 )); then
+    say "not requeued: exit code $code means a person must look (2 bad input, 3 see the log)"
+  elif (( GOT_USR1 )) || (( GOT_TERM && REQUEUE_ON_TERM == 1 )); then
+    requeue || true
   elif (( GOT_TERM )); then  # scancel, a preemption or the time limit, with REQUEUE_ON_TERM=0
     say "not requeued: SIGTERM ended the job (scancel, a preemption, the time limit) and" \
         "REQUEUE_ON_TERM=0; scontrol requeue $SLURM_JOB_ID or resubmit to resume"
-  elif (( rc == 4 )); then
+  elif (( code == 4 )); then
     say "not requeued: the ranks stopped on a signal that did not come through this shell;" \
         "scontrol requeue $SLURM_JOB_ID or resubmit to resume"
+  elif (( REQUEUE_ON_CRASH == 1 && checkpoints > 0 )); then
+    # a crash (an NCCL timeout, a stalled rank's 5, storage that stayed away, the OOM killer)
+    # after progress: the next allocation resumes from a newer checkpoint than this one did
+    say "the step failed (exit code $code) after a checkpoint; see the log above"
+    requeue || true
+  else
+    say "not requeued: the step failed (exit code $code)" \
+        "$( (( REQUEUE_ON_CRASH == 1 )) && echo "before completing a checkpoint in this" \
+           "allocation, and would fail the same way again;" || echo "and REQUEUE_ON_CRASH=0;")" \
+        "see the log above, then scontrol requeue $SLURM_JOB_ID or resubmit to resume"
   fi
-  exit "$rc"
+  exit "$code"
 }

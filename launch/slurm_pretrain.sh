@@ -21,11 +21,14 @@
 #   REQUEUE_ON_TERM  1: requeue after a SIGTERM too (scancel, a preemption that cancels), unless
 #                    the step ended with 0, 2 or 3; stop such a job with scancel while it is
 #                    pending. Default 0: scancel stops for good
+#   REQUEUE_ON_CRASH 1 (default): requeue a step that crashed (1, 5 a stalled rank, 137 the OOM
+#                    killer, ...) after completing a checkpoint in this allocation; one that
+#                    crashed before any is left to a person (it would crash the same way). 0: never
 #   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
-# Exit code: the step's (0 finished, 2 bad input, 3 a person must decide, 4 stopped with a
-# checkpoint; DeepSpeed passes the ranks' code on).
+# Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
+# with a checkpoint, 5 a stalled rank; DeepSpeed passes the ranks' code on).
 #SBATCH --job-name=vit-pretrain
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1
@@ -55,8 +58,7 @@ source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
 # The hostfile DeepSpeed wants, from the nodes SLURM gave this job (on storage every node sees).
 HOSTFILE=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" hostfile.XXXXXX)
-cleanup() { rm -f "$HOSTFILE"; }
-trap cleanup EXIT
+CLEANUP+=("$HOSTFILE")
 while read -r node; do echo "$node slots=$GPUS_PER_NODE"; done <<< "$NODES" > "$HOSTFILE"
 
 # One DeepSpeed launcher per node, no ssh between nodes.

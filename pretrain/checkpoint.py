@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from pretrain import job_status
 from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.checkpoint_layout import momentum_as_adam, momentum_back
 from pretrain.config import ConfigError
@@ -133,6 +134,7 @@ class CheckpointStore:
             # every rank says it: rank 0 may be held up ending its MLflow run, and be ended by
             # the launcher before it could say it alone
             raise CheckpointWriteError(self._write_failure(tag, errors))
+        job_status.note("checkpoint", step)
         return ckpt
 
     def _write_manifest(self, ckpt: Checkpoint, files: dict[str, int]) -> None:

@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Type
 
+from pretrain import job_status
 from pretrain.config import ConfigError, PretrainConfig, Section
 from pretrain.config_files import config_keys, load_config
 
@@ -179,6 +180,7 @@ def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
         # and its newline separately, so two ranks' messages could end up on one line
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
+    job_status.note("exit", code)
     raise SystemExit(code)
 
 
@@ -280,6 +282,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
                 sys.stderr.write(f"stopped: {e}\n")
                 sys.stderr.flush()
             leave()
+            job_status.note("exit", EXIT_STOPPED)
             raise SystemExit(EXIT_STOPPED)
         except KeyboardInterrupt:  # Ctrl-C before the stop handlers are in place (start-up)
             if os.environ.get("RANK", "0") == "0":

@@ -21,9 +21,10 @@ def test_misspelled_key_is_one_line_naming_it_and_the_fix():
     assert proc.stdout == ""
 
 
-def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_rank():
+def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_rank(tmp_path):
     """Every rank of a node reads the same arguments and files: the node's first rank says
-    it, the others exit with the same code (a line per GPU is 8 lines a node)."""
+    it, the others exit with the same code (a line per GPU is 8 lines a node). Under torchrun,
+    which turns it into 1, rank 0 tells the SLURM script the code (pretrain/job_status.py)."""
     import subprocess
     from conftest import REPO, deepspeed_cmd
     for bad, line in (
@@ -44,8 +45,10 @@ def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
          str(free_port()), str(REPO / "tests/faulty_launch.py"), "optimizer.lr_rate=1"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "FAULTS": json.dumps({"late": [0, 1.0]})})
+        env={**os.environ, "FAULTS": json.dumps({"late": [0, 1.0]}),
+             "VITSCALE_JOB_STATUS": str(tmp_path / "job-status")})
     assert proc.returncode != 0
+    assert (tmp_path / "job-status").read_text() == "exit 2\n"  # the code, not torchrun's 1
     said = [t for t in (proc.stdout + proc.stderr).splitlines() if t.startswith("error:")]
     assert said == ["error: unknown config key 'optimizer.lr_rate'; did you mean "
                     "'optimizer.lr'?"], proc.stdout[-2000:] + proc.stderr[-2000:]

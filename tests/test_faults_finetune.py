@@ -15,7 +15,8 @@ from mlflow import MlflowClient
 from conftest import REPO
 from pretrain.checkpoint import CheckpointStore
 from test_faults import (EVERY, FAULTY, NO_PERIODIC, STEPS, check_stop_and_resume, compare_with,
-                         launch, mlflow_run, mlflow_steps_lost, resumed_at, signal_and_wait)
+                         launch, mlflow_run, mlflow_steps_lost, resumed_at, signal_and_wait,
+                         stopped_step)
 
 pytestmark = pytest.mark.faults
 
@@ -112,11 +113,14 @@ def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothi
     torchrun's environment and ZeRO-3 in the slow variants): DeepSpeed's optimizer state and
     the EMA are in the stop checkpoint too."""
     finetune_reference = finetune_reference_of(launcher)
-    out = tmp_path / "run"
+    out, status = tmp_path / "run", tmp_path / "job-status"
     proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), launcher=launcher),
-                  tmp_path / "run.log")
+                  tmp_path / "run.log", env={"VITSCALE_JOB_STATUS": str(status)})
     signal_and_wait(proc, out, to)
     text = (tmp_path / "run.log").read_text()
+    # what the SLURM script reads, as torchrun turns the ranks' 4 into its own code: rank 0's
+    # line for the checkpoint of the stop and the code it chose
+    assert status.read_text().splitlines() == [f"checkpoint {stopped_step(text)}", "exit 4"]
     if "deepspeed" in launcher:
         stage = launcher[-1]
         assert f"under Accelerate's DeepSpeed config: ZeRO-{stage}, 2 micro-batches' gradients " \

@@ -96,20 +96,28 @@ sys.exit(rc if rc >= 0 else 128 - rc)
 # A rank: records its argv, installs its stop handlers, records "rank-ready" and waits; stops on
 # SIGUSR1/SIGTERM with $RANK_STOP_CODE (default 4). $RANK_EXIT: exit at once with that code
 # instead (a run that finishes or fails by itself); so does a restarted job's rank with
-# $RANK_FINISH_ON_RESTART (it resumes and finishes).
+# $RANK_FINISH_ON_RESTART (it resumes and finishes). As it exits it writes $RANK_WRITES'
+# lines (";" between them) to $VITSCALE_JOB_STATUS, as the trainer's rank 0 does
+# (pretrain/job_status.py: "checkpoint 40", "exit 3"; its own test is the fault suite's).
 RANK_STANDIN = _RECORD + r'''
 import signal, time
 record("rank", argv=sys.argv[1:], restart=os.environ.get("SLURM_RESTART_COUNT"),
-       usr1_inherited_ignored=signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)
+       usr1_inherited_ignored=signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN,
+       status=os.environ.get("VITSCALE_JOB_STATUS"))
+def leave(code):
+    if os.environ.get("RANK_WRITES"):
+        with open(os.environ["VITSCALE_JOB_STATUS"], "a") as f:
+            f.write("".join(line + "\n" for line in os.environ["RANK_WRITES"].split(";")))
+    sys.exit(code)
 if os.environ.get("RANK_FINISH_ON_RESTART") and os.environ.get("SLURM_RESTART_COUNT"):
-    sys.exit(0)
+    leave(0)
 if os.environ.get("RANK_EXIT"):
-    sys.exit(int(os.environ["RANK_EXIT"]))
+    leave(int(os.environ["RANK_EXIT"]))
 def stop(sig, frame):
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a launcher's later SIGTERM changes nothing
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     record("rank-stop", signal=signal.Signals(sig).name)
-    sys.exit(int(os.environ.get("RANK_STOP_CODE", "4")))
+    leave(int(os.environ.get("RANK_STOP_CODE", "4")))
 signal.signal(signal.SIGUSR1, stop)
 signal.signal(signal.SIGTERM, stop)
 record("rank-ready")
@@ -136,8 +144,8 @@ def standins(tmp_path):
     rank = tmp_path / "rank.py"
     rank.write_text(RANK_STANDIN)
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_")) and k not in ("MAX_REQUEUES",
-                                                                    "REQUEUE_ON_TERM")}
+           if not k.startswith(("SLURM_", "SBATCH_")) and k not in (
+               "MAX_REQUEUES", "REQUEUE_ON_TERM", "REQUEUE_ON_CRASH", "VITSCALE_JOB_STATUS")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STANDIN_LOG=str(tmp_path / "log"),
                STANDIN_RANK=str(rank),
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b",
@@ -269,6 +277,47 @@ def test_sigterm_requeues_only_when_configured(requeue_on_term, standins):
         assert "not requeued: SIGTERM ended the job (scancel, a preemption, the time limit) " \
                "and REQUEUE_ON_TERM=0; scontrol requeue 4242 or resubmit to resume" in out, out
         assert "did not come through this shell" not in out
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+@pytest.mark.parametrize("checkpoints,setting,requeued", [(2, "1", True), (0, "1", False),
+                                                          (2, "0", False)])
+def test_a_crash_is_requeued_only_after_a_checkpoint_of_its_allocation(
+        stage, checkpoints, setting, requeued, standins):
+    """A crash with nobody watching (an NCCL timeout, a rank stalled on a hung mount: 5, the
+    OOM killer): the job goes on from the checkpoint this allocation wrote. One before any
+    checkpoint here would come back the same way at every requeue: left to a person."""
+    tmp_path, env = standins
+    writes = ";".join(f"checkpoint {40 * (i + 1)}" for i in range(checkpoints))
+    proc = _start(stage, {**env, "RANK_EXIT": "5", "RANK_WRITES": writes,
+                          "REQUEUE_ON_CRASH": setting}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert _requeues(tmp_path) == ([["requeue", "4242"]] if requeued else []), out
+    assert proc.returncode == (5 if stage == "pretrain" else 1), out  # torchrun's 1
+    assert f"{checkpoints} checkpoint(s) completed in this allocation" in out, out
+    if not requeued:
+        assert (f"not requeued: the step failed (exit code {proc.returncode}) " + (
+            "before completing a checkpoint in this allocation, and would fail the same way "
+            "again;" if setting == "1" else "and REQUEUE_ON_CRASH=0;") +
+            " see the log above, then scontrol requeue 4242 or resubmit to resume") in out, out
+    # the ranks were told where to write, on the submit dir's storage; nothing is left there
+    status = Path(_records(tmp_path, "rank")[0]["status"])
+    assert status.parent == tmp_path and not status.exists()
+
+
+@pytest.mark.parametrize("code,requeued", [(3, False), (2, False), (4, True)])
+def test_the_trainers_own_code_decides_under_torchrun(code, requeued, standins):
+    """torchrun turns a rank's 2, 3 or 4 into 1; rank 0's line says which it was, so a
+    fine-tune that stopped for a person after the time-limit signal is not requeued (it was,
+    as any 1, before), and the script exits with the trainer's code."""
+    tmp_path, env = standins
+    rc, out = _run_with_signal("finetune", {**env, "RANK_STOP_CODE": str(code),
+                                            "RANK_WRITES": f"checkpoint 40;exit {code}"}, tmp_path)
+    assert [r["rank_code"] for r in _records(tmp_path, "launcher-exit")] == [code]
+    assert f"the step ended with exit code 1 (the trainer's: {code})" in out, out
+    assert rc == code and _requeues(tmp_path) == ([["requeue", "4242"]] if requeued else []), out
+    if not requeued:
+        assert f"not requeued: exit code {code} means a person must look" in out, out
 
 
 def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):

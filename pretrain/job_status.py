@@ -1,0 +1,32 @@
+"""What a job's trainer tells the batch script that started it (``launch/slurm_job.sh``), which
+sees only the step's exit code: whether a checkpoint was completed, and the exit code the
+trainer chose, which torchrun turns into 1 whatever it was.
+
+The script names a file in ``$VITSCALE_JOB_STATUS`` (new for each allocation); rank 0 appends
+one line per event, ``checkpoint 1200`` once a checkpoint of step 1200 is complete and
+``exit 3`` as it leaves with a code of its choosing. A crash after a checkpoint of this
+allocation is then requeued (it resumes past where the previous allocation started), one
+before any is not (it would fail the same way), and a fine-tune's 2 or 3 is never requeued.
+Without the variable nothing is written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+ENV = "VITSCALE_JOB_STATUS"
+log = logging.getLogger(__name__)
+
+
+def note(event: str, value: int) -> None:
+    """Append ``event value`` to the job's status file, on rank 0; a failure to write is one
+    warning (the script then decides on the exit code alone)."""
+    path = os.environ.get(ENV)
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(f"{event} {int(value)}\n")
+    except OSError as e:
+        log.warning("could not write %s=%s (%s): the batch script decides whether to requeue "
+                    "on the exit code alone", ENV, path, e)
