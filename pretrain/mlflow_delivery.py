@@ -47,6 +47,12 @@ def is_permanent(exc: BaseException) -> bool:
     return 400 <= status < 500 and status != 429
 
 
+def is_missing(exc: BaseException) -> bool:
+    """The store answered that the run (or model) does not exist; a proxy's 404 in front of a
+    server that is away is not that (ENDPOINT_NOT_FOUND), nor is a run deleted but kept."""
+    return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+
+
 def failure_kind(exc: BaseException) -> str:
     """Why a delivery failed: "missing module" (an optional package the store needs: boto3,
     psycopg2), "bug" (raised in this project's own code, not by MLflow or the network), else
@@ -110,7 +116,7 @@ class Remote:
             try:
                 run = self.client.get_run(s.run_id)
             except Exception as e:  # noqa: BLE001
-                if not is_permanent(e):
+                if not is_missing(e):
                     raise
                 self.forget_run("is not in")  # upload_spool.py --uri another store; a reset
             else:
@@ -168,7 +174,7 @@ class Remote:
         try:
             run = self.client.get_run(self.state.run_id)
         except Exception as e:  # noqa: BLE001
-            if not is_permanent(e):
+            if not is_missing(e):
                 raise
             return "is not in"
         return "was deleted from" if run.info.lifecycle_stage == "deleted" else ""

@@ -1,6 +1,8 @@
 """MLflow tracking for real: a real `mlflow server` (sqlite store, served artifacts), the tiny
 pretraining on 2 DeepSpeed ranks, queried afterwards with MlflowClient. One server serves the
 whole file; each test uses its own experiment so "exactly one run" means something."""
+import http.client
+import http.server
 import json
 import logging
 import os
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -545,6 +548,79 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
     assert steps_of(client, again.info.run_id, key) == list(range(8))
     assert "notes.txt" in {a.path for a in client.list_artifacts(again.info.run_id)}
     assert not [r for r in caplog.records if "rejected" in r.getMessage()]
+
+
+class _Proxy(http.server.BaseHTTPRequestHandler):
+    """A reverse proxy in front of the MLflow server; while ``server.away`` it answers every
+    request with its own HTML 404 page, as an ingress does while its backend is gone."""
+    protocol_version = "HTTP/1.1"
+
+    def _forward(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.server.away:
+            status, headers, data = 404, [("Content-Type", "text/html")], \
+                b"<html><body><h1>404 Not Found</h1></body></html>"
+        else:
+            conn = http.client.HTTPConnection(*self.server.upstream, timeout=30)
+            conn.request(self.command, self.path, body, {
+                k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")})
+            answer = conn.getresponse()
+            status, data = answer.status, answer.read()
+            headers = [(k, v) for k, v in answer.getheaders()
+                       if k.lower() not in ("transfer-encoding", "connection", "content-length")]
+            conn.close()
+        self.send_response(status)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+    def log_message(self, *args):  # the test's output is the assertions', not a request log
+        pass
+
+
+def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
+        tmp_path, client, mlflow_server, caplog):
+    """An ingress answers 404 pages while its MLflow backend restarts: the run is not taken for
+    deleted (a second run with everything sent again) nor are the metrics dropped as
+    rejected; they wait, and reach the same run once it is back."""
+    from urllib.parse import urlparse
+
+    from pretrain.spool import RunState
+    from pretrain.tracker import MlflowTracker
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    up = urlparse(mlflow_server.uri)
+    proxy.upstream, proxy.away = (up.hostname, up.port), False
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    exp = "behind-a-proxy"
+    try:
+        with caplog.at_level(logging.WARNING):
+            tracker = MlflowTracker(tmp_path / "tracking", RunState(
+                uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
+                flush_every_s=0.05, close_timeout_s=30)
+            tracker.log({"train/loss": 1.0}, 1)
+            deadline = time.time() + 60
+            while steps_of(client, tracker.run_id or "none") != [1]:
+                assert time.time() < deadline, "the tracker never delivered"
+                time.sleep(0.05)
+            proxy.away = True
+            for step in (2, 3):
+                tracker.log({"train/loss": 1.0 / step}, step)
+            time.sleep(1.0)  # a score of failed attempts
+            proxy.away = False
+            tracker.log({"train/loss": 0.25}, 4)
+            tracker.close()
+    finally:
+        proxy.shutdown()
+    run = the_run(client, exp)
+    assert run.info.run_id == tracker.run_id and run.info.status == "FINISHED"
+    assert steps_of(client, run.info.run_id) == [1, 2, 3, 4]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "unreachable" in said[0] and "404" in said[0], said
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
