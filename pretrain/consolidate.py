@@ -173,16 +173,23 @@ def _config_of(client: dict, ckpt: Path) -> tuple[PretrainConfig, str]:
 
 def _fp32_from_deepspeed(ckpt: Path, zero_stage: int, cfg: PretrainConfig) -> dict:
     if zero_stage > 0:
-        import io
-        from contextlib import redirect_stderr, redirect_stdout
-
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        check_pickles_are_inert(ckpt)
-        # it prints progress lines and tqdm bars; our caller reports what matters
-        with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+        return fp32_from_zero_shards(ckpt)
     return _fp32_from_stage0(ckpt, cfg)
+
+
+def fp32_from_zero_shards(ckpt: Path) -> dict:
+    """The fp32 master weights of DeepSpeed's ZeRO-1/2/3 files in ``ckpt`` (one tag's folder),
+    merged by DeepSpeed's ``zero_to_fp32`` once every pickle in it is screened. Also a
+    fine-tune's under an Accelerate DeepSpeed config (its ``pytorch_model/``)."""
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    check_pickles_are_inert(ckpt)
+    # it prints progress lines and tqdm bars; our caller reports what matters
+    with redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
 
 
 def _fp32_from_stage0(ckpt: Path, cfg: PretrainConfig) -> dict:

@@ -12,8 +12,9 @@ the MLflow run that produced it: what ``launch/evaluate.py`` needs to reproduce 
   in the header);
 * a **checkpoint**: a pretraining output dir or ``checkpoints/step_N/`` (DeepSpeed, merged by
   :func:`pretrain.consolidate.consolidate`), or a fine-tune's (Accelerate's files plus
-  ``client_state.pt``, read with ``weights_only``). A fine-tune with ``train.ema_decay`` is
-  read as its EMA weights: those are what its figures and exports are of.
+  ``client_state.pt``, read with ``weights_only``; under an Accelerate DeepSpeed config the
+  module from DeepSpeed's screened files). A fine-tune with ``train.ema_decay`` is read as its
+  EMA weights: those are what its figures and exports are of.
 
 The source run is the run id the model carries (card, header, client state), else the one in the
 producing run's ``output_dir/tracking/run.json``, whose ``uri`` says where it is. Anything else is
@@ -269,8 +270,9 @@ def _accelerate_checkpoint(ckpt: Path) -> ModelFile:
     except Exception as e:  # noqa: BLE001 -- weights_only refuses anything executable
         raise ModelFileError(f"cannot read '{ckpt / CLIENT_STATE}' safely (weights_only): "
                              f"{_first_line(e)}") from None
-    ema = bool((run_config.get("train") or {}).get("ema_decay"))
-    state = _accelerate_weights(ckpt, ema)
+    train = run_config.get("train") or {}
+    ema = bool(train.get("ema_decay"))
+    state = _accelerate_weights(ckpt, ema, train.get("precision"))
     mf = _built(ckpt, "fine-tune checkpoint" + (" (EMA weights)" if ema else ""),
                 _model_config(run_config, ckpt / CLIENT_STATE), state, run_config,
                 step=_int(client.get("step")))
@@ -279,8 +281,8 @@ def _accelerate_checkpoint(ckpt: Path) -> ModelFile:
     return mf
 
 
-def _accelerate_weights(ckpt: Path, ema: bool) -> dict:
-    from accelerate.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
+def _accelerate_weights(ckpt: Path, ema: bool, precision: Optional[str]) -> dict:
+    from accelerate.utils import MODEL_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
     from accelerate.utils import load as load_weights_only
 
     if ema:
@@ -296,9 +298,35 @@ def _accelerate_weights(ckpt: Path, ema: bool) -> dict:
         return load_file(str(ckpt / SAFE_WEIGHTS_NAME))
     if (ckpt / WEIGHTS_NAME).is_file():
         return load_weights_only(ckpt / WEIGHTS_NAME, map_location="cpu")
-    raise ModelFileError(f"checkpoint '{ckpt}' holds no whole-model file ({SAFE_WEIGHTS_NAME} "
-                         f"or {WEIGHTS_NAME}: a sharded FSDP/DeepSpeed save); evaluate the "
-                         f"run's final/ folder or final.safetensors instead")
+    if (ckpt / MODEL_NAME).is_dir():  # under an Accelerate DeepSpeed config
+        return _deepspeed_weights(ckpt / MODEL_NAME, precision)
+    exports = [n for n in ("final", "best") if (ckpt.parent.parent / n).is_dir()]
+    raise ModelFileError(
+        f"checkpoint '{ckpt}' holds no whole-model file ({SAFE_WEIGHTS_NAME} or {WEIGHTS_NAME}) "
+        f"nor DeepSpeed's files ({MODEL_NAME}/): an FSDP save, which is read back only by "
+        f"relaunching its run; " + (f"evaluate the run's {' or '.join(e + '/' for e in exports)} "
+                                    f"instead" if exports else
+                                    "its exports (final/, best/) come at the run's end"))
+
+
+def _deepspeed_weights(files: Path, precision: Optional[str]) -> dict:
+    """The module the run evaluated, from DeepSpeed's files of the checkpoint: whole in the
+    model file up to ZeRO-2 (in the run's precision), and under ZeRO-3 its fp32 master
+    weights, merged by DeepSpeed's zero_to_fp32 and rounded to the precision the module held
+    them in (DeepSpeed casts the masters after each update: the same values)."""
+    import torch
+
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.consolidate import fp32_from_zero_shards, read_client_state
+    try:
+        if not any(files.glob("zero_pp_rank_*_model_states.pt")):  # ZeRO 0-2: mp_rank_00_...
+            module = read_client_state(files, with_module=True)["module"]
+            return {k: v.float() for k, v in module.items()}
+        state = fp32_from_zero_shards(files)
+    except CheckpointError as e:
+        raise ModelFileError(str(e)) from None
+    held = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "", torch.float32)
+    return {k: v.to(held).float() for k, v in state.items()}
 
 
 # --------------------------------------------------------------------------------------------

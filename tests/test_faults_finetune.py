@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow import MlflowClient
 
 from conftest import REPO
@@ -140,6 +141,40 @@ def test_sigterm_stops_a_finetune_with_a_checkpoint_and_the_relaunch_loses_nothi
         assert (ds["train_batch_size"], ds["gradient_accumulation_steps"]) == (16, 2)
         assert ds["bf16"]["enabled"] and ds["data_types"] == {"grad_accum_dtype": "fp32"}
     fault_ledger.record(1, 1, *lost)
+
+
+@pytest.mark.parametrize("launcher", ["accelerate-deepspeed-zero2", "accelerate-deepspeed-zero3"])
+def test_a_deepspeed_finetunes_checkpoint_evaluates_as_the_run_and_its_export_did(
+        launcher, tmp_path, tiny_data):
+    """Under an Accelerate DeepSpeed config a checkpoint holds DeepSpeed's files, no whole-model
+    file: evaluate.py reads the module the run evaluated from them (under ZeRO-3 the fp32
+    masters, merged and rounded to the bf16 the module held), where it used to refuse and name
+    final/ (not written yet by a stopped run). Its figure is the run's, its predictions final/'s."""
+    from conftest import run_launcher
+    out = tmp_path / "run"
+    proc = subprocess.run(finetune_cmd(*finetune_run_args(
+        out, tiny_data, "train.ema_decay=null", "train.total_steps=6"), launcher=launcher),
+        cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = CheckpointStore(out / "checkpoints").latest()
+    assert ckpt.step == 6 and not list(ckpt.path.glob("*.safetensors")), list(ckpt.path.iterdir())
+    figures = {}
+    for name, model in (("checkpoint", ckpt.path), ("final", out / "final")):
+        ev = run_launcher("evaluate.py", str(model), "--data", str(tiny_data), "--split",
+                          "validation", "--out", str(tmp_path / name), "--no-tracking")
+        assert ev.returncode == 0, ev.stderr[-2000:]
+        assert "the run reported eval/validation/top1 = " in ev.stdout and \
+            "at step 6: the same" in ev.stdout, ev.stdout
+        figures[name] = (json.loads((tmp_path / name / "metrics.json").read_text())["top1"],
+                         (tmp_path / name / "confusion_matrix.csv").read_text())
+    assert figures["checkpoint"] == figures["final"]
+    # the very weights of the export (which the run took from its module at the end)
+    from safetensors.torch import load_file
+
+    from pretrain.model_files import load_model
+    read = load_model(ckpt.path).model.state_dict()
+    export = load_file(str(out / "final.safetensors"))
+    assert read.keys() == export.keys() and all(torch.equal(read[k], export[k]) for k in read)
 
 
 def test_sigkill_of_a_finetune_rank_resumes_to_the_same_losses_and_samples(
