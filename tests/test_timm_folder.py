@@ -105,6 +105,28 @@ def test_timms_eval_transform_is_the_runs(mode):
     assert gap(1.0).mean() > 4 * d.mean()  # the tolerance would catch a wrong crop
 
 
+@pytest.mark.parametrize("decoder", ["PilDecoder", "SimpleJpegDecoder"])
+def test_timms_eval_transform_is_the_runs_on_large_photos_too(decoder):
+    """JPEGs at least twice the eval resize: a decode at reduced DCT scale (what training's
+    crops use) gave up to 10/255 other pixels than timm's full PIL decode, and moved
+    predictions; the eval transform decodes at full scale."""
+    import timm
+    from PIL import Image
+    from pretrain.data import transforms
+    from pretrain.data.device_batch import normalize
+    from pretrain.data.synthetic import sample_photos
+
+    for size, photo in ((224, (1200, 900)), (32, (600, 520))):
+        for data in sample_photos(2, size=photo, seed=2):
+            ours = normalize(transforms.EvalTransform(
+                size, decoder=getattr(transforms, decoder)())(data).unsqueeze(0), "imagenet")[0]
+            theirs = timm.data.create_transform(**data_config(size, "imagenet", 0.875))(
+                Image.open(io.BytesIO(data)).convert("RGB"))
+            std = torch.tensor(data_config(size, "imagenet")["std"]).view(3, 1, 1)
+            d = ((ours - theirs) * std).abs()
+            assert d.mean() < 0.0001 and d.max() <= 1.01 / 255, (size, d.mean(), d.max() * 255)
+
+
 def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
     model = random_model(representation_size=64)

@@ -5,7 +5,8 @@ pretraining, so the work is arranged to be cheap:
 
 * the crop box is chosen from the JPEG header before any pixel is decoded, so a large JPEG can
   be decoded at 1/2, 1/4 or 1/8 scale (libjpeg-turbo's DCT scaling) whenever the crop still has
-  at least the output resolution afterwards -- quality is kept, decode work drops 4-64x;
+  at least the output resolution afterwards -- quality is kept, decode work drops 4-64x (train;
+  evaluation decodes at full scale, as timm's pipeline does);
 * JPEGs are decoded by simplejpeg (libjpeg-turbo straight into a numpy array, with that DCT
   scaling): the whole train transform then runs ~1.4-1.5x as many ImageNet-sized images per
   core as with PIL decoding. PIL handles the other formats and CMYK JPEGs, and everything when
@@ -123,13 +124,16 @@ class PilDecoder:
     def describe(self) -> str:
         return f"PIL {PIL.__version__} (DCT downscale) for all formats"
 
-    def decode(self, data: bytes, size: int, choose_box: ChooseBox) -> Tuple[torch.Tensor, Box]:
-        """Pixels as uint8 CHW (possibly a channels-last view) and the crop box in them."""
+    def decode(self, data: bytes, size: int, choose_box: ChooseBox,
+               reduce: bool = True) -> Tuple[torch.Tensor, Box]:
+        """Pixels as uint8 CHW (possibly a channels-last view) and the crop box in them;
+        ``reduce=False``: at full scale, whatever the crop's size."""
         img = Image.open(io.BytesIO(data))
-        return self.decode_opened(img, choose_box(*img.size), size)
+        return self.decode_opened(img, choose_box(*img.size), size, reduce)
 
-    def decode_opened(self, img: Image.Image, box: Box, size: int) -> Tuple[torch.Tensor, Box]:
-        if img.format == "JPEG":
+    def decode_opened(self, img: Image.Image, box: Box, size: int,
+                      reduce: bool = True) -> Tuple[torch.Tensor, Box]:
+        if img.format == "JPEG" and reduce:
             factor = draft_reduction(box, size)
             if factor > 1:
                 full = img.size
@@ -145,29 +149,30 @@ class SimpleJpegDecoder(PilDecoder):
         return (f"simplejpeg {simplejpeg.__version__} (DCT downscale), "
                 f"PIL {PIL.__version__} for other formats")
 
-    def decode(self, data: bytes, size: int, choose_box: ChooseBox) -> Tuple[torch.Tensor, Box]:
+    def decode(self, data: bytes, size: int, choose_box: ChooseBox,
+               reduce: bool = True) -> Tuple[torch.Tensor, Box]:
         # The SOI marker alone (simplejpeg.is_jpeg also wants the final EOI, which would send
         # a JPEG with trailing bytes, as some cameras write, to the slower path).
         if data[:2] != b"\xff\xd8":
-            return super().decode(data, size, choose_box)
+            return super().decode(data, size, choose_box, reduce)
         try:
             height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
         except ValueError as e:
             return _pil_instead(e, lambda: super(SimpleJpegDecoder, self).decode(
-                data, size, choose_box))
+                data, size, choose_box, reduce))
         # libjpeg-turbo cannot convert CMYK to RGB, and PIL's decompression-bomb guard (an
         # error, so a skipped sample) must hold whichever decoder runs.
         if colorspace in ("CMYK", "YCCK") or _too_large(width, height):
-            return super().decode(data, size, choose_box)
+            return super().decode(data, size, choose_box, reduce)
         box = choose_box(width, height)
-        factor = draft_reduction(box, size)
+        factor = draft_reduction(box, size) if reduce else 1
         try:
             # libjpeg-turbo picks the smallest scale meeting both minimums: exactly 1/factor
             pixels = simplejpeg.decode_jpeg(data, "RGB", min_width=-(-width // factor),
                                             min_height=-(-height // factor))
         except ValueError as e:
             return _pil_instead(e, lambda: self.decode_opened(Image.open(io.BytesIO(data)),
-                                                              box, size))
+                                                              box, size, reduce))
         if factor > 1:
             box = reduced_box(box, (width, height), (pixels.shape[1], pixels.shape[0]), size)
         return torch.from_numpy(pixels).permute(2, 0, 1), box
@@ -290,7 +295,9 @@ class EvalTransform:
     exported in timm's layout scores the same under timm's own pipeline as under our
     evaluator. (Cropping first and resizing the crop would be cheaper, but rounds the crop
     differently: on 32 px CIFAR images that moved several predictions in a hundred.) JPEGs
-    still decode at a reduced DCT scale when the whole image stays at least that large.
+    decode at full scale for the same reason: a reduced DCT scale, which training's crops use,
+    gives other pixels than timm's PIL decode of large photos (it moved 11 of 500 predictions
+    of 256 px images evaluated at 48 px), and evaluation is a small share of a run's decoding.
     """
 
     def __init__(self, size: int, crop_pct: float = EVAL_CROP_PCT,
@@ -307,7 +314,8 @@ class EvalTransform:
             full.append((width, height))
             return 0, 0, width, height
         try:
-            pixels, (left, top, w, h) = self.decoder.decode(data, self.scale, whole)
+            pixels, (left, top, w, h) = self.decoder.decode(data, self.scale, whole,
+                                                            reduce=False)
         except CorruptImage:
             raise
         except Exception as e:  # noqa: BLE001 -- PIL/libjpeg raise many types for bad bytes
