@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--config) with the options below put in.")
     train.add_argument("--model", default="vit_large_patch16_224",
                        help="timm ViT name (default vit_large_patch16_224)")
-    train.add_argument("--batch", type=positive_int, required=True, help="micro-batch per rank")
+    train.add_argument("--batch", type=positive_int, required=True, metavar="N",
+                       help="micro-batch per rank (required: e.g. 256 for ViT-L/16 on an H100)")
     train.add_argument("--accum", type=positive_int, default=1, metavar="N",
                        help="micro-batches per optimizer update (train.grad_accum_steps; "
                             "default 1: an update per micro-batch, the least favourable case). "

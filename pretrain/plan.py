@@ -19,7 +19,9 @@ DEFAULT_PEAK_TFLOPS = 989.0
 
 
 def _m(n: float) -> str:
-    return f"{n / 1e6:.1f} M"
+    """A parameter count: millions with a decimal, or exact below 0.1 M (a CIFAR head's
+    7,690, a fine-tune's dropped pre-logits' 0), which would read 0.0 M."""
+    return f"{n / 1e6:.1f} M" if n >= 1e5 else f"{int(n):,}"
 
 
 def _steps_per_epoch(samples: int, batch: int) -> str:

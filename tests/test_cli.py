@@ -204,6 +204,15 @@ def test_plan_options_without_dry_run_are_refused_not_ignored():
         "error: --mfu, --samples only shape the --dry-run plan; add --dry-run, or drop them")
 
 
+def test_the_plans_parameter_counts_are_exact_below_a_tenth_of_a_million(tmp_path):
+    """The demo fine-tune's head (192 x 10 + 10) and its dropped pre-logits read 0.0 M each."""
+    from conftest import REPO
+    proc = run_launcher("finetune.py", "--config", str(REPO / "configs/finetune/demo.yaml"),
+                        "--dry-run", "init=null", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "params: 1.8 M (backbone 1.8 M, pre-logits 0, head 1,930)" in proc.stdout
+
+
 def test_finetune_dry_run_refuses_a_world_of_no_ranks():
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
                         "--world-size", "0")
