@@ -134,12 +134,15 @@ run_step() {
     (( INTERRUPTED && rc > 128 )) || break
   done
   STEP_PID=""
-  if [[ -f $VITSCALE_JOB_STATUS ]]; then
+  if [[ -f $VITSCALE_JOB_STATUS ]]; then   # (unreadable: decided on the step's code alone)
     checkpoints=$(grep -c '^checkpoint ' "$VITSCALE_JOB_STATUS" || true)
-    chosen=$(sed -n 's/^exit \([0-9][0-9]*\)$/\1/p' "$VITSCALE_JOB_STATUS" | tail -n 1)
+    chosen=$(sed -n 's/^exit \([0-9][0-9]*\)$/\1/p' "$VITSCALE_JOB_STATUS" | tail -n 1 || true)
   fi
+  checkpoints=${checkpoints:-0}
   code=$rc
-  if (( rc == 1 )) && [[ -n $chosen ]]; then code=$chosen; fi   # torchrun's 1 for any code
+  # the code the trainer chose wins: torchrun says 1 for any, and a launcher may report the
+  # code of a rank it ended after rank 0 had chosen its own (or srun a signal's)
+  if (( rc != 0 )) && [[ -n $chosen ]]; then code=$chosen; fi
   say "the step ended with exit code $rc$( (( code == rc )) || echo " (the trainer's: $code)")," \
       "$checkpoints checkpoint(s) completed in this allocation"
 

@@ -47,6 +47,12 @@ def is_permanent(exc: BaseException) -> bool:
     return 400 <= status < 500 and status != 429
 
 
+def is_page_not_found(exc: BaseException) -> bool:
+    """A 404 whose body is no answer of MLflow's: a proxy or ingress in front of a server that
+    is away (or a wrong path in the URI). Not a refusal of the run: retried as an outage."""
+    return getattr(exc, "error_code", None) == "ENDPOINT_NOT_FOUND"
+
+
 def is_missing(exc: BaseException) -> bool:
     """The store answered that the run (or model) does not exist; a proxy's 404 in front of a
     server that is away is not that (ENDPOINT_NOT_FOUND), nor is a run deleted but kept."""
@@ -187,6 +193,7 @@ class Remote:
         log.warning("MLflow run %s %s the store at %s; a new run gets everything this run "
                     "logged", s.run_id, how, redacted(s.uri))
         self.resend_to = max(self.resend_to, read_cursor(self.dir), self.sent_to.get(CURSOR, 0))
+        s.gone.append(s.run_id)
         s.run_id, s.params_logged, s.uploaded = None, False, []
         for m in s.models:
             m.pop("version", None)

@@ -321,12 +321,16 @@ def _deepspeed_weights(files: Path, precision: Optional[str]) -> dict:
     try:
         if not any(files.glob("zero_pp_rank_*_model_states.pt")):  # ZeRO 0-2: mp_rank_00_...
             module = read_client_state(files, with_module=True)["module"]
-            return {k: v.float() for k, v in module.items()}
+            return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
         state = fp32_from_zero_shards(files)
     except CheckpointError as e:
         raise ModelFileError(str(e)) from None
+    except (OSError, ValueError, KeyError) as e:  # a file missing (optimizer shards left out
+        raise ModelFileError(           # of a copy), or not DeepSpeed's
+            f"cannot read the weights from DeepSpeed's files in '{files}' "
+            f"({_first_line(e)}); evaluate the run's final/ or best/ export instead") from None
     held = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "", torch.float32)
-    return {k: v.to(held).float() for k, v in state.items()}
+    return {k: v.to(held).float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ class RunState:
     # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
     # model name or None, "version": its version once registered}
     models: list = field(default_factory=list)
+    # runs of this output_dir found deleted from the store (or missing there) and replaced by
+    # ``run_id``: a resume from a checkpoint that names one of them goes on in ``run_id``
+    gone: list = field(default_factory=list)
 
     @classmethod
     def load(cls, track_dir: Path) -> "RunState":

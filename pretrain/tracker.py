@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 from pretrain.atomic_write import write_atomic
 from pretrain.metrics import LineFile
 from pretrain.run_info import sample_grid_png
-from pretrain.mlflow_delivery import Remote, failure_kind, is_permanent
+from pretrain.mlflow_delivery import Remote, failure_kind, is_page_not_found, is_permanent
 from pretrain.spool import (ARTIFACTS, SPOOL, RunState, TrackingError, lock, one_line,
                             read_cursor, read_spool, redacted)
 from pretrain.tracking_store import store_refusal
@@ -330,7 +330,7 @@ class MlflowTracker(NodeSampling):
                 if self._run_lost(e):  # a new run gets everything, from the next attempt on
                     wait = self.flush_every_s
                     continue
-                if is_permanent(e) and not self._remote.connected:
+                if is_permanent(e) and not self._remote.connected and not is_page_not_found(e):
                     log.warning("MLflow at %s refused the run (%s); metrics stay in %s",
                                 redacted(self.state.uri), store_refusal(e), self.dir / SPOOL)
                     return

@@ -154,7 +154,8 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     if earlier is not None:  # a resumed job: same run, whether it exists in MLflow yet or not
         state = earlier
         state.uri = uri
-        state.run_id = run_id or earlier.run_id
+        # the checkpoint's run, unless it was found deleted and replaced since it was written
+        state.run_id = run_id if run_id and run_id not in earlier.gone else earlier.run_id
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
         # every relaunch counts, a SIGKILL's too (stop.count counts the stops asked for)
         state.tags["jobs"] = str(int(state.tags.get("jobs") or 1) + 1)

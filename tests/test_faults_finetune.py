@@ -175,6 +175,15 @@ def test_a_deepspeed_finetunes_checkpoint_evaluates_as_the_run_and_its_export_di
     read = load_model(ckpt.path).model.state_dict()
     export = load_file(str(out / "final.safetensors"))
     assert read.keys() == export.keys() and all(torch.equal(read[k], export[k]) for k in read)
+    if launcher.endswith("zero3"):  # a copy without the optimizer shards: said in one line
+        import shutil
+        copy = tmp_path / "copy" / "kept"  # (under its step_N name, the manifest refuses it)
+        shutil.copytree(ckpt.path, copy, ignore=shutil.ignore_patterns("*optim_states.pt"))
+        ev = run_launcher("evaluate.py", str(copy), "--data", str(tiny_data), "--split",
+                          "validation", "--no-tracking")
+        assert ev.returncode == 2 and ev.stderr.strip().splitlines()[-1].startswith(
+            f"error: cannot read the weights from DeepSpeed's files in '{copy / 'pytorch_model'}'"
+        ), ev.stderr[-2000:]
 
 
 def test_sigkill_of_a_finetune_rank_resumes_to_the_same_losses_and_samples(

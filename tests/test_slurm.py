@@ -320,6 +320,18 @@ def test_the_trainers_own_code_decides_under_torchrun(code, requeued, standins):
         assert f"not requeued: exit code {code} means a person must look" in out, out
 
 
+def test_the_trainers_own_code_wins_over_a_launchers_other_code(standins):
+    """Rank 0 stopped for a person (2: bad input met mid-run) while the launcher ended the
+    other ranks and reported a code of theirs (killed: 137): not requeued as a crash."""
+    tmp_path, env = standins
+    proc = _start("pretrain", {**env, "RANK_EXIT": "137",
+                               "RANK_WRITES": "checkpoint 40;exit 2"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert "the step ended with exit code 137 (the trainer's: 2)" in out, out
+    assert proc.returncode == 2 and _requeues(tmp_path) == [], out
+    assert "not requeued: exit code 2 means a person must look" in out, out
+
+
 def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):
     """The ranks stopped with 4 on a signal sent to the step alone: say how to resume."""
     tmp_path, env = standins

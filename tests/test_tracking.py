@@ -492,9 +492,12 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
     system samples, each once. Before, every flush warned that MLflow "rejected" its metrics and
     dropped them (they were not sent again later either), and a resumed job was refused its
     run for good."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
     from pretrain.spool import RunState
     from pretrain.system_metrics import NodeSampler
     from pretrain.tracker import MlflowTracker
+    from pretrain.tracking import start_tracking
 
     exp, track, key = "deleted", tmp_path / "tracking", "system/cpu_utilization_percentage"
     sampler = NodeSampler(track, tmp_path, every_s=3600, host="gpu-a")  # samples when asked
@@ -534,12 +537,24 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
         assert said == [f"MLflow run {first} was deleted from the store at {mlflow_server.uri}; "
                         f"a new run gets everything this run logged"], said
 
-        # deleted after the job: the resumed job (its run.json names the deleted run) does
-        # the same, its spool read from where the last job's delivery had got to
+        # relaunched from a checkpoint written before the deletion, which names the deleted
+        # run: the job goes on in the run that replaced it, not in a third one
+        cfg = load_config(PretrainConfig, None, [
+            f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={exp}",
+            "tracking.system_metrics=false", "tracking.flush_every_s=0.05"])
+        tracker = start_tracking(cfg, "pretrain", tmp_path, 0, world_size=1, run_id=first,
+                                 resumed_at=3)
+        train(tracker, range(7, 8))
+        tracker.close()
+        assert active_run().info.run_id == run.info.run_id
+        assert steps_of(client, run.info.run_id) == list(range(1, 8))
+
+        # deleted after that job: the next relaunch (from the same checkpoint) does as the
+        # job did, its spool read from where the last job's delivery had got to
         client.delete_run(run.info.run_id)
-        tracker = MlflowTracker(track, RunState.load(track), flush_every_s=0.05,
-                                close_timeout_s=30)
-        train(tracker, range(7, 9))
+        tracker = start_tracking(cfg, "pretrain", tmp_path, 0, world_size=1, run_id=first,
+                                 resumed_at=3)
+        train(tracker, range(8, 9))
         tracker.close()
     sampler.close()
     again = active_run()
@@ -584,9 +599,10 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
 
 def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
         tmp_path, client, mlflow_server, caplog):
-    """An ingress answers 404 pages while its MLflow backend restarts: the run is not taken for
-    deleted (a second run with everything sent again) nor are the metrics dropped as
-    rejected; they wait, and reach the same run once it is back."""
+    """An ingress answers 404 pages while its MLflow backend restarts: at the job's start the
+    run is not refused for good (no run, no delivery for the rest of the job); mid-job it is
+    not taken for deleted (a second run with everything sent again) nor are the metrics
+    dropped as rejected; they wait, and reach the one run once it is back."""
     from urllib.parse import urlparse
 
     from pretrain.spool import RunState
@@ -599,10 +615,13 @@ def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
     exp = "behind-a-proxy"
     try:
         with caplog.at_level(logging.WARNING):
+            proxy.away = True  # from the job's start: the run is not created, nor refused
             tracker = MlflowTracker(tmp_path / "tracking", RunState(
                 uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
                 flush_every_s=0.05, close_timeout_s=30)
             tracker.log({"train/loss": 1.0}, 1)
+            time.sleep(1.0)
+            proxy.away = False
             deadline = time.time() + 60
             while steps_of(client, tracker.run_id or "none") != [1]:
                 assert time.time() < deadline, "the tracker never delivered"
@@ -620,7 +639,7 @@ def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
     assert run.info.run_id == tracker.run_id and run.info.status == "FINISHED"
     assert steps_of(client, run.info.run_id) == [1, 2, 3, 4]
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(said) == 1 and "unreachable" in said[0] and "404" in said[0], said
+    assert len(said) == 2 and all("unreachable" in m and "404" in m for m in said), said
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
