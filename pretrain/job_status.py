@@ -6,7 +6,7 @@ The script names a file in ``$VITSCALE_JOB_STATUS`` (new for each allocation); r
 one line per event, ``checkpoint 1200`` once a checkpoint of step 1200 is complete and
 ``exit 3`` as it leaves with a code of its choosing. A crash after a checkpoint of this
 allocation is then requeued (it resumes past where the previous allocation started), one
-before any is not (it would fail the same way), and a fine-tune's 2 or 3 is never requeued.
+before any is not (it would fail the same way), and a fine-tune's 2 or 3 is not requeued.
 Without the variable nothing is written.
 """
 from __future__ import annotations
