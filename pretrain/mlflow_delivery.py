@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -99,9 +100,16 @@ class Remote:
         # the spool's records up to this offset went to a run that is gone: a running job,
         # whose queue starts after them, queues them again for the new run (MlflowTracker)
         self.resend_to = 0
+        # the state is changed by the delivery thread and by the training thread (log_model,
+        # close): each change and each save of run.json holds this lock, never a request
+        self.state_lock = threading.RLock()
+        # bumped under the lock whenever the artifact files change under an upload in flight
+        # (log_model replacing the model package): what that upload sent is not recorded
+        self.artifacts_epoch = 0
 
     def save_state(self) -> None:
-        self._write(self.dir / STATE, lambda: self.state.save(self.dir))
+        with self.state_lock:
+            self._write(self.dir / STATE, lambda: self.state.save(self.dir))
 
     def _write(self, path: Path, write: Callable[[], None]) -> None:
         try:
@@ -193,10 +201,11 @@ class Remote:
         log.warning("MLflow run %s %s the store at %s; a new run gets everything this run "
                     "logged", s.run_id, how, redacted(s.uri))
         self.resend_to = max(self.resend_to, read_cursor(self.dir), self.sent_to.get(CURSOR, 0))
-        s.gone.append(s.run_id)
-        s.run_id, s.params_logged, s.uploaded = None, False, []
-        for m in s.models:
-            m.pop("version", None)
+        with self.state_lock:
+            s.gone.append(s.run_id)
+            s.run_id, s.params_logged, s.uploaded = None, False, []
+            for m in s.models:
+                m.pop("version", None)
         self.sent_to.clear()
         self.last_step, self.last_time = {}, {}
         for f in [self.dir / CURSOR, *(self.dir / SYSTEM_DIR).glob("*.delivered")]:
@@ -234,9 +243,10 @@ class Remote:
             return
         tags = {"mlflow.parentRunId": parent.run_id, "eval.source_run_id": parent.run_id}
         self.client.log_batch(s.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-        s.tags.update(tags)
-        s.parent_dir = None
-        self.save_state()
+        with self.state_lock:
+            s.tags.update(tags)
+            s.parent_dir = None
+            self.save_state()
         log.info("nested under run %s", parent.run_id)
 
     def _mark_experiment(self, exp_id: str, exp=None) -> None:
@@ -261,13 +271,21 @@ class Remote:
 
     def upload_artifacts(self) -> int:
         root = self.dir / ARTIFACTS
-        new = self.pending_artifacts()
-        for p in new:
+        with self.state_lock:
+            epoch, new = self.artifacts_epoch, self.pending_artifacts()
+        for done, p in enumerate(new):
             sub = p.parent.relative_to(root).as_posix()
-            self.client.log_artifact(self.state.run_id, str(p),
-                                     artifact_path=None if sub == "." else sub)
-            self.state.uploaded.append(p.relative_to(root).as_posix())
-            self.save_state()
+            try:
+                self.client.log_artifact(self.state.run_id, str(p),
+                                         artifact_path=None if sub == "." else sub)
+            except FileNotFoundError:
+                if self.artifacts_epoch == epoch:
+                    raise
+            with self.state_lock:
+                if self.artifacts_epoch != epoch:  # replaced meanwhile: the next pass sends
+                    return done                      # the new files
+                self.state.uploaded.append(p.relative_to(root).as_posix())
+                self.save_state()
         return len(new)
 
     def register_models(self) -> int:
@@ -277,10 +295,11 @@ class Remote:
         done = 0
         for m in self.state.models:
             if m.get("register_as") and not m.get("version"):
-                m["version"] = register(self.client, self.state.run_id, m["register_as"],
-                                        m["path"], tags=m.get("tags"),
-                                        description=m.get("description"))
-                self.save_state()
+                version = register(self.client, self.state.run_id, m["register_as"],
+                                   m["path"], tags=m.get("tags"), description=m.get("description"))
+                with self.state_lock:
+                    m["version"] = version
+                    self.save_state()
                 done += 1
         return done
 

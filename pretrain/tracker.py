@@ -180,7 +180,9 @@ class MlflowTracker(NodeSampling):
         self._write_held()
 
     def _write_held(self) -> None:
-        with self._held_lock:
+        # under the state lock: the thread lists no half-written file, and a file written
+        # again (a relaunch's samples.png) is uploaded again, not taken for the one sent
+        with self._held_lock, self._remote.state_lock:
             for name, data in list(self._held.items()):
                 path = self.dir / ARTIFACTS / name
                 try:
@@ -190,6 +192,10 @@ class MlflowTracker(NodeSampling):
                     self._write_failed(path, e)
                 else:
                     del self._held[name]
+                    self._remote.artifacts_epoch += 1
+                    if name in self.state.uploaded:
+                        self.state.uploaded.remove(name)
+                        self._remote.save_state()
 
     def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None,
                   about: Optional[Mapping[str, str]] = None,
@@ -207,18 +213,21 @@ class MlflowTracker(NodeSampling):
         partial = self.dir / (MODEL_ARTIFACT + ".partial")  # out of the thread's sight
         try:
             package(folder, partial)
-            if path.exists():  # a second finish of the same run (relaunched after it)
-                shutil.rmtree(path)
-            # one rename: the uploading thread sees the whole package or none of it
-            os.replace(partial, path)
-            prefix = MODEL_ARTIFACT + "/"
-            self.state.uploaded = [u for u in self.state.uploaded if not u.startswith(prefix)]
-            self.state.models = [m for m in self.state.models if m["path"] != MODEL_ARTIFACT]
-            self.state.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
-                                      "version": None, "tags": dict(about or {}),
-                                      "description": description})
-            self.state.end_tags.update({f"model.{k}": str(v) for k, v in (about or {}).items()})
-            self._remote.save_state()
+            with self._remote.state_lock:  # the thread may be uploading the package replaced
+                if path.exists():  # a second finish of the same run (relaunched after it)
+                    shutil.rmtree(path)
+                # one rename: the uploading thread sees the whole package or none of it
+                os.replace(partial, path)
+                self._remote.artifacts_epoch += 1
+                prefix = MODEL_ARTIFACT + "/"
+                s = self.state
+                s.uploaded = [u for u in s.uploaded if not u.startswith(prefix)]
+                s.models = [m for m in s.models if m["path"] != MODEL_ARTIFACT]
+                s.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
+                                 "version": None, "tags": dict(about or {}),
+                                 "description": description})
+                s.end_tags.update({f"model.{k}": str(v) for k, v in (about or {}).items()})
+                self._remote.save_state()
         except Exception as e:  # noqa: BLE001 -- the exported files are there; MLflow is extra
             log.warning("could not log %s as an MLflow model (%s); the files on disk are "
                         "complete", folder, one_line(e))
@@ -252,10 +261,11 @@ class MlflowTracker(NodeSampling):
             self._close_done.set()
 
     def _close(self, status: str, tags: Optional[Mapping[str, str]]) -> None:
-        self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
-        if status == "KILLED":
-            self.state.stops += 1
-        self.state.ended, self.state.end_time = status, int(time.time() * 1000)
+        with self._remote.state_lock:
+            self.state.end_tags.update({k: str(v) for k, v in (tags or {}).items()})
+            if status == "KILLED":
+                self.state.stops += 1
+            self.state.ended, self.state.end_time = status, int(time.time() * 1000)
         self._stop.set()
         self._thread.join(2.0)
         if self._thread.is_alive():  # the server is slow or away: say why the job is not over

@@ -572,6 +572,10 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
 
     def _forward(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        hold = getattr(self.server, "hold", None)  # (path part, event): such requests wait
+        if hold and hold[0] in self.path and not hold[1].is_set():
+            self.server.held.set()
+            hold[1].wait(60)
         if self.server.away:
             status, headers, data = 404, [("Content-Type", "text/html")], \
                 b"<html><body><h1>404 Not Found</h1></body></html>"
@@ -640,6 +644,58 @@ def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
     assert steps_of(client, run.info.run_id) == [1, 2, 3, 4]
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 2 and all("unreachable" in m and "404" in m for m in said), said
+
+
+def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written_last(
+        tmp_path, client, mlflow_server):
+    """A relaunched fine-tune logs its model again while the thread still uploads the first
+    package (a ViT's weights take minutes to send), and a relaunched job writes an artifact
+    again under the same name: the run ends with the files as they were written last, every
+    one of them, not with what was in flight when they were replaced."""
+    from urllib.parse import urlparse
+
+    from pretrain.export import from_model
+    from pretrain.spool import ARTIFACTS, RunState
+    from pretrain.timm_folder import write_timm_folder
+    from pretrain.tracker import MlflowTracker
+    from test_timm_folder import random_model
+
+    folders = [write_timm_folder(from_model(random_model(), source="ft"), tmp_path / name,
+                                 head=True, normalize="imagenet") for name in ("first", "second")]
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    up = urlparse(mlflow_server.uri)
+    proxy.upstream, proxy.away = (up.hostname, up.port), False
+    proxy.hold, proxy.held = ("/artifacts/model/", threading.Event()), threading.Event()
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    exp = "written-again"
+    try:
+        tracker = MlflowTracker(tmp_path / "tracking", RunState(
+            uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
+            flush_every_s=0.05, close_timeout_s=60)
+        tracker.log_artifact_bytes("notes.json", b'{"job": 1}')
+        deadline = time.time() + 60
+        while "notes.json" not in tracker.state.uploaded:
+            assert time.time() < deadline, "the first notes.json was never uploaded"
+            time.sleep(0.05)
+        tracker.log_artifact_bytes("notes.json", b'{"job": 2}')
+        tracker.log_model(folders[0])
+        assert proxy.held.wait(60), "the first package's upload never started"
+        tracker.log_model(folders[1])  # while a file of the first one is on its way
+        proxy.hold[1].set()
+        tracker.close()
+    finally:
+        proxy.hold[1].set()
+        proxy.shutdown()
+    run = the_run(client, exp)
+    assert run.info.status == "FINISHED"
+    got = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "got")))
+    assert (got / "notes.json").read_bytes() == b'{"job": 2}'
+    written = tmp_path / "tracking" / ARTIFACTS / "model"
+    files = sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(got / "model")
+                           for p in (got / "model").rglob("*") if p.is_file())
+    assert [f for f in files if (got / "model" / f).read_bytes() != (written / f).read_bytes()] \
+        == []
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
