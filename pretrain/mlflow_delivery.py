@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 STOP_COUNT_TAG = "stop.count"
+SUPERSEDED_TAG = "stop.superseded_by"  # on a run ended by us because another replaced it
 
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes) and waits 120 s per
 # request by default; our thread retries by itself, so each attempt should fail fast. Set only
@@ -378,7 +379,7 @@ class Remote:
         client = self.client if old.uri == self.state.uri else MlflowClient(old.uri)
         try:
             if client.get_run(old.run_id).info.status == "RUNNING":
-                tags = {**old.end_tags, "stop.superseded_by": self.state.run_id}
+                tags = {**old.end_tags, SUPERSEDED_TAG: self.state.run_id}
                 client.log_batch(old.run_id, tags=[RunTag(k, str(v))
                                                    for k, v in sorted(tags.items())])
                 client.set_terminated(old.run_id, "FAILED")
@@ -400,6 +401,24 @@ class Remote:
             self.client.log_batch(self.state.run_id, tags=[
                 RunTag(k, str(v)) for k, v in sorted(tags.items())])
         self.client.set_terminated(self.state.run_id, status, end_time=self.state.end_time)
+        for old in self.state.gone:
+            self._end_restored(old)
+
+    def _end_restored(self, run_id: str) -> None:
+        """A run this one replaced when it was deleted may have been restored since (the UI's
+        Restore, a restored experiment): it ends FAILED, naming its replacement, rather than
+        showing RUNNING beside it forever."""
+        from mlflow.entities import RunTag
+        try:
+            run = self.client.get_run(run_id)
+            if run.info.lifecycle_stage == "active" and run.info.status == "RUNNING":
+                self.client.log_batch(run_id, tags=[RunTag(SUPERSEDED_TAG, self.state.run_id)])
+                self.client.set_terminated(run_id, "FAILED")
+                log.info("MLflow run %s, restored after run %s replaced it, ended FAILED",
+                         run_id, self.state.run_id)
+        except Exception as e:  # noqa: BLE001 -- not in this store (upload_spool.py --uri)
+            if not is_permanent(e):
+                raise
 
 
 def _int(text: Optional[str]) -> int:

@@ -503,7 +503,8 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
     sampler = NodeSampler(track, tmp_path, every_s=3600, host="gpu-a")  # samples when asked
 
     def active_run():
-        runs = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
+        runs = client.search_runs([client.get_experiment_by_name(exp).experiment_id],
+                                  filter_string="attributes.status != 'FAILED'")
         assert len(runs) == 1, [r.info.run_id for r in runs]
         return runs[0]
 
@@ -555,11 +556,15 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
         tracker = start_tracking(cfg, "pretrain", tmp_path, 0, world_size=1, run_id=first,
                                  resumed_at=3)
         train(tracker, range(8, 9))
+        client.restore_run(first)  # restored by its user meanwhile: deleted while RUNNING
         tracker.close()
     sampler.close()
-    again = active_run()
+    again = active_run()  # the one run not FAILED: the restored one does not show RUNNING
     assert again.info.run_id not in (first, run.info.run_id)
     assert steps_of(client, again.info.run_id) == list(range(1, 9))
+    restored = client.get_run(first)
+    assert restored.info.status == "FAILED" and \
+        restored.data.tags["stop.superseded_by"] == again.info.run_id
     assert steps_of(client, again.info.run_id, key) == list(range(8))
     assert "notes.txt" in {a.path for a in client.list_artifacts(again.info.run_id)}
     assert not [r for r in caplog.records if "rejected" in r.getMessage()]
