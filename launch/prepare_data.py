@@ -17,7 +17,7 @@ import sys
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
-from pretrain.cli import OneLineParser, positive_int
+from pretrain.cli import OneLineParser, positive_int, quiet_libraries
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import check_prefix, publish
 from pretrain.data.remote import is_remote
@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)  # (the pool's workers get the default back: they end)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    quiet_libraries()
     logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)
     if remote and not args.stage:

@@ -15,6 +15,16 @@ from pretrain.config import ConfigError, PretrainConfig, Section
 from pretrain.config_files import config_keys, load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# libraries whose INFO lines are theirs, not the job's ("Found credentials in environment
+# variables.", DeepSpeed's config dumps): shown from WARNING up
+NOISY_LOGGERS = ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "botocore",
+                 "boto3", "s3transfer")
+
+
+def quiet_libraries() -> None:
+    import logging
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def user_errors() -> tuple:

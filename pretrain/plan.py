@@ -120,7 +120,9 @@ def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
         ShardSet.from_dataset(cfg.data.root, info, split).check_present(cfg.data.missing_shards)
     sizes = _split_sizes(info, cfg.data.train_split, cfg.data.val_split)
     labels = f", {info.num_labels:,} labels" if info.num_labels else ""
-    return f"data: {cfg.data.root}: {sizes} samples{labels}"
+    wider = None if cfg.head_per_class else info.wider_head(cfg.data.root, cfg.model.num_classes)
+    return f"data: {cfg.data.root}: {sizes} samples{labels}" + (
+        f"\nwarning: {wider}" if wider else "")
 
 
 def describe(cfg: RunConfig, world: int):

@@ -30,6 +30,7 @@ import torch
 
 from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
+from pretrain.cli import quiet_libraries
 from pretrain.config_files import save_config, to_yaml
 from pretrain.distributed import all_reduce_sum, gather
 from pretrain.guard import NonFiniteGuard, TrainingStopped
@@ -54,8 +55,7 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S",
                         force=True)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries()
 
 
 def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:

@@ -350,7 +350,9 @@ def test_an_output_folder_inside_the_source_is_refused(tmp_path):
     (["cat/a.jpg", "cat/extra/b.jpg", "dog/c.jpg"], "cat", "found images two levels down in"),
     (["cat/a.jpg", "dog/c.jpg", "loose.PNG"], "", "found images directly in"),
     (["train/cat/a.jpg", "train/b.jpg", "val/cat/c.jpg"], "train", "found images directly in"),
-], ids=["image-below-a-class-folder", "image-beside-the-class-folders", "image-in-the-train-folder"])
+    (["train/cat/a.jpg", "val/b.jpg"], "val", "found images directly in"),
+], ids=["image-below-a-class-folder", "image-beside-the-class-folders", "image-in-the-train-folder",
+        "a-flat-val-folder"])
 def test_images_outside_the_class_folders_are_refused(tmp_path, files, where, problem):
     write_images(tmp_path / "raw", files)
     with pytest.raises(PrepareError) as e:
@@ -358,6 +360,8 @@ def test_images_outside_the_class_folders_are_refused(tmp_path, files, where, pr
     message = str(e.value)
     assert "\n" not in message and LAYOUT in message
     assert message.startswith(f"{problem} {os.path.join(tmp_path / 'raw', where).rstrip(os.sep)}")
+    # ImageNet-1k's flat val/ is another source's layout: named there, not elsewhere
+    assert message.endswith("use the source imagenet1k") == (where == "val"), message
 
 
 def resave_with_bytes_keys(path, names_key=None, protocol=pickle.DEFAULT_PROTOCOL):
@@ -491,6 +495,63 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     assert len(whole) == 6 and whole == sorted(p.name for p in (tmp_path / "late").glob("*.tar"))
     for name in whole:
         assert (tmp_path / "late" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+    # finished, then a shard lost and the source changed: the lost shard was written from a
+    # new shuffle next to the old ones (images twice, others missing, not a word said)
+    lost = tmp_path / "whole" / whole[2]
+    kept = lost.read_bytes()
+    lost.unlink()
+    write_images(raw / "dog", ["0009.jpg"])
+    proc = prepared(tmp_path / "whole")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: {raw} changed (files added, removed or rewritten in 'dog' since this run "
+        f"listed it), and shards of that listing are written in {tmp_path / 'whole'}"), \
+        proc.stderr
+    assert not lost.exists()
+    added.unlink()
+    proc = prepared(tmp_path / "whole")
+    assert proc.returncode == 0, proc.stderr
+    assert lost.read_bytes() == kept
+
+
+def test_macos_leftovers_cleared_away_between_runs_are_no_change(tmp_path):
+    """Deleting the __MACOSX folder (never read) before the rerun of an interrupted run blocked
+    its resume as a changed source, under fingerprints kept by earlier versions too."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write_images(raw, [f"{c}/{i:04d}.jpg" for c in ("cat", "dog") for i in range(5)]
+                 + ["__MACOSX/cat/0000.jpg"])
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(raw), str(out), "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    [scan] = out.rglob("scan.json")
+    state = json.loads(scan.read_text())  # as the versions that counted __MACOSX kept it
+    state["src_fingerprint"].update({"__MACOSX": "0" * 64, "__MACOSX/cat": "1" * 64})
+    scan.write_text(json.dumps(state))
+    for leftover in sorted((raw / "__MACOSX").rglob("*"), reverse=True) + [raw / "__MACOSX"]:
+        leftover.unlink() if leftover.is_file() else leftover.rmdir()
+    resumed = run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
+                           str(out), "--shard-size", "2", "--workers", "1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming: 2 of 5 shards are complete" in resumed.stderr
+
+
+def test_a_class_folder_link_that_leads_nowhere_is_refused(tmp_path):
+    """A class folder linked from a file system not mounted here was left out without a word,
+    and every later class took another label."""
+    raw = tmp_path / "raw"
+    write_images(raw, [f"{c}/0000.jpg" for c in ("ant", "bee", "dog")])
+    (raw / "cat").symlink_to(tmp_path / "unmounted" / "cat")
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
+                        str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: {raw / 'cat'} is a link to {tmp_path / 'unmounted' / 'cat'}, which is not there "
+        f"(1 such links in {raw}); mount what it leads to, or remove the link"), proc.stderr
+    (tmp_path / "unmounted" / "cat").mkdir(parents=True)
+    write_images(tmp_path / "unmounted", ["cat/0000.jpg"])
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
+                        str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert read_info(tmp_path / "out").classes == ["ant", "bee", "cat", "dog"]
 
 
 def test_a_run_interrupted_under_the_fingerprint_of_older_versions_resumes(tmp_path):

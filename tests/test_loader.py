@@ -341,3 +341,22 @@ def test_a_dataset_with_labels_beyond_the_models_classes_is_refused_at_start(tin
     with pytest.raises(DatasetInfoError, match=r"lists 21843 classes \(no num_labels in its info file\) "
                        r"but model.num_classes is 8: .* add \"num_labels\": K to its info file"):
         ShardSet.from_info(str(root), "train", num_classes=8)
+
+
+def test_a_pretraining_head_wider_than_the_labels_is_said_once_and_a_finetunes_refused(
+        tiny_data, caplog):
+    """The demo recipe's 10 outputs pointed at an 8-class folder trained without a word: two
+    outputs never right, and exports naming classes the data does not have."""
+    with caplog.at_level(logging.WARNING, logger="pretrain.data.loader"):
+        for rank in (0, 1):
+            build_train_loader(DataConfig(root=str(tiny_data)), img_size=16, batch_size=4,
+                               rank=rank, world_size=2, num_classes=10)
+        build_train_loader(DataConfig(root=str(tiny_data)), img_size=16, batch_size=4,
+                           num_classes=8)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model.num_classes is 10 but '{tiny_data}' has 8 classes: the head's other 2 outputs "
+        f"are never a right answer; set model.num_classes=8, unless its labels are part of a "
+        f"larger set on purpose (a subset of ImageNet-21k)"]
+    with pytest.raises(DatasetInfoError, match="set model.num_classes=8$"):
+        build_train_loader(DataConfig(root=str(tiny_data)), img_size=16, batch_size=4,
+                           num_classes=10, exact_classes=True)

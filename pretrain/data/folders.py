@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
 from pretrain.data.sources import (IMAGE_EXTENSIONS, Entry, PrepareError, Source, as_text, is_image,
-                                   sample_key, timm_info_file)
+                                   sample_key, timm_info_file, visible as _visible)
 
 IMAGENET1K_SYNSETS = "imagenet_synsets.txt"
 # Label files recognised next to a flat ImageNet-1k ``val/`` folder.
@@ -26,19 +26,20 @@ FOLDER_LAYOUT = "<root>/<class>/<image> or <root>/{train,val,test}/<class>/<imag
 # The split folders exports name (Roboflow: train/valid/test), first match each.
 SPLIT_FOLDERS = {"train": ("train",), "validation": ("val", "validation", "valid"),
                  "test": ("test",)}
-# What a macOS zip unpacks next to the class folders; never a class of its own.
-IGNORED_FOLDERS = ("__MACOSX",)
 
 log = logging.getLogger(__name__)
 
 
-def _visible(name: str) -> bool:
-    # Hidden entries are editor, notebook and macOS leftovers (.ipynb_checkpoints, ._x.jpg).
-    return not name.startswith(".") and name not in IGNORED_FOLDERS
-
-
 def _subfolders(folder: Path) -> List[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _visible(p.name))
+    """The folders in ``folder`` a source reads. A link to a folder that is not there (a class
+    on a file system not mounted here) is refused: left out, it would renumber the classes."""
+    entries = [p for p in folder.iterdir() if _visible(p.name)]
+    gone = [p for p in entries if p.is_symlink() and not p.exists()]
+    if gone:
+        raise PrepareError(f"{gone[0]} is a link to {os.readlink(gone[0])}, which is not there "
+                           f"({len(gone)} such links in {folder}); mount what it leads to, or "
+                           f"remove the link")
+    return sorted(p for p in entries if p.is_dir())
 
 
 def _images_below(folder: str) -> Optional[str]:
@@ -159,8 +160,12 @@ class ImageFolder(Source):
         self.not_images += [os.path.join(root.name, as_text(name)) for name in files
                             if not is_image(name)]
         if loose is not None:
+            # ImageNet-1k's val/ comes flat, with a label file beside it: another source reads it
+            flat_val = ("; or, for ImageNet-1k's flat val/ and its label file, use the source "
+                        "imagenet1k") if split == "validation" and not self.fixed_classes else ""
             raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
-                               f"expected {FOLDER_LAYOUT}; move them into a folder named after their class")
+                               f"expected {FOLDER_LAYOUT}; move them into a folder named after their class"
+                               + flat_val)
         seen = {}
         for class_dir in _subfolders(root):
             class_name = as_text(class_dir.name)

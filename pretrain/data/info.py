@@ -92,11 +92,24 @@ class DatasetInfo:
             + ("" if recorded else "; if its samples use only labels below K, add "
                                    "\"num_labels\": K to its info file"))
 
+    def wider_head(self, root: str, num_classes: Optional[int]) -> Optional[str]:
+        """Why a head of ``num_classes`` outputs is wider than this dataset needs, or None.
+        Pretraining allows it (part of ImageNet-21k keeps the label numbers of the whole), but
+        it is mostly a recipe's num_classes left as it was."""
+        labels = self.num_labels
+        if not num_classes or not labels or labels >= num_classes:
+            return None
+        return (f"model.num_classes is {num_classes} but '{root}' has {labels} classes: the "
+                f"head's other {num_classes - labels} outputs are never a right answer; set "
+                f"model.num_classes={labels}, unless its labels are part of a larger set on "
+                f"purpose (a subset of ImageNet-21k)")
+
     def split(self, name: str) -> SplitInfo:
         if name not in self.splits:
             have = ", ".join(sorted(self.splits)) or "none"
             raise DatasetInfoError(f"split '{name}' not found in dataset '{self.name}' "
-                                   f"(splits: {have}); set data.train_split / data.val_split")
+                                   f"(splits: {have}); set data.train_split / data.val_split "
+                                   f"to one of them (data.val_split=null evaluates none)")
         return self.splits[name]
 
     def to_json(self) -> dict:

@@ -333,7 +333,7 @@ def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
     shards = ShardSet.from_info(data.root, data.train_split, retry_policy(data),
-                                data.missing_shards, num_classes, exact_classes)
+                                data.missing_shards, num_classes, exact_classes, rank)
     shards.check_present(data.missing_shards, rank)
     if holdout:
         shards = shards.holding_out(holdout, "rest")

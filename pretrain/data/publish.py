@@ -215,7 +215,8 @@ def _sent_before(folder: str, location: str) -> dict:
                     record = json.loads(line)
                 except ValueError:  # a line cut short by a crash
                     continue
-                if record.get("to") == location:
+                # s3://b/x and s3://b/x/ are one prefix (the objects' names are the same)
+                if str(record.get("to")).rstrip("/") == location.rstrip("/"):
                     sent[record["name"]] = [record["size"], record["mtime_ns"]]
     except FileNotFoundError:
         pass

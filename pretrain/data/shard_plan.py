@@ -85,21 +85,25 @@ def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
     would leave out what was added (and fail on what was removed)."""
     cache, scan = work / "index.npz", work / "scan.json"
     stamp = source_fingerprint(src, source.reads)
-    if cache.is_file() and scan.is_file():
+    # scan.json outlives a finished run's index: a shard lost since is written again only
+    # from the source the others were written from
+    if scan.is_file():
         state = json.loads(scan.read_text())
         was = state.get("src_fingerprint")
         if was is None or same_source(was, stamp, src):  # (not kept by the oldest versions)
-            source.parts, source.unknown = state["parts"], state["unknown"]
-            with np.load(cache) as z:
-                return {c: z[c] for c in COLUMNS}
-        if shards_written:
+            if cache.is_file():
+                source.parts, source.unknown = state["parts"], state["unknown"]
+                with np.load(cache) as z:
+                    return {c: z[c] for c in COLUMNS}
+        elif shards_written:
             raise PrepareError(f"{src} changed ({what_changed(was, stamp)} this run listed it), "
                                f"and shards of that listing are written in {work.parent}; put "
                                f"the source back as it was to resume, or start afresh in a new "
                                f"output folder (--out, or --stage for a remote --out)")
-        log.warning("%s changed (%s this run listed it), before any shard was written: "
-                    "listing it again", src, what_changed(was, stamp))
-        cache.unlink()
+        else:
+            log.warning("%s changed (%s this run listed it), before any shard was written: "
+                        "listing it again", src, what_changed(was, stamp))
+            cache.unlink(missing_ok=True)
     journal = ScanJournal(work / "scan", src, stamp) if source.resumable_scan else None
     if journal is None or journal.state is None:
         shutil.rmtree(work / "spill", ignore_errors=True)

@@ -296,8 +296,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         info = _finish(out_dir, settings, raw, shards, done,
                        used if raw.name == "imagenet21k" else max(used, len(raw.classes)))
         shutil.rmtree(work / "spill", ignore_errors=True)
-        for leftover in ("index.npz", "scan.json"):
-            (work / leftover).unlink(missing_ok=True)
+        (work / "index.npz").unlink(missing_ok=True)  # (scan.json stays: load_or_build_index)
         return info
 
 

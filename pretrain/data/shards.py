@@ -150,12 +150,15 @@ class ShardSet:
     @classmethod
     def from_info(cls, root: str, split: str, retry: RetryPolicy = RetryPolicy(),
                   on_missing: str = "skip", num_classes: Optional[int] = None,
-                  exact_classes: bool = False) -> "ShardSet":
+                  exact_classes: bool = False, rank: int = 0) -> "ShardSet":
         """``split`` as the info file of ``root`` lists it. ``num_classes``: the model's; a
         dataset with more classes is refused (all but a few of its samples would be skipped),
-        with ``exact_classes`` one with fewer too."""
+        with ``exact_classes`` one with fewer too (otherwise rank 0 warns of it)."""
         dataset = read_info(root, retry)
         dataset.check_labels(root, num_classes, exact_classes)
+        wider = None if exact_classes or rank else dataset.wider_head(root, num_classes)
+        if wider:
+            log.warning("%s", wider)
         return cls.from_dataset(root, dataset, split, retry, on_missing)
 
     @classmethod

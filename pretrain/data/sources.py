@@ -97,16 +97,30 @@ def is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _walk(src: str) -> Iterator[Tuple[str, List[str]]]:
-    """(folder, its file names sorted) below the folder ``src`` as the sources read it: hidden
-    files and folders left out, links followed down to the deepest level a source reads
+# What a macOS zip unpacks next to the class folders; never a class of its own.
+IGNORED_FOLDERS = ("__MACOSX",)
+
+
+def visible(name: str) -> bool:
+    """Whether a source reads the file or folder ``name``: hidden entries are editor, notebook
+    and macOS leftovers (.ipynb_checkpoints, ._x.jpg), and so is ``__MACOSX``."""
+    return not name.startswith(".") and name not in IGNORED_FOLDERS
+
+
+def _not_hidden(name: str) -> bool:  # what versions before IGNORED_FOLDERS left out
+    return not name.startswith(".")
+
+
+def _walk(src: str, shown: Callable[[str], bool] = visible) -> Iterator[Tuple[str, List[str]]]:
+    """(folder, its file names sorted) below the folder ``src`` as the sources read it: what is
+    not ``shown`` left out, links followed down to the deepest level a source reads
     (``ROOT/split/class/image``), so a link loop ends."""
     top = src.rstrip(os.sep).count(os.sep)
     for folder, dirs, files in os.walk(src, followlinks=True):
         if folder.count(os.sep) - top >= 3:
             dirs[:] = []
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        yield folder, sorted(f for f in files if not f.startswith("."))
+        dirs[:] = sorted(d for d in dirs if shown(d))
+        yield folder, sorted(f for f in files if shown(f))
 
 
 def _stat_line(path: str) -> Optional[str]:
@@ -150,14 +164,15 @@ def same_source(was, now: Dict[str, str], src: str) -> bool:
     their way, so that an interrupted run of theirs resumes."""
     if isinstance(was, str):
         return was == _fingerprint_before_folders(src)
-    return was == now
+    # kept before __MACOSX was left out: it may have been cleared away since, which is no change
+    return {k: v for k, v in was.items() if all(map(visible, Path(k).parts))} == now
 
 
 def _fingerprint_before_folders(src: str) -> str:
     if not os.path.isdir(src):
         return _stat_line(src) or ""
     digest = hashlib.sha256()
-    for folder, files in _walk(src):
+    for folder, files in _walk(src, _not_hidden):
         for name in files:
             path = os.path.join(folder, name)
             line = os.path.relpath(path, src)
