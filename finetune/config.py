@@ -95,6 +95,17 @@ class FinetuneConfig(RunConfig):
                 "train.ema_decay": "set" if self.train.ema_decay is not None else "null"}
 
     @model_validator(mode="after")
+    def _check_logged_model(self) -> "FinetuneConfig":
+        t = self.tracking
+        if self.model.representation_size and (t.register_as or t.log_model):
+            raise ValueError(f"tracking.{'register_as' if t.register_as else 'log_model'} logs "
+                             f"the timm folder best/, which holds no head when "
+                             f"model.representation_size keeps a pre-logits layer (timm's ViT "
+                             f"has none); set model.representation_size=null (the paper's "
+                             f"transfer) or drop tracking.{'register_as' if t.register_as else 'log_model'}")
+        return self
+
+    @model_validator(mode="after")
     def _check_reported_split(self) -> "FinetuneConfig":
         # the reported figure must come from held-out data, under a name of its own
         val = self.data.val_split

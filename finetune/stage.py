@@ -61,9 +61,20 @@ class FinetuneStage(Stage):
         return AccelerateBackend(cfg)
 
     def prepare_data(self, cfg) -> None:
-        if cfg.init:  # a wrong init fails now, not after the data and the model are built
+        from pretrain.checkpoint import resume_point
+        # a wrong init fails now, not after the data and the model are built; a resumed run
+        # has its weights in its checkpoint (its init may be gone: a pretraining checkpoint
+        # removed by keep_last, a purged scratch folder)
+        if cfg.init and resume_point(cfg) is None:
             from finetune.weights import check_init
             check_init(cfg.init)
+        if cfg.model.representation_size and rank() == 0:
+            log.warning("model.representation_size=%s keeps a pre-logits layer, which timm's "
+                        "ViT has no place for: best/ and final/ will hold the backbone without "
+                        "its head, and no MLflow model is logged (best.safetensors and "
+                        "final.safetensors hold the whole classifier, for evaluate.py); "
+                        "model.representation_size=null is the paper's transfer",
+                        cfg.model.representation_size)
         if cfg.data.generate_demo:
             from pretrain.demo import ensure_demo_data
             ensure_demo_data(cfg.data.root, cfg.model.num_classes, layout="cifar10")
@@ -166,7 +177,8 @@ class FinetuneStage(Stage):
                                            per_class_png(self.test.per_class_top1, self.test.name))
         self._export(backend, "final", steps, results, tracker.settled_run_id())
         t = self.cfg.tracking
-        if backend.rank == 0 and t.logs_model(by_default=True):
+        # (a model that kept its pre-logits exports a backbone: not one to log as the run's)
+        if backend.rank == 0 and t.logs_model(by_default=not self.cfg.model.representation_size):
             # the model a user would pick: best by dev top-1 (final without a dev split)
             out = Path(self.cfg.output_dir)
             name = "best" if (out / "best").is_dir() else "final"

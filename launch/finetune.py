@@ -27,7 +27,8 @@ def check_inputs(cfg: FinetuneConfig) -> None:
 
     from finetune.launch_options import check
     check(cfg.train.precision, torch.cuda.is_available())
-    if cfg.init:
+    from pretrain.checkpoint import resume_point
+    if cfg.init and resume_point(cfg) is None:  # (resumed: the weights are the checkpoint's)
         from finetune.weights import check_init_fits
         check_init_fits(cfg.init, cfg.model)
 

@@ -258,6 +258,15 @@ class CheckpointStore:
         barrier()
 
 
+def resume_point(cfg) -> Optional[Checkpoint]:
+    """The checkpoint a launch of ``cfg`` goes on from: the newest complete one in its
+    output_dir (None: a new run there, or checkpoint.resume=false)."""
+    if not cfg.checkpoint.resume:
+        return None
+    done = CheckpointStore(Path(cfg.output_dir) / "checkpoints").complete()
+    return done[0] if done else None
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)  # the EMA is a whole model: no second copy on disk

@@ -66,8 +66,11 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{arg}' is not of the form key=value "
                               f"(e.g. optimizer.lr=3e-4)")
+        if not text.strip():  # an unset shell variable ("init=$INIT"): never taken for null
+            raise ConfigError(f"override '{arg}' has no value (an unset shell variable?); give "
+                              f"one, or {key}=null to unset it")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = text  # let the schema decide whether a plain string is acceptable
         out.append((key, value))

@@ -191,8 +191,13 @@ def _safetensors(p: Path) -> ModelFile:
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
                 step=_int(card.get("step")))
     mf.source_run_id = card.get("tracking_run_id")  # also where the file left its run's folder
+    there = Path(run_config["output_dir"]) if "spec" in meta and run_config.get("output_dir") \
+        else None  # where its run wrote it (a copy that left that folder finds it there)
     if run_config and in_run:
         mf.run_dir = p.parent
+    elif there is not None and same_run(there, run_config_at(there), run_config,
+                                        card.get("tracking_run_id")):
+        mf.run_dir = there
     elif normalize is not None:
         mf.normalize = normalize
     elif not run_config:  # (with one, _built took the normalisation from it)

@@ -165,6 +165,13 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
         assert ev.top1 == pytest.approx(ft.top1, abs=1e-9)
     finally:
         hidden.rename(ft.out)
+    # the run's folder where the run wrote it: a copy of the file finds it there, as a copy of
+    # the timm folder does, with the figure it reported (and its MLflow store) for evaluate.py
+    for copied in ("final", "final.safetensors", "alone/final.safetensors"):
+        assert load_model(tmp_path / copied).run_dir == ft.out, copied
+    ev = evaluate_model.evaluate(load_model(tmp_path / "alone" / "final.safetensors"),
+                                 str(ft.data), "test", workers=0)
+    assert ev.reported == {"metric": "eval/test/top1", "step": ft.step, "value": ft.top1}
 
 
 def test_a_file_copied_into_another_runs_folder_is_read_with_its_own_settings(ft, tmp_path):
@@ -189,9 +196,9 @@ def test_a_file_copied_into_another_runs_folder_is_read_with_its_own_settings(ft
 
     mf = load_model(other / "final.safetensors")
     assert mf.normalize == at_home.normalize != theirs
-    assert mf.run_dir is None and mf.source_run_id == ft.run_id
+    assert mf.run_dir == ft.out and mf.source_run_id == ft.run_id  # its own run, still there
     ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
-    assert ev.top1 == pytest.approx(ft.top1, abs=1e-9) and ev.reported is None
+    assert ev.top1 == pytest.approx(ft.top1, abs=1e-9) and ev.reported["value"] == ft.top1
 
     # the same settings but another MLflow run in that folder: still not the file's run
     config["data"]["normalize"] = at_home.normalize
@@ -200,7 +207,7 @@ def test_a_file_copied_into_another_runs_folder_is_read_with_its_own_settings(ft
                     ignore=shutil.ignore_patterns("lock", "spool*", "artifacts"))
     state = json.loads((other / "tracking/run.json").read_text())
     (other / "tracking/run.json").write_text(json.dumps({**state, "run_id": "0" * 32}))
-    assert load_model(other / "final.safetensors").run_dir is None
+    assert load_model(other / "final.safetensors").run_dir == ft.out
     (other / "tracking/run.json").write_text(json.dumps(state))  # and with its own run id: its run
     assert load_model(other / "final.safetensors").run_dir == other
 

@@ -509,3 +509,67 @@ def test_train_compile_reaches_the_fine_tune_model_and_leaves_its_keys_alone(tin
     assert compiled.module._compiled_call_impl.get_compiler_config()["max_autotune"] is False
     assert list(compiled.accelerator.get_state_dict(compiled.model)) == \
         list(plain.accelerator.get_state_dict(plain.model))
+
+
+def test_a_stopped_fine_tune_resumes_though_its_init_is_gone(tmp_path, tiny_cifar):
+    """The checkpoint holds every weight: an init removed since (a pretraining checkpoint
+    pruned by its run's keep_last, a purged scratch folder) no longer stops the relaunch with
+    exit 2, which the SLURM scripts do not requeue; the dry-run agrees. A new run still needs
+    its init."""
+    import shutil
+    base = finetune_args(tmp_path / "a", tiny_cifar, "null")
+    first = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", *base,
+                         "train.total_steps=2", "eval.every_steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    init = tmp_path / "scratch" / "init.safetensors"
+    init.parent.mkdir()
+    shutil.copy(tmp_path / "a" / "final.safetensors", init)
+    args = ["--config", "configs/finetune/demo.yaml",
+            *finetune_args(tmp_path / "b", tiny_cifar, init), "eval.every_steps=2"]
+    proc = run_launcher("finetune.py", *args, "train.total_steps=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shutil.rmtree(init.parent)
+    plan = run_launcher("finetune.py", *args, "train.total_steps=4", "--dry-run")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert f"resume: from {tmp_path / 'b/checkpoints/step_00000002'} at step 2" in plan.stdout
+    proc = run_launcher("finetune.py", *args, "train.total_steps=4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")
+            if "eval/test/top1" in r] == [2, 4]
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml",
+                        *finetune_args(tmp_path / "c", tiny_cifar, init))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: init '{init}' not found"), proc.stderr[-2000:]
+    # an unset shell variable (init=$INIT) is not a fine-tune from scratch
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "init=",
+                        "--dry-run")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: override 'init=' has no value (an unset shell variable?); give one, or "
+        "init=null to unset it"], proc.stderr
+
+
+def test_a_fine_tune_that_keeps_its_pre_logits_says_its_exports_are_backbones(tmp_path,
+                                                                            tiny_cifar):
+    """timm's ViT has no pre-logits layer: the folders best/ and final/ of such a fine-tune
+    hold the backbone alone. That was not said, and the backbone was logged and registered as
+    the run's model, tagged with the classifier's figures."""
+    from mlflow import MlflowClient
+
+    from conftest import sqlite_store
+    uri = sqlite_store(tmp_path / "store")
+    args = ["--config", "configs/finetune/demo.yaml",
+            *finetune_args(tmp_path / "ft", tiny_cifar, "null"), "model.representation_size=32"]
+    proc = run_launcher("finetune.py", *args, "tracking.register_as=kept-pre-logits")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: tracking.register_as logs the timm folder best/, which holds no head when "
+        "model.representation_size keeps a pre-logits layer"), proc.stderr[-2000:]
+    proc = run_launcher("finetune.py", *args, "train.total_steps=2", "eval.every_steps=2",
+                        "tracking.system_metrics=false", env={"MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("model.representation_size=32 keeps a pre-logits layer, which "
+                             "timm's ViT has no place for: best/ and final/ will hold the "
+                             "backbone without its head") == 1, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "ft/final/config.json").read_text())["num_classes"] == 0
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name("vitscale").experiment_id])
+    assert "model" not in {a.path for a in client.list_artifacts(run.info.run_id)}
