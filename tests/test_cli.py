@@ -410,7 +410,7 @@ def test_dry_run_refuses_what_the_run_refuses_at_its_start(tiny_data, tmp_path):
          "error: config key 'train.checkpointed_blocks': 9 is more than the model's 4 blocks"),
         ([f"eval.fewshot_root={tiny_data}", "eval.fewshot_test_split=test"],
          "error: split 'test' not found in dataset 'tiny' (splits: train, validation); set "
-         "eval.fewshot_train_split / eval.fewshot_test_split"),
+         "eval.fewshot_train_split / eval.fewshot_test_split to one of them"),
     ]
     for overrides, line in cases:
         proc = run_launcher("pretrain.py", "--dry-run", *overrides)
