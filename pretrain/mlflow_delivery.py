@@ -102,11 +102,12 @@ class Remote:
         # whose queue starts after them, queues them again for the new run (MlflowTracker)
         self.resend_to = 0
         # the state is changed by the delivery thread and by the training thread (log_model,
-        # close): each change and each save of run.json holds this lock, never a request
+        # close, an artifact written): what both may change, and every save of run.json,
+        # holds this lock, never a request
         self.state_lock = threading.RLock()
-        # bumped under the lock whenever the artifact files change under an upload in flight
-        # (log_model replacing the model package): what that upload sent is not recorded
-        self.artifacts_epoch = 0
+        # artifact files written again since this upload pass listed them (a name, or a folder
+        # "model/" replaced whole by log_model): what the pass sent of them is not recorded
+        self.replaced: set[str] = set()
 
     def save_state(self) -> None:
         with self.state_lock:
@@ -149,7 +150,8 @@ class Remote:
                     self.client.log_batch(s.run_id, tags=[RunTag(k, v)
                                                           for k, v in sorted(retag.items())])
                 # MLflow's count wins when this output_dir's run.json does not know the stops
-                s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
+                with self.state_lock:  # (close counts a stop meanwhile)
+                    s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
                 if reopen and run.info.status != "RUNNING":
                     self.client.update_run(s.run_id, status="RUNNING")
                 self._mark_experiment(run.info.experiment_id)
@@ -270,31 +272,51 @@ class Remote:
         return [p for p in sorted(root.rglob("*")) if p.is_file()
                 and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
 
+    def written_again(self, name: str) -> None:
+        """The artifact ``name`` (a folder: ending in "/") is written anew: sent again, even
+        if an upload of the old one is in flight. Call under :attr:`state_lock`."""
+        self.replaced.add(name)
+        self.state.uploaded = [u for u in self.state.uploaded
+                               if not (u == name or name.endswith("/") and u.startswith(name))]
+
+    def _replaced(self, rel: str) -> bool:
+        return any(rel == r or r.endswith("/") and rel.startswith(r) for r in self.replaced)
+
     def upload_artifacts(self) -> int:
         root = self.dir / ARTIFACTS
         with self.state_lock:
-            epoch, new = self.artifacts_epoch, self.pending_artifacts()
-        for done, p in enumerate(new):
-            sub = p.parent.relative_to(root).as_posix()
+            self.replaced.clear()
+            new = self.pending_artifacts()
+        sent = 0
+        for p in new:
+            rel, sub = p.relative_to(root).as_posix(), p.parent.relative_to(root).as_posix()
             try:
                 self.client.log_artifact(self.state.run_id, str(p),
                                          artifact_path=None if sub == "." else sub)
             except FileNotFoundError:
-                if self.artifacts_epoch == epoch:
-                    raise
+                with self.state_lock:
+                    if not self._replaced(rel):
+                        raise
+                continue
             with self.state_lock:
-                if self.artifacts_epoch != epoch:  # replaced meanwhile: the next pass sends
-                    return done                      # the new files
-                self.state.uploaded.append(p.relative_to(root).as_posix())
+                if self._replaced(rel):  # written again meanwhile: the next pass sends it
+                    continue
+                self.state.uploaded.append(rel)
                 self.save_state()
-        return len(new)
+            sent += 1
+        return sent
 
     def register_models(self) -> int:
         """Register the uploaded models that ask for it (call after :meth:`upload_artifacts`:
         a version must not point at a half-uploaded model). Returns how many were registered."""
         from pretrain.model_registry import register
         done = 0
-        for m in self.state.models:
+        with self.state_lock:  # a version must not point at files still on their way
+            pending = [p.relative_to(self.dir / ARTIFACTS).as_posix()
+                       for p in self.pending_artifacts()]
+        for m in list(self.state.models):
+            if any(p.startswith(m["path"] + "/") for p in pending):
+                continue
             if m.get("register_as") and not m.get("version"):
                 version = register(self.client, self.state.run_id, m["register_as"],
                                    m["path"], tags=m.get("tags"), description=m.get("description"))

@@ -34,7 +34,7 @@ from torch import nn
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, ModelConfig
 from pretrain.producing_run import (RUN_CONFIG, attach_run, find_source_run, run_config_at,
-                                    same_run)
+                                    run_state, same_run)
 
 EMA_STATE = "custom_checkpoint_0.pkl"  # Accelerate's file for the first registered object
 
@@ -191,12 +191,15 @@ def _safetensors(p: Path) -> ModelFile:
     mf = _built(p, "safetensors file (fine-tune)", model_cfg, state, run_config,
                 step=_int(card.get("step")))
     mf.source_run_id = card.get("tracking_run_id")  # also where the file left its run's folder
+    # where its run wrote it, which a copy that left that folder finds it by: only where the
+    # MLflow run there is the file's (a relative output_dir, or a run moved aside and another
+    # of the same recipe started there, could name another run's folder)
     there = Path(run_config["output_dir"]) if "spec" in meta and run_config.get("output_dir") \
-        else None  # where its run wrote it (a copy that left that folder finds it there)
+        else None
     if run_config and in_run:
         mf.run_dir = p.parent
-    elif there is not None and same_run(there, run_config_at(there), run_config,
-                                        card.get("tracking_run_id")):
+    elif there is not None and card.get("tracking_run_id") and \
+            getattr(run_state(there), "run_id", None) == card["tracking_run_id"]:
         mf.run_dir = there
     elif normalize is not None:
         mf.normalize = normalize

@@ -192,9 +192,9 @@ class MlflowTracker(NodeSampling):
                     self._write_failed(path, e)
                 else:
                     del self._held[name]
-                    self._remote.artifacts_epoch += 1
-                    if name in self.state.uploaded:
-                        self.state.uploaded.remove(name)
+                    was_sent = name in self.state.uploaded
+                    self._remote.written_again(name)
+                    if was_sent:
                         self._remote.save_state()
 
     def log_model(self, folder: os.PathLike | str, register_as: Optional[str] = None,
@@ -218,10 +218,8 @@ class MlflowTracker(NodeSampling):
                     shutil.rmtree(path)
                 # one rename: the uploading thread sees the whole package or none of it
                 os.replace(partial, path)
-                self._remote.artifacts_epoch += 1
-                prefix = MODEL_ARTIFACT + "/"
+                self._remote.written_again(MODEL_ARTIFACT + "/")
                 s = self.state
-                s.uploaded = [u for u in s.uploaded if not u.startswith(prefix)]
                 s.models = [m for m in s.models if m["path"] != MODEL_ARTIFACT]
                 s.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
                                  "version": None, "tags": dict(about or {}),

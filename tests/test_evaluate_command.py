@@ -169,6 +169,15 @@ def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp
     # the timm folder does, with the figure it reported (and its MLflow store) for evaluate.py
     for copied in ("final", "final.safetensors", "alone/final.safetensors"):
         assert load_model(tmp_path / copied).run_dir == ft.out, copied
+    # ... where that folder holds the file's MLflow run: another run there (the run moved
+    # aside, a new one of the same recipe started) is not the file's
+    state = (ft.out / "tracking/run.json").read_text()
+    try:
+        (ft.out / "tracking/run.json").write_text(json.dumps({**json.loads(state),
+                                                              "run_id": "0" * 32}))
+        assert load_model(tmp_path / "alone" / "final.safetensors").run_dir is None
+    finally:
+        (ft.out / "tracking/run.json").write_text(state)
     ev = evaluate_model.evaluate(load_model(tmp_path / "alone" / "final.safetensors"),
                                  str(ft.data), "test", workers=0)
     assert ev.reported == {"metric": "eval/test/top1", "step": ft.step, "value": ft.top1}

@@ -122,10 +122,18 @@ def test_a_fine_tune_head_wider_than_the_datasets_classes_is_refused(tmp_path, t
             f"2 outputs would never be a right answer, and the exports would not know the class "
             f"names; set model.num_classes=10")
     assert not (tmp_path / "ft").exists()
-    # a pretraining head may be wider than the labels used (a subset of ImageNet-21k's synsets)
+    # a pretraining head may be wider than the labels used (a subset of ImageNet-21k's synsets,
+    # whose list the head follows: not a word), or than a dataset's classes (warned about)
     proc = run_launcher("pretrain.py", "--dry-run", f"data.root={tiny_data}",
                         "model.num_classes=10")
     assert proc.returncode == 0 and "samples, 8 labels" in proc.stdout, proc.stderr[-2000:]
+    assert "warning" not in proc.stdout
+    proc = run_launcher("pretrain.py", "--dry-run", f"data.root={tiny_cifar}",
+                        "model.num_classes=12", "data.val_split=test")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"10 labels\nwarning: model.num_classes is 12 but '{tiny_cifar}' has 10 classes: " \
+           f"the head's other 2 outputs are never a right answer; set model.num_classes=10" \
+        in proc.stdout
 
 
 def test_a_dev_split_too_small_to_choose_on_is_said_once(tmp_path, tiny_cifar):

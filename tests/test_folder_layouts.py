@@ -512,6 +512,15 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     proc = prepared(tmp_path / "whole")
     assert proc.returncode == 0, proc.stderr
     assert lost.read_bytes() == kept
+    # every file of it deleted (its hidden bookkeeping left): nothing of the old listing is
+    # kept, so a changed source is listed again, not refused
+    for p in (tmp_path / "whole").iterdir():
+        if p.is_file():
+            p.unlink()
+    write_images(raw / "dog", ["0009.jpg"])
+    proc = prepared(tmp_path / "whole")
+    assert proc.returncode == 0, proc.stderr
+    assert read_info(tmp_path / "whole").splits["train"].num_samples == 12
 
 
 def test_macos_leftovers_cleared_away_between_runs_are_no_change(tmp_path):
@@ -544,8 +553,8 @@ def test_a_class_folder_link_that_leads_nowhere_is_refused(tmp_path):
     proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
                         str(tmp_path / "out"))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"error: {raw / 'cat'} is a link to {tmp_path / 'unmounted' / 'cat'}, which is not there "
-        f"(1 such links in {raw}); mount what it leads to, or remove the link"), proc.stderr
+        f"error: {raw / 'cat'} is a link to {tmp_path / 'unmounted' / 'cat'}, which is not there; "
+        f"mount what it leads to, or remove the link"), proc.stderr
     (tmp_path / "unmounted" / "cat").mkdir(parents=True)
     write_images(tmp_path / "unmounted", ["cat/0000.jpg"])
     proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",

@@ -593,6 +593,8 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
             headers = [(k, v) for k, v in answer.getheaders()
                        if k.lower() not in ("transfer-encoding", "connection", "content-length")]
             conn.close()
+        if hasattr(self.server, "answered"):  # (method, path) in the order they were answered
+            self.server.answered.append((self.command, self.path))
         self.send_response(status)
         for k, v in headers:
             self.send_header(k, v)
@@ -656,7 +658,8 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     """A relaunched fine-tune logs its model again while the thread still uploads the first
     package (a ViT's weights take minutes to send), and a relaunched job writes an artifact
     again under the same name: the run ends with the files as they were written last, every
-    one of them, not with what was in flight when they were replaced."""
+    one of them, not with what was in flight when they were replaced; and the new package is
+    registered once all of its files are up, not while they are on their way."""
     from urllib.parse import urlparse
 
     from pretrain.export import from_model
@@ -671,6 +674,7 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     up = urlparse(mlflow_server.uri)
     proxy.upstream, proxy.away = (up.hostname, up.port), False
     proxy.hold, proxy.held = ("/artifacts/model/", threading.Event()), threading.Event()
+    proxy.answered = []
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "written-again"
     try:
@@ -685,7 +689,7 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
         tracker.log_artifact_bytes("notes.json", b'{"job": 2}')
         tracker.log_model(folders[0])
         assert proxy.held.wait(60), "the first package's upload never started"
-        tracker.log_model(folders[1])  # while a file of the first one is on its way
+        tracker.log_model(folders[1], register_as="written-again")  # while the first uploads
         proxy.hold[1].set()
         tracker.close()
     finally:
@@ -701,6 +705,10 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
                            for p in (got / "model").rglob("*") if p.is_file())
     assert [f for f in files if (got / "model" / f).read_bytes() != (written / f).read_bytes()] \
         == []
+    registered = [i for i, (_, path) in enumerate(proxy.answered) if "model-versions/create" in path]
+    uploads = [i for i, (method, path) in enumerate(proxy.answered)
+               if method == "PUT" and "/artifacts/model/" in path]
+    assert len(registered) == 1 and uploads and max(uploads) < registered[0], proxy.answered
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(

@@ -31,14 +31,15 @@ log = logging.getLogger(__name__)
 
 
 def _subfolders(folder: Path) -> List[Path]:
-    """The folders in ``folder`` a source reads. A link to a folder that is not there (a class
-    on a file system not mounted here) is refused: left out, it would renumber the classes."""
+    """The folders in ``folder`` a source reads. A link to nothing that is no image (a class
+    folder on a file system not mounted here) is refused: left out, it would renumber the
+    classes. (Links to images that are not there are counted and left out by the listing.)"""
     entries = [p for p in folder.iterdir() if _visible(p.name)]
-    gone = [p for p in entries if p.is_symlink() and not p.exists()]
+    gone = [p for p in entries if p.is_symlink() and not p.exists() and not is_image(p.name)]
     if gone:
-        raise PrepareError(f"{gone[0]} is a link to {os.readlink(gone[0])}, which is not there "
-                           f"({len(gone)} such links in {folder}); mount what it leads to, or "
-                           f"remove the link")
+        others = f" (and {len(gone) - 1} more in {folder})" if len(gone) > 1 else ""
+        raise PrepareError(f"{gone[0]} is a link to {os.readlink(gone[0])}, which is not "
+                           f"there{others}; mount what it leads to, or remove the link")
     return sorted(p for p in entries if p.is_dir())
 
 

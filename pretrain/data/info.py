@@ -97,7 +97,8 @@ class DatasetInfo:
         Pretraining allows it (part of ImageNet-21k keeps the label numbers of the whole), but
         it is mostly a recipe's num_classes left as it was."""
         labels = self.num_labels
-        if not num_classes or not labels or labels >= num_classes:
+        if not num_classes or not labels or labels >= num_classes \
+                or len(self.classes) >= num_classes:  # a label list the head follows
             return None
         return (f"model.num_classes is {num_classes} but '{root}' has {labels} classes: the "
                 f"head's other {num_classes - labels} outputs are never a right answer; set "

@@ -272,7 +272,9 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
                  "changed source needs a new output folder)", out_dir)
         return done_info
     with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
-        index = load_or_build_index(raw, src, work, progress, _shards_started(out_dir))
+        # shards of the earlier listing that would be kept (all deleted since: none is)
+        kept = any((out_dir / name).is_file() for name in _read_ledger(work / "shards.jsonl"))
+        index = load_or_build_index(raw, src, work, progress, kept)
         if not (index["split"] == 0).any():
             raise PrepareError(f"no images found in {src}; check --src and SOURCE")
         if settings["val_count"]:
