@@ -15,7 +15,9 @@ class FinetuneModelConfig(ModelConfig):
     img_size: Optional[int] = Field(384, gt=0, description="fine-tuning resolution; position "
                                     "embeddings are resampled in 2-D from the checkpoint's")
     representation_size: Optional[int] = Field(None, gt=0, description="unset: pre-logits "
-                                               "dropped, as in the paper's transfer")
+                                               "dropped, as in the paper's transfer; set: kept, "
+                                               "and best/ and final/ hold the backbone only "
+                                               "(timm's ViT has no pre-logits)")
     num_classes: int = Field(1000, gt=0, description="classes of the new head (ImageNet-1k: 1000)")
     drop_path_rate: float = Field(0.0, ge=0.0, lt=1.0, description="stochastic depth, linear "
                                   "over depth up to this")
