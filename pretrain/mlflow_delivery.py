@@ -311,19 +311,21 @@ class Remote:
         a version must not point at a half-uploaded model). Returns how many were registered."""
         from pretrain.model_registry import register
         done = 0
+        todo = [m for m in self.state.models if m.get("register_as") and not m.get("version")]
+        if not todo:  # (the common case: no listing of the artifacts every attempt)
+            return 0
         with self.state_lock:  # a version must not point at files still on their way
             pending = [p.relative_to(self.dir / ARTIFACTS).as_posix()
                        for p in self.pending_artifacts()]
-        for m in list(self.state.models):
+        for m in todo:
             if any(p.startswith(m["path"] + "/") for p in pending):
                 continue
-            if m.get("register_as") and not m.get("version"):
-                version = register(self.client, self.state.run_id, m["register_as"],
-                                   m["path"], tags=m.get("tags"), description=m.get("description"))
-                with self.state_lock:
-                    m["version"] = version
-                    self.save_state()
-                done += 1
+            version = register(self.client, self.state.run_id, m["register_as"], m["path"],
+                               tags=m.get("tags"), description=m.get("description"))
+            with self.state_lock:
+                m["version"] = version
+                self.save_state()
+            done += 1
         return done
 
     def send(self, records: collections.deque, cursor: str = CURSOR) -> int:

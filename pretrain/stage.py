@@ -176,7 +176,8 @@ def check_fewshot_root(cfg: RunConfig, info=None):
 
 def in_probe_keys(err):
     """A data error whose fix names the data.* keys, naming the probe's, which are meant."""
-    return type(err)(str(err).replace(" (data.val_split=null evaluates none)", "")
+    from pretrain.data.info import VAL_SPLIT_NULL
+    return type(err)(str(err).replace(VAL_SPLIT_NULL, "")
                      .replace("data.train_split / data.val_split",
                               "eval.fewshot_train_split / eval.fewshot_test_split")
                      .replace("data.root", "eval.fewshot_root"))

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 from pretrain.atomic_write import write_atomic
 
 INFO_NAMES = ("_info.json", "info.json")
+# the missing-split message's way out for the run's evaluation split (not the few-shot probe's)
+VAL_SPLIT_NULL = " (data.val_split=null evaluates none)"
 
 
 class DatasetInfoError(ValueError):
@@ -110,7 +112,7 @@ class DatasetInfo:
             have = ", ".join(sorted(self.splits)) or "none"
             raise DatasetInfoError(f"split '{name}' not found in dataset '{self.name}' "
                                    f"(splits: {have}); set data.train_split / data.val_split "
-                                   f"to one of them (data.val_split=null evaluates none)")
+                                   f"to one of them{VAL_SPLIT_NULL}")
         return self.splits[name]
 
     def to_json(self) -> dict:
