@@ -77,6 +77,9 @@ class FlakyHandler(SimpleHTTPRequestHandler):
 
     def do_PUT(self):  # uploads, as WebDAV or a presigned URL take them; fails at p_503 too
         server = self.server
+        if server.refuse_put:  # a read-only endpoint
+            self.send_error(server.refuse_put)
+            return
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with server.lock:
             fail = server.rng.random() < server.p_503
@@ -101,6 +104,7 @@ def flaky_http(tmp_path):
     server.rng, server.lock = random.Random(0), threading.Lock()
     server.p_503, server.p_cut = 0.15, 0.35
     server.requests = server.resumed = server.failures = server.refuse_get = 0
+    server.refuse_put = 0
     server.failing = ""  # the files that fail: those whose names end so (all)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -421,6 +425,57 @@ def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http
     done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_pets(str(piped))
+
+
+def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
+        tmp_path, s3_server, flaky_http):
+    """A read-only S3 role, or an HTTP server without PUT, is found out by the first upload,
+    which is made before the shards are prepared, and refused at once (no retries)."""
+    import boto3
+
+    s3, iam = boto3.client("s3"), boto3.client("iam")
+    s3.create_bucket(Bucket="datasets")
+    iam.create_user(UserName="reader")
+    iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*",
+                                                "Action": ["s3:GetObject", "s3:ListBucket"]}]}))
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    reader = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+              "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+
+    def moto_auth(count: bytes) -> None:  # from here, requests need the IAM user's rights
+        urllib.request.urlopen(urllib.request.Request(
+            f"{s3_server['AWS_ENDPOINT_URL']}/moto-api/reset-auth", data=count, method="POST",
+            headers={"Content-Type": "text/plain"}), timeout=30).close()
+
+    moto_auth(b"0")
+    try:
+        done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "s3://datasets/pets",
+                            env=reader)
+    finally:
+        moto_auth(b"inf")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: --out s3://datasets/pets refuses uploads (s3://datasets/pets/_stage_id: S3 "
+        "AccessDenied: Access Denied); fix the credentials, the server or the URL (checked "
+        "before preparing anything)")
+    assert not list((tmp_path / "stage").glob("*.tar"))
+
+    url, server, _ = flaky_http
+    server.p_503 = server.p_cut = 0.0
+    server.refuse_put = 405
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/pets")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --out {url}/pets refuses uploads ({url}/pets/_stage_id: HTTP 405 Method Not "
+        f"Allowed); fix the credentials, the server or the URL (checked before preparing "
+        f"anything)")
+    assert not list((tmp_path / "stage").glob("*.tar"))
+    # the same command once the server takes uploads: prepared and published whole
+    server.refuse_put = 0
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_pets(f"{url}/pets")
 
 
 @pytest.fixture

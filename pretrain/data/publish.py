@@ -55,10 +55,26 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
         fs.put_file(local, path)
 
 
+# S3 answers that no retry changes: the credentials or the bucket are wrong
+S3_REFUSALS = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "NoSuchBucket",
+               "SignatureDoesNotMatch", "InvalidBucketName", "AccountProblem"}
+
+
+def _s3_refusal(e: BaseException) -> Optional[str]:
+    """'S3 <code>: <message>' where ``e`` is an S3 refusal: boto3's upload_file raises a bare
+    S3UploadFailedError while handling the ClientError that holds it."""
+    for err in (e, e.__context__):
+        error = getattr(err, "response", {}).get("Error", {})
+        if error.get("Code") in S3_REFUSALS:
+            return f"S3 {error['Code']}: {error.get('Message', '')}"
+    return None
+
+
 def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> None:
     """Copy a finished local file to ``location`` (s3://, gs:// or another fsspec URL, an HTTP
     PUT, or ``pipe:<command>`` fed the file), retrying failures after a back-off; on object
-    stores the object appears whole or not at all."""
+    stores the object appears whole or not at all. A refusal (HTTP 403, 405, an S3
+    AccessDenied) raises PermissionError at once."""
     for failures in range(1, policy.attempts + 1):
         try:
             _put(local, location, policy)
@@ -68,6 +84,9 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
         except Exception as e:  # noqa: BLE001 -- transport errors of boto3, urllib, fsspec
             if isinstance(e, urllib.error.HTTPError) and e.code not in RETRY_HTTP:
                 raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
+            refusal = _s3_refusal(e)
+            if refusal:
+                raise PermissionError(f"{location}: {refusal}") from None
             if failures == policy.attempts:
                 raise Unreachable(f"{location}: upload failed {failures} times "
                                   f"(last: {type(e).__name__}: {e})") from None
@@ -128,19 +147,53 @@ def _marker(location: str, policy: RetryPolicy) -> Optional[dict]:
     return marker if isinstance(marker, dict) else {"stage_id": text, "prepare": None}
 
 
-def _stage_ids(folder: str, location: str, policy: RetryPolicy) -> tuple:
-    """(this stage folder's id, the marker under ``location`` that says which stage folder
-    uploaded there last, or None)."""
+def _stage_id(folder: str) -> str:
+    """This stage folder's id (made on first use)."""
+    os.makedirs(folder, exist_ok=True)
     mine = os.path.join(folder, STAGE_ID)
     if not os.path.isfile(mine):
         with open(mine, "w") as f:
             f.write(uuid.uuid4().hex)
     with open(mine) as f:
-        stage_id = f.read()
-    if location.startswith("pipe:"):  # nothing can be read back: everything is sent anyway
-        return stage_id, None
-    there = _marker(location, _quick(policy))
-    return stage_id, there
+        return f.read()
+
+
+def _there(location: str, policy: RetryPolicy) -> Optional[dict]:
+    """The marker under the prefix (None: none, or a pipe, which cannot be read back)."""
+    return None if location.startswith("pipe:") else _marker(location, _quick(policy))
+
+
+def _send_marker(folder: str, location: str, there: Optional[dict], settings: Optional[dict],
+                 policy: RetryPolicy) -> None:
+    """Say under the prefix that this stage folder uploads there, with the preparation's
+    settings (for :func:`check_prefix`). Where the marker ``there`` is another folder's (or
+    none), what this folder's log says it sent there before is void from now: another folder
+    may have replaced those files, and once this marker is up nothing under the prefix would
+    say so any more."""
+    stage_id = _stage_id(folder)
+    if there is None or there.get("stage_id") != stage_id:
+        with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
+            record.write(json.dumps({"to": location, "void": True}) + "\n")
+    marker = os.path.join(folder, ".stage_marker.json")
+    with open(marker, "w") as f:
+        json.dump({"stage_id": stage_id, "prepare": settings}, f)
+    upload(marker, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
+
+
+def claim_prefix(folder: str, location: str, settings: dict,
+                 policy: RetryPolicy = RetryPolicy()) -> None:
+    """Write the marker of stage folder ``folder`` under the prefix before anything is
+    prepared: a prefix that takes no uploads (a read-only role, a server without PUT, a pipe
+    command that fails) is found out now, not after hours of preparation. A rerun finding its
+    own marker there writes nothing."""
+    there = _there(location, policy)
+    if there == {"stage_id": _stage_id(folder), "prepare": settings}:
+        return
+    try:
+        _send_marker(folder, location, there, settings, policy)
+    except PermissionError as e:
+        raise PrepareError(f"--out {location} refuses uploads ({e}); fix the credentials, the "
+                           f"server or the URL (checked before preparing anything)") from None
 
 
 def _holds_files(location: str, timeout_s: float) -> bool:
@@ -216,7 +269,11 @@ def _sent_before(folder: str, location: str) -> dict:
                 except ValueError:  # a line cut short by a crash
                     continue
                 # s3://b/x and s3://b/x/ are one prefix (the objects' names are the same)
-                if str(record.get("to")).rstrip("/") == location.rstrip("/"):
+                if str(record.get("to")).rstrip("/") != location.rstrip("/"):
+                    continue
+                if record.get("void"):  # another folder's files may be there since
+                    sent.clear()
+                else:
                     sent[record["name"]] = [record["size"], record["mtime_ns"]]
     except FileNotFoundError:
         pass
@@ -234,19 +291,16 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     names = sorted(n for n in os.listdir(folder) if not n.startswith(".")
                    and os.path.isfile(os.path.join(folder, n)))
     names.sort(key=lambda n: n == last)
-    stage_id, there = _stage_ids(folder, location, policy)
     # Another stage folder's upload in between (an edited source) may have replaced files with
-    # others of the same size, which this folder's log knows nothing of.
-    last_here = there is not None and there.get("stage_id") == stage_id
-    sent_before = _sent_before(folder, location) if last_here else {}
+    # others of the same size, which this folder's log knows nothing of: the log is voided as
+    # this folder's marker replaces the other's (a pipe is never read back: all is sent).
+    there = _there(location, policy)
     # said first: a stage folder that uploads here later replaces it; a marker an older
     # version wrote (the id alone) is sent again with the settings, for check_prefix
-    if not last_here or there.get("prepare") is None:
-        marker = os.path.join(folder, ".stage_marker.json")
-        prepared = read_info(folder).extra.get("prepare")
-        with open(marker, "w") as f:
-            json.dump({"stage_id": stage_id, "prepare": prepared}, f)
-        upload(marker, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
+    if there is None or there.get("stage_id") != _stage_id(folder) or \
+            there.get("prepare") is None:
+        _send_marker(folder, location, there, read_info(folder).extra.get("prepare"), policy)
+    sent_before = _sent_before(folder, location)
     sent = 0
     with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
         for i, name in enumerate(names, 1):

@@ -111,7 +111,8 @@ def _recorded(out: Path, settings: dict) -> Optional[dict]:
             raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
     elif (work / CONFIG).is_file():
         recorded = json.loads((work / CONFIG).read_text())
-    elif out.is_dir() and any(p.name != WORK_DIR for p in out.iterdir()):
+    # (hidden files are no output: the work folder, a stage folder's upload records)
+    elif out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):
         raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
                            f"choose a new or empty --out")
     if recorded is not None and recorded != settings and _shards_started(out):
