@@ -162,9 +162,10 @@ class FinetuneStage(Stage):
             self.best = top1
             self._export(backend, "best", step, results, tracker.settled_run_id())
 
-    def finish(self, backend, steps: int, sink, tracker) -> dict:
+    def finish(self, backend, steps: int, sink, tracker, stop_point) -> dict:
         results = {}
         if self.test is not None:
+            stop_point(f"the final evaluation on '{self.test.name}'")
             results = {f"eval/{self.test.name}/{k}": v
                        for k, v in self.test.run(self.evaluated(backend), steps).items()}
             sink.log(results, steps)
@@ -175,6 +176,7 @@ class FinetuneStage(Stage):
                 tracker.log_artifact_bytes("per_class_top1.json", json.dumps(per_class).encode())
                 tracker.log_artifact_bytes("per_class_top1.png",
                                            per_class_png(self.test.per_class_top1, self.test.name))
+        stop_point("the final exports")
         self._export(backend, "final", steps, results, tracker.settled_run_id())
         t = self.cfg.tracking
         # (a model that kept its pre-logits exports a backbone: not one to log as the run's)

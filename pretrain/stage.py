@@ -53,8 +53,11 @@ class Stage:
     def after_eval(self, results: dict, step: int, backend, tracker) -> None:
         """Act on an evaluation's results (collective: every rank calls it)."""
 
-    def finish(self, backend, steps: int, sink, tracker) -> dict:
-        """After the last step and its checkpoint; returns more final metrics."""
+    def finish(self, backend, steps: int, sink, tracker, stop_point: Callable[[str], None]) \
+            -> dict:
+        """After the last step and its checkpoint; returns more final metrics. Every rank
+        calls ``stop_point(what comes next)`` at the same points, before each long part (an
+        evaluation, exports): a rank's stop signal ends the job there (exit code 4)."""
         return {}
 
     # Whether finish() reads the trained weights from the backend. Pretraining's reads the
@@ -91,10 +94,12 @@ class PretrainStage(Stage):
         return build_evaluators(cfg, spec, backend.rank, backend.world_size, backend.device,
                                 backend.dtype)
 
-    def finish(self, backend, steps: int, sink, tracker) -> dict:
+    def finish(self, backend, steps: int, sink, tracker, stop_point) -> dict:
         t = self.cfg.tracking
-        if backend.rank == 0 and t.logs_model(by_default=False):
-            log_backbone(self.cfg.output_dir, tracker, t.register_as)
+        if t.logs_model(by_default=False):
+            stop_point("the backbone's export for MLflow")
+            if backend.rank == 0:
+                log_backbone(self.cfg.output_dir, tracker, t.register_as)
         return {}
 
 

@@ -93,13 +93,19 @@ def exit_now(code: int, why: str, last_words: Optional[Callable[[str], None]] = 
 
 
 class StoppedBySignal(Exception):
-    """The ranks stopped together on a signal after writing a complete checkpoint."""
+    """The ranks stopped together on a signal after writing a complete checkpoint; ``left``:
+    the work after the last step that was not done (the final evaluation, the exports)."""
 
-    def __init__(self, signal_name: str, step: int, checkpoint):
+    def __init__(self, signal_name: str, step: int, checkpoint, left: Optional[str] = None):
         self.signal, self.step, self.checkpoint = signal_name, step, checkpoint
-        super().__init__(f"{signal_name} received: stopped after step {step} with a complete "
-                         f"checkpoint at {checkpoint}; relaunch the same command to resume "
-                         f"there (exit code {EXIT_STOPPED})")
+        if left:
+            super().__init__(f"{signal_name} received after the last step ({step}), before "
+                             f"{left}; the checkpoint at {checkpoint} is complete: relaunch the "
+                             f"same command to do the rest (exit code {EXIT_STOPPED})")
+        else:
+            super().__init__(f"{signal_name} received: stopped after step {step} with a "
+                             f"complete checkpoint at {checkpoint}; relaunch the same command "
+                             f"to resume there (exit code {EXIT_STOPPED})")
 
 
 class StopSignals:

@@ -345,8 +345,17 @@ def _train(cfg: RunConfig, stage) -> dict:
                 progress()
                 timer.exclude_elapsed()
         stop.ending()  # the last checkpoint is written: ranks may now leave at their own pace
+
+        def stop_point(left: str) -> None:
+            """Collective, between the parts of the stage's finish (an evaluation of a whole
+            split, exports of GBs, each longer than a scheduler's grace period may be): a stop
+            signal ends the job here as it does after a step; the relaunch finds the last
+            step done and does the finish again."""
+            signame = stop.agreed_now()
+            if signame:
+                raise StoppedBySignal(signame, steps, store.root / f"step_{steps:08d}", left)
+        metrics.update(stage.finish(backend, steps, sink, tracker, stop_point))
         stop.drain()
-        metrics.update(stage.finish(backend, steps, sink, tracker))
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
         watchdog.stop()  # closing waits for an unreachable MLflow server, and that is no stall
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})

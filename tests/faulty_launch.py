@@ -19,7 +19,11 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
   "node":         [rank, host]         that rank is the first of a second node of that host
                                        name ($LOCAL_RANK 0), on this machine
   "slow_end":     [rank, seconds]      that rank's work after the last step (pretraining's
-                                       finish) takes this much longer
+                                       finish) takes this much longer; meanwhile
+                                       OUTPUT_DIR/finishing exists
+  "slow_test":    seconds              a fine-tune's evaluation of its test split, after the last
+                                       step, takes this much longer on every rank; meanwhile
+                                       OUTPUT_DIR/finishing exists
 """
 import json
 import os
@@ -119,9 +123,23 @@ if "slow_end" in FAULTS and FAULTS["slow_end"][0] == RANK:
     _finish = stage_lib.PretrainStage.finish
 
     def _slow_finish(*args, **kwargs):
+        out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir="))
+        Path(out, "finishing").write_text("")
         time.sleep(FAULTS["slow_end"][1])
         return _finish(*args, **kwargs)
     stage_lib.PretrainStage.finish = _slow_finish
+
+if "slow_test" in FAULTS:
+    import pretrain.evaluate as evaluate_lib
+    _run = evaluate_lib.ClassificationEvaluator.run
+
+    def _slow_run(self, *args, **kwargs):
+        if self.name != "dev":  # not the periodic one on the held-out share of train
+            out = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("output_dir="))
+            Path(out, "finishing").write_text("")
+            time.sleep(FAULTS["slow_test"])
+        return _run(self, *args, **kwargs)
+    evaluate_lib.ClassificationEvaluator.run = _slow_run
 
 if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
     loss_fn, calls = eng_lib.classification_loss, [0]

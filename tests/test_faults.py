@@ -862,7 +862,8 @@ def signal_and_wait(proc, out, to, at_step=2, then=None):
     """Send SIGTERM at ``at_step`` to the whole process group (``to="group"``: SLURM,
     Kubernetes, Ctrl-C) or to the per-node launcher alone (``to="launcher"``); ``then()`` runs
     while the run is stopping. Returns once every process of the run has ended."""
-    wait_for_step(proc, out, at_step)
+    if at_step is not None:  # (None: now)
+        wait_for_step(proc, out, at_step)
     if to == "group":
         os.killpg(proc.pid, signal.SIGTERM)
     else:
@@ -871,6 +872,21 @@ def signal_and_wait(proc, out, to, at_step=2, then=None):
         then()
     proc.wait(timeout=300)
     wait_for_group(proc.pid)
+
+
+def signal_when_finishing(proc, out, to, timeout=300):
+    """As :func:`signal_and_wait`, once the work after the last step has begun (the faults
+    ``slow_end`` and ``slow_test`` make OUTPUT_DIR/finishing then); returns the line a stop
+    there prints but for the part it names."""
+    deadline = time.time() + timeout
+    while not (out / "finishing").exists():
+        assert proc.poll() is None, "the run ended before the work after its last step"
+        assert time.time() < deadline, "the work after the last step never started"
+        time.sleep(0.05)
+    signal_and_wait(proc, out, to, at_step=None)
+    return (f"stopped: SIGTERM received after the last step ({STEPS}), before {{}}; the "
+            f"checkpoint at {out / 'checkpoints' / f'step_{STEPS:08d}'} is complete: relaunch "
+            f"the same command to do the rest (exit code 4)")
 
 
 def stopped_step(text):
@@ -973,6 +989,26 @@ def test_sigterm_stops_pretraining_with_a_checkpoint_and_the_relaunch_loses_noth
     lost = check_stop_and_resume(
         out, text, lambda: faulty(out, tiny_data, *extra), reference)
     fault_ledger.record(1, 1, *lost)
+
+
+def test_a_signal_after_the_last_step_stops_before_the_backbones_export(tmp_path, tiny_data):
+    """The export for MLflow after the last step (tracking.log_model) merges the checkpoint's
+    shards: minutes for ViT-H, past a grace period. A stop signal before it ends the job with
+    exit code 4; the relaunch trains nothing and exports."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    args = run_args(out, tiny_data, NO_PERIODIC, "tracking.log_model=true")
+    proc = launch(deepspeed_cmd(2, *args, script=FAULTY), log,
+                  env={"FAULTS": json.dumps({"slow_end": [0, 2.0]})})
+    stopped = signal_when_finishing(proc, out, "group")
+    text = log.read_text()
+    assert stopped.format("the backbone's export for MLflow") in text, text[-3000:]
+    assert not (out / "backbone").exists()
+    assert mlflow_run(out).info.status == "KILLED"
+    again = faulty(out, tiny_data, NO_PERIODIC, "tracking.log_model=true")
+    assert resumed_at(again) == [STEPS] and "nothing to train" in again
+    assert (out / "backbone" / "model.safetensors").is_file()
+    run = mlflow_run(out)
+    assert run.info.status == "FINISHED" and run.data.tags["stop.step"] == str(STEPS)
 
 
 def test_a_signal_during_a_periodic_checkpoint_stops_on_it_and_more_signals_change_nothing(

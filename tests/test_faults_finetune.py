@@ -17,7 +17,7 @@ from conftest import REPO
 from pretrain.checkpoint import CheckpointStore
 from test_faults import (EVERY, FAULTY, NO_PERIODIC, STEPS, check_stop_and_resume, compare_with,
                          launch, mlflow_run, mlflow_steps_lost, resumed_at, signal_and_wait,
-                         stopped_step)
+                         signal_when_finishing, stopped_step)
 
 pytestmark = pytest.mark.faults
 
@@ -194,4 +194,32 @@ def test_sigkill_of_a_finetune_rank_resumes_to_the_same_losses_and_samples(
     again = finetune_faulty(out, tiny_data)
     assert resumed_at(again) == [10]
     samples_lost, metrics_lost = compare_with(finetune_reference, out, FINETUNE_EVALS)
+    fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
+
+
+def test_sigterm_in_the_final_evaluation_stops_before_the_exports_and_the_relaunch_does_them(
+        tmp_path, tiny_data, finetune_reference, fault_ledger):
+    """The test split's evaluation and the exports after the last step can outlast a
+    scheduler's grace period: a stop signal then ends the job at the next part with exit code 4
+    (the SLURM script requeues), not with the kill after the grace period; the relaunch trains
+    nothing and does them."""
+    out, status, log = tmp_path / "run", tmp_path / "job-status", tmp_path / "run.log"
+    proc = launch(finetune_cmd(*finetune_run_args(out, tiny_data, NO_PERIODIC), script=FAULTY),
+                  log, env={"VITSCALE_JOB_STATUS": str(status), "FAULTY_LAUNCHER": "finetune.py",
+                            "FAULTS": json.dumps({"slow_test": 3.0})})
+    stopped = signal_when_finishing(proc, out, "launcher")
+    text = log.read_text()
+    assert stopped.format("the final exports") in text, text[-3000:]
+    assert status.read_text().splitlines() == [f"checkpoint {STEPS}", "exit 4"]
+    assert not (out / "final.safetensors").exists() and not (out / "final").exists()
+    run = mlflow_run(out)
+    assert run.info.status == "KILLED" and run.data.tags["stop.step"] == str(STEPS)
+
+    again = finetune_faulty(out, tiny_data, NO_PERIODIC)
+    assert resumed_at(again) == [STEPS] and "nothing to train" in again
+    samples_lost, metrics_lost = compare_with(finetune_reference, out, FINETUNE_EVALS)
+    for name in ("best", "final"):
+        assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
+            json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
+    assert mlflow_run(out).info.status == "FINISHED"
     fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
