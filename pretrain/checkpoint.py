@@ -98,6 +98,10 @@ class CheckpointStore:
                 pass
             else:  # on disk too: after a crash the old one must not be back over new files
                 fsync_path(path)
+            # and none of the earlier save's files stays beside the new ones (a save killed
+            # midway, on another world size: its ranks' files would be listed as this one's,
+            # and DeepSpeed's conversion of the checkpoint would read them)
+            shutil.rmtree(path, ignore_errors=True)
         barrier()
         error = None
         try:

@@ -191,6 +191,23 @@ def test_sigkill_of_one_rank_anywhere_resumes_to_the_same_losses_and_samples(
     fault_ledger.record(len(plan), 1, samples_lost, metrics_lost)  # resumed and finished
 
 
+def test_a_step_saved_again_after_a_killed_save_holds_only_the_new_saves_files(
+        tmp_path, tiny_data):
+    """Rank 0 killed as it writes checkpoint 10 leaves rank 1's part of it; the relaunch on one
+    rank saves step 10 again. Only that save's files are in it (rank 1's old optimizer shard
+    was listed in its manifest, and a relaunch on two ranks failed converting it)."""
+    out = tmp_path / "run"
+    faulty(out, tiny_data, faults={"kill_in_save": [0, 10]}, fails=True)
+    step_10 = out / "checkpoints" / f"step_{10:08d}"
+    assert list(step_10.glob("zero_pp_rank_1_*"))  # the killed save's part
+    proc = run_deepspeed(1, *run_args(out, tiny_data, "train.total_steps=10"))
+    assert resumed_at(proc.stdout + proc.stderr) == [5]
+    listed = json.loads((step_10 / "COMPLETE.json").read_text())["files"]
+    assert not [f for f in listed if "rank_1" in f] and not list(step_10.glob("*rank_1_*"))
+    again = faulty(out, tiny_data)  # two ranks: the one-rank checkpoint converted
+    assert resumed_at(again) == [10], again[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # 3. A full disk, and a failing write, while a checkpoint is written
 # --------------------------------------------------------------------------------------------
