@@ -8,7 +8,10 @@ files there are the user's and stay). Left in place they would be overwritten
 new run's ``keep_last``, or worse, resumed: the earlier run's newer checkpoints would outrank
 the new run's at the next relaunch.
 
-Also here: a relaunch that would continue another model's run is refused (one that changes
+A job holds its ``output_dir`` (a lock, :data:`JOB_LOCK`) while it runs: a second job started
+there is refused, where it would write checkpoints among the first one's or, with
+``checkpoint.resume=false``, move them from under it. Also here: a relaunch that would
+continue another model's run is refused (one that changes
 other settings is reported, :func:`check_same_run`), a folder the run
 writes to that cannot be made is a config error, an ``output_dir`` that some ranks do not see
 (node-local storage in a multi-node job) is refused (:func:`check_every_rank_sees`), and a
@@ -24,7 +27,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Iterable, Iterator, Optional
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
@@ -46,6 +49,26 @@ RUN_FILES = ("config.yaml", "config.resume_step_*.yaml", "checkpoints", "metrics
              "per_class_top1.json", "backbone", "*-eval-*")
 # how a run was launched, not how it trains: the same folder named anew, a fresh start's flag
 HOW_LAUNCHED = ("output_dir", "checkpoint.resume")
+JOB_LOCK = ".job.lock"  # in output_dir: held by the rank 0 of the job running there
+
+
+def hold_output_dir(out: Path) -> Optional[IO]:
+    """Lock ``out`` for this job: rank 0 returns the file that holds the lock until closed
+    (None elsewhere). Collective: every rank raises when another job (or its loader workers,
+    which inherit the lock) still holds it."""
+    from pretrain.file_lock import holder, try_lock
+    me, world = rank_world()
+    held, error = None, None
+    if me == 0:
+        held = try_lock(out / JOB_LOCK)
+        if held is None:
+            error = (f"a job is still running in '{out}' ({holder(out / JOB_LOCK)} holds "
+                     f"{out / JOB_LOCK}); let it finish, or stop it, before starting another "
+                     f"there")
+    error = gather(error, world)[0]
+    if error:
+        raise agreed(ConfigError(error))
+    return held
 
 
 def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Optional[Path]:
@@ -76,7 +99,7 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
         return None
     entries, kept = [], []
     for p in sorted(out.iterdir()):
-        if not p.name.startswith(EARLIER):
+        if not p.name.startswith(EARLIER) and p.name != JOB_LOCK:
             (entries if any(fnmatch.fnmatchcase(p.name, f) for f in RUN_FILES) else kept).append(p)
     for given in inputs:
         path = Path(given).resolve()
@@ -129,6 +152,9 @@ def removed_if_left_empty(path: Path) -> Iterator[None]:
         yield
     except BaseException:
         if made:
+            with contextlib.suppress(OSError):  # the lock of the start, released by now
+                if [p.name for p in path.iterdir()] == [JOB_LOCK]:
+                    (path / JOB_LOCK).unlink()
             with contextlib.suppress(OSError):  # not empty, or another rank got there first
                 path.rmdir()
         raise

@@ -16,6 +16,7 @@ a checkpoint of the step in progress -- is written once, here, and holds for bot
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -37,7 +38,7 @@ from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
-from pretrain.run_dir import (check_every_rank_sees, check_same_run, make_dir,
+from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
                               removed_if_left_empty, set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
@@ -84,11 +85,11 @@ def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
 def train(cfg: RunConfig, stage=None) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
     ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
-    with removed_if_left_empty(Path(cfg.output_dir)):
-        return _train(cfg, stage)
+    with removed_if_left_empty(Path(cfg.output_dir)), contextlib.ExitStack() as job:
+        return _train(cfg, stage, job)
 
 
-def _train(cfg: RunConfig, stage) -> dict:
+def _train(cfg: RunConfig, stage, job: contextlib.ExitStack) -> dict:
     from pretrain.data.device_batch import build_mixup, prepare_batch
     from pretrain.data.loader import build_train_loader
     from pretrain.data.shards import describe_skips
@@ -109,6 +110,9 @@ def _train(cfg: RunConfig, stage) -> dict:
     out = Path(cfg.output_dir)
     make_dir(out, "output_dir")
     check_every_rank_sees(out)
+    held = hold_output_dir(out)  # until this job ends: no second one writes here meanwhile
+    if held is not None:
+        job.callback(held.close)
     if cfg.debug.log_sample_keys:
         make_dir(Path(cfg.debug.log_sample_keys), "debug.log_sample_keys")
     stage.prepare_data(cfg)

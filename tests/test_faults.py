@@ -148,6 +148,23 @@ def test_a_finished_run_relaunched_on_fewer_ranks_trains_and_converts_nothing(
         "FINISHED"
 
 
+def test_a_checkpoint_two_ranks_cannot_resume_is_refused_in_one_line(reference, tmp_path,
+                                                                       tiny_data):
+    """Every rank reads the same manifest and refuses alike: rank 0 alone prints the line."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    proc = run_deepspeed(2, *run_args(out, tiny_data, "deepspeed.config=zero3.json",
+                                      f"train.total_steps={STEPS + 2}"), fails=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2
+    assert error_lines(text) == [
+        f"error: {out}/checkpoints/step_{STEPS:08d} cannot be resumed by this job (ZeRO stage "
+        f"changed (1 -> 3); DeepSpeed converts a checkpoint between ZeRO-1 and ZeRO-2 only): "
+        f"relaunch as it was written (ZeRO-1, 2 ranks, train.precision=fp32), or set "
+        f"checkpoint.resume=false to start a new run there (this one is moved aside)"]
+    assert text.count("cannot be resumed by this job") == 1, text[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # 1 + 2. SIGKILL of one rank at random steps, and in the middle of writing a checkpoint
 # --------------------------------------------------------------------------------------------
@@ -1006,6 +1023,29 @@ def test_sigterm_stops_pretraining_with_a_checkpoint_and_the_relaunch_loses_noth
     lost = check_stop_and_resume(
         out, text, lambda: faulty(out, tiny_data, *extra), reference)
     fault_ledger.record(1, 1, *lost)
+
+
+def test_a_second_job_in_a_running_jobs_output_dir_is_refused_with_tracking_off(
+        tmp_path, tiny_data):
+    """Without MLflow there is no tracking folder whose lock gave the running job away: a
+    second job there, fresh (checkpoint.resume=false) or not, moved the first one's files from
+    under it or wrote checkpoints among them. The job's own lock on output_dir refuses it."""
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    args = run_args(out, tiny_data, "tracking.enabled=false", "train.total_steps=200")
+    first = launch(deepspeed_cmd(1, *args, script=FAULTY), log,
+                   env={"FAULTS": json.dumps({"slow_data": [0, 0.3]})})
+    wait_for_step(first, out, 2)
+    for extra in (["checkpoint.resume=false"], []):
+        second = run_deepspeed(1, *args, *extra, fails=True)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and re.fullmatch(
+            rf"error: a job is still running in '{out}' \(pid \d+ holds {out}/.job.lock\); "
+            rf"let it finish, or stop it, before starting another there", lines[-1]), lines[-5:]
+    assert not list(out.glob("earlier-*")) and first.poll() is None
+    os.killpg(first.pid, signal.SIGTERM)
+    assert first.wait(timeout=300) != 0
+    wait_for_group(first.pid)
+    assert "stopped: SIGTERM received" in log.read_text()
 
 
 def test_a_signal_after_the_last_step_stops_before_the_backbones_export(tmp_path, tiny_data):

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import REPO, free_port, run_deepspeed, run_launcher, tiny_run_args
 from pretrain.metrics import read_jsonl
+from pretrain.run_dir import JOB_LOCK
 
 
 def finetune_args(out, data, init):
@@ -57,8 +58,12 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
     assert card["init"]["format"] == "scratch"
     assert results["pretrained"] > 0.3  # chance is 0.1
 
-    # a stage pointed at the other's run folder: refused as that, nothing there touched
-    before = {p: p.stat().st_mtime_ns for p in (*pre.rglob("*"), *out.rglob("*"))}
+    # a stage pointed at the other's run folder: refused as that, nothing there touched (but
+    # the job lock, which the start held meanwhile)
+    def files():
+        return {p: p.stat().st_mtime_ns for p in (*pre.rglob("*"), *out.rglob("*"))
+                if p.name != JOB_LOCK}
+    before = files()
     for script, args, there, other in (
             ("finetune.py", ["--config", "configs/finetune/demo.yaml",
                              *finetune_args(pre, tiny_cifar, pre)], pre, "pretrain"),
@@ -68,7 +73,7 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: output_dir '{there}' holds a run of launch/{other}.py, not of "
             f"launch/{script}; give this run an output_dir of its own")
-    assert {p: p.stat().st_mtime_ns for p in (*pre.rglob("*"), *out.rglob("*"))} == before
+    assert files() == before
     assert results["pretrained"] > results["scratch"] + 0.05, results  # pretraining helps
 
     # lineage in MLflow (the suite's throwaway store): the fine-tune names its pretraining run
