@@ -102,6 +102,10 @@ class CheckpointStore:
             # midway, on another world size: its ranks' files would be listed as this one's,
             # and DeepSpeed's conversion of the checkpoint would read them)
             shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                log.warning("could not empty %s before saving step %d again: %s stay there "
+                            "and are listed with the new files", path, step,
+                            ", ".join(sorted(p.name for p in path.iterdir())[:4]))
         barrier()
         error = None
         try:

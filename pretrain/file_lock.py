@@ -10,15 +10,19 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import IO, Optional
 
 log = logging.getLogger(__name__)
 
 
-def try_lock(path: Path) -> Optional[IO]:
-    """Lock ``path`` (created if missing) and write our pid in it; the returned file holds the
-    lock until closed. None when another process holds it: :func:`holder` names it."""
+def try_lock(path: Path, children_hold: bool = True) -> Optional[IO]:
+    """Lock ``path`` (created if missing) and write our pid and host in it; the returned file
+    holds the lock until closed. None when another process holds it: :func:`holder` names it.
+    Processes forked from ours hold it too (workers writing where we do), unless
+    ``children_hold`` is False: then a forked child closes its copy at once, and the lock ends
+    with this process."""
     f = open(path, "a+")  # not "w": that would wipe the holder's pid before we learn it
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -29,8 +33,10 @@ def try_lock(path: Path) -> Optional[IO]:
         log.warning("cannot lock %s (%s): nothing keeps a second process out of %s", path, e,
                     path.parent)
     f.truncate(0)
-    f.write(f"{os.getpid()}\n")
+    f.write(f"{os.getpid()} {socket.gethostname()}\n")
     f.flush()
+    if not children_hold:  # (closing a copy never releases the lock; a closed file: no-op)
+        os.register_at_fork(after_in_child=f.close)
     return f
 
 
@@ -38,9 +44,12 @@ def holder(path: Path) -> str:
     """Who holds the lock: "pid N", and when that process has ended, that its children (forked
     workers, which inherit the lock) are still finishing."""
     try:
-        pid = int(Path(path).read_text())
+        pid, *host = Path(path).read_text().split()
+        pid = int(pid)
     except (OSError, ValueError):
         return "pid ?"
+    if host and host[0] != socket.gethostname():  # its process cannot be looked at from here
+        return f"pid {pid} on {host[0]}"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -54,21 +54,39 @@ JOB_LOCK = ".job.lock"  # in output_dir: held by the rank 0 of the job running t
 
 def hold_output_dir(out: Path) -> Optional[IO]:
     """Lock ``out`` for this job: rank 0 returns the file that holds the lock until closed
-    (None elsewhere). Collective: every rank raises when another job (or its loader workers,
-    which inherit the lock) still holds it."""
+    (None elsewhere); the loader workers it forks do not hold it (a rank killed outright must
+    not leave a requeued job refused by its orphans). Collective: every rank raises when
+    another job still holds it."""
     from pretrain.file_lock import holder, try_lock
     me, world = rank_world()
     held, error = None, None
     if me == 0:
-        held = try_lock(out / JOB_LOCK)
-        if held is None:
-            error = (f"a job is still running in '{out}' ({holder(out / JOB_LOCK)} holds "
-                     f"{out / JOB_LOCK}); let it finish, or stop it, before starting another "
-                     f"there")
+        try:
+            held = try_lock(out / JOB_LOCK, children_hold=False)
+        except OSError as e:  # another user's lock file, a quota
+            error = (f"cannot lock {out / JOB_LOCK} ({e.strerror or e}); pick an output_dir "
+                     f"you can write to")
+        else:
+            if held is None:
+                error = (f"a job is still running in '{out}' ({holder(out / JOB_LOCK)} holds "
+                         f"{out / JOB_LOCK}); let it finish, or stop it, before starting "
+                         f"another there")
     error = gather(error, world)[0]
     if error:
         raise agreed(ConfigError(error))
     return held
+
+
+def release_output_dir(held: IO, out: Path, made: bool) -> None:
+    """Let ``out`` go; a folder this start made that holds nothing but the lock loses it, while
+    it is still held (so no other job's lock is ever removed), to be removed itself."""
+    try:
+        if made and [p.name for p in out.iterdir()] == [JOB_LOCK]:
+            (out / JOB_LOCK).unlink()
+    except OSError:
+        pass
+    finally:
+        held.close()
 
 
 def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Optional[Path]:
@@ -143,18 +161,15 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
 
 
 @contextlib.contextmanager
-def removed_if_left_empty(path: Path) -> Iterator[None]:
+def removed_if_left_empty(path: Path) -> Iterator[bool]:
     """A run that fails (bad data, a wrong ``init``) and leaves the ``output_dir`` it made
     empty removes it: the next try, with another name, leaves no litter. Only an empty
     folder goes (``rmdir``), and only one this start made."""
     made = not path.exists()
     try:
-        yield
+        yield made
     except BaseException:
         if made:
-            with contextlib.suppress(OSError):  # the lock of the start, released by now
-                if [p.name for p in path.iterdir()] == [JOB_LOCK]:
-                    (path / JOB_LOCK).unlink()
             with contextlib.suppress(OSError):  # not empty, or another rank got there first
                 path.rmdir()
         raise

@@ -39,7 +39,7 @@ from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
-                              removed_if_left_empty, set_aside_earlier_run)
+                              release_output_dir, removed_if_left_empty, set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -85,11 +85,11 @@ def total_steps(cfg: RunConfig, samples_per_epoch: int) -> int:
 def train(cfg: RunConfig, stage=None) -> dict:
     """Train until ``train.total_steps``; returns the last logged metrics (rank 0's view).
     ``stage``: :class:`pretrain.stage.PretrainStage` when None."""
-    with removed_if_left_empty(Path(cfg.output_dir)), contextlib.ExitStack() as job:
-        return _train(cfg, stage, job)
+    with removed_if_left_empty(Path(cfg.output_dir)) as made, contextlib.ExitStack() as job:
+        return _train(cfg, stage, job, made)
 
 
-def _train(cfg: RunConfig, stage, job: contextlib.ExitStack) -> dict:
+def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> dict:
     from pretrain.data.device_batch import build_mixup, prepare_batch
     from pretrain.data.loader import build_train_loader
     from pretrain.data.shards import describe_skips
@@ -112,7 +112,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack) -> dict:
     check_every_rank_sees(out)
     held = hold_output_dir(out)  # until this job ends: no second one writes here meanwhile
     if held is not None:
-        job.callback(held.close)
+        job.callback(release_output_dir, held, out, made_out)
     if cfg.debug.log_sample_keys:
         make_dir(Path(cfg.debug.log_sample_keys), "debug.log_sample_keys")
     stage.prepare_data(cfg)
@@ -356,8 +356,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack) -> dict:
             signal ends the job here as it does after a step; the relaunch finds the last
             step done and does the finish again."""
             signame = stop.agreed_now()
-            if signame:
-                raise StoppedBySignal(signame, steps, store.root / f"step_{steps:08d}", left)
+            if signame:  # (step: the resumed one, where train.total_steps was lowered below)
+                raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}", left)
         metrics.update(stage.finish(backend, steps, sink, tracker, stop_point))
         stop.drain()
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
@@ -443,6 +444,40 @@ def optimizer_settings(step_dir: Path) -> tuple[list[float], float]:
     state = torch.load(states, map_location="cpu", weights_only=False)["optimizer_state_dict"]
     return ([g["weight_decay"] for g in state["base_optimizer_state"]["param_groups"]],
             state["clip_grad"])
+
+
+def test_the_job_lock_ends_with_its_process_not_with_the_workers_it_forked(tmp_path):
+    """A rank killed outright leaves loader workers that take seconds to notice (minutes in a
+    retried read); they must not keep a requeued job out of its output_dir. And a holder on
+    another node is named with its host, not judged dead by a look at this node's pids."""
+    import sys
+
+    from pretrain.file_lock import holder, try_lock
+    from pretrain.run_dir import JOB_LOCK
+
+    lock, child = tmp_path / JOB_LOCK, tmp_path / "child.pid"
+    script = (f"import os, time, pathlib\n"
+              f"from pretrain.file_lock import try_lock\n"
+              f"held = try_lock(pathlib.Path({str(lock)!r}), children_hold=False)\n"
+              f"if os.fork() == 0:\n"
+              f"    pathlib.Path({str(child)!r}).write_text(str(os.getpid()))\n"
+              f"    time.sleep(30)\n"
+              f"    os._exit(0)\n"
+              f"while not pathlib.Path({str(child)!r}).exists():\n"
+              f"    time.sleep(0.01)\n"
+              f"os._exit(9)  # as a SIGKILL: nothing closed by this process\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60)
+    assert done.returncode == 9
+    pid = int(child.read_text())
+    try:
+        os.kill(pid, 0)  # the forked child lives on...
+        held = try_lock(lock)  # ...and the lock is free
+        assert held is not None
+        held.close()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    lock.write_text("123 gpu-node-7\n")
+    assert holder(lock) == "pid 123 on gpu-node-7"
 
 
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):

@@ -287,8 +287,9 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
         assert "already complete; nothing to do" in again.stderr
         assert f"uploaded 0 of {len(files)} files" in again.stderr
     relisted = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
-    assert ({o["Key"]: o["LastModified"] for o in relisted}
-            == {o["Key"]: o["LastModified"] for o in listed})
+    # (but the marker, put again by each start: the check that the prefix takes uploads)
+    assert ({o["Key"]: o["LastModified"] for o in relisted if o["Key"] != "pets/_stage_id"}
+            == {o["Key"]: o["LastModified"] for o in listed if o["Key"] != "pets/_stage_id"})
 
     # an edited source, prepared in another stage folder for the same prefix: a cat photo
     # filed as a dog keeps every shard's size, and still every file is replaced
@@ -471,11 +472,25 @@ def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
         f"Allowed); fix the credentials, the server or the URL (checked before preparing "
         f"anything)")
     assert not list((tmp_path / "stage").glob("*.tar"))
-    # the same command once the server takes uploads: prepared and published whole
     server.refuse_put = 0
-    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/pets")
+    # a start refused after it claimed the prefix (no images in --src): the prefix holds its
+    # marker with those options, and the corrected command still goes on
+    (tmp_path / "empty").mkdir()
+    args = pets(tmp_path)
+    wrong = [str(tmp_path / "empty") if a == str(tmp_path / "raw") else a for a in args]
+    done = run_launcher("prepare_data.py", *wrong, "--out", f"{url}/pets")
+    assert done.returncode == 2, done.stderr[-2000:]
+    done = run_launcher("prepare_data.py", *args, "--out", f"{url}/pets")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_pets(f"{url}/pets")
+    # a rerun refused at its start, the marker unreadable meanwhile: the upload log stays
+    # good, and the next rerun sends nothing again
+    server.refuse_get, server.refuse_put = 503, 403
+    done = run_launcher("prepare_data.py", *args, "--out", f"{url}/pets")
+    assert done.returncode == 2 and "refuses uploads" in done.stderr, done.stderr[-2000:]
+    server.refuse_get = server.refuse_put = 0
+    done = run_launcher("prepare_data.py", *args, "--out", f"{url}/pets")
+    assert done.returncode == 0 and "uploaded 0 of " in done.stderr, done.stderr[-2000:]
 
 
 @pytest.fixture

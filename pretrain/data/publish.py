@@ -26,7 +26,7 @@ from typing import Optional
 from pretrain.data.info import DatasetInfoError, InfoNotRead, NoInfo, read_info
 from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
                                   fsspec_location, read_bytes)
-from pretrain.data.shard_writer import settings_diff
+from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
 from pretrain.data.sources import PrepareError
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,11 @@ def remote_size(location: str, timeout_s: float) -> Optional[int]:
         return None
 
 
-# In the stage folder: each file this folder sent, where to, and the size and mtime it had.
-UPLOAD_LOG = ".uploaded.jsonl"
-# The stage folder's own id (local, hidden), and the copy of it under the prefix that says
-# which stage folder uploaded there last: only then is this folder's log about what is there.
-STAGE_ID, PREFIX_STAGE_ID = ".stage_id", "_stage_id"
+# In the stage folder: UPLOAD_LOG, each file this folder sent, where to, and the size and mtime
+# it had; STAGE_ID, the folder's own id. Under the prefix, the marker that says which stage
+# folder uploaded there last (only then is this folder's log about what is there), with the
+# preparation's settings.
+PREFIX_STAGE_ID = "_stage_id"
 
 
 def _quick(policy: RetryPolicy) -> RetryPolicy:
@@ -147,6 +147,15 @@ def _marker(location: str, policy: RetryPolicy) -> Optional[dict]:
     return marker if isinstance(marker, dict) else {"stage_id": text, "prepare": None}
 
 
+def existing_stage_id(folder: str) -> Optional[str]:
+    """The id of stage folder ``folder``; None before its first upload."""
+    try:
+        with open(os.path.join(folder, STAGE_ID)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def _stage_id(folder: str) -> str:
     """This stage folder's id (made on first use)."""
     os.makedirs(folder, exist_ok=True)
@@ -166,29 +175,27 @@ def _there(location: str, policy: RetryPolicy) -> Optional[dict]:
 def _send_marker(folder: str, location: str, there: Optional[dict], settings: Optional[dict],
                  policy: RetryPolicy) -> None:
     """Say under the prefix that this stage folder uploads there, with the preparation's
-    settings (for :func:`check_prefix`). Where the marker ``there`` is another folder's (or
-    none), what this folder's log says it sent there before is void from now: another folder
-    may have replaced those files, and once this marker is up nothing under the prefix would
-    say so any more."""
+    settings (for :func:`check_prefix`). Where the marker ``there`` was another folder's (or
+    none, or unreadable), what this folder's log says it sent there before is void once this
+    one is up: another folder may have replaced those files, and nothing under the prefix says
+    so any more. (An upload that fails changes nothing: the rerun resumes.)"""
     stage_id = _stage_id(folder)
-    if there is None or there.get("stage_id") != stage_id:
-        with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
-            record.write(json.dumps({"to": location, "void": True}) + "\n")
-    marker = os.path.join(folder, ".stage_marker.json")
+    marker = os.path.join(folder, STAGE_MARKER)
     with open(marker, "w") as f:
         json.dump({"stage_id": stage_id, "prepare": settings}, f)
     upload(marker, location.rstrip("/") + "/" + PREFIX_STAGE_ID, policy)
+    if there is None or there.get("stage_id") != stage_id:
+        with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
+            record.write(json.dumps({"to": location, "void": True}) + "\n")
 
 
 def claim_prefix(folder: str, location: str, settings: dict,
                  policy: RetryPolicy = RetryPolicy()) -> None:
     """Write the marker of stage folder ``folder`` under the prefix before anything is
-    prepared: a prefix that takes no uploads (a read-only role, a server without PUT, a pipe
-    command that fails) is found out now, not after hours of preparation. A rerun finding its
-    own marker there writes nothing."""
+    prepared (a rerun too, whose credentials may have changed): a prefix that takes no uploads
+    (a read-only role, a server without PUT, a pipe command that fails) is found out now, not
+    after hours of preparation."""
     there = _there(location, policy)
-    if there == {"stage_id": _stage_id(folder), "prepare": settings}:
-        return
     try:
         _send_marker(folder, location, there, settings, policy)
     except PermissionError as e:
@@ -220,11 +227,14 @@ def _holds_files(location: str, timeout_s: float) -> bool:
         return False
 
 
-def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolicy()) -> None:
+def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolicy(),
+                 stage_id: Optional[str] = None) -> None:
     """Refuse ``location`` before anything is prepared for it when it holds a dataset prepared
     with other settings, an unfinished upload of one, or files not written by prepare_data; a
-    rerun of the same preparation (and a new stage folder for it: an edited source) goes on.
-    ``pipe:`` cannot be read back and is not checked."""
+    rerun of the same preparation (and a new stage folder for it: an edited source) goes on,
+    and so does any rerun of stage folder ``stage_id`` over its own unfinished upload (its
+    folder decides, as a local output folder does: a start refused after it claimed the prefix
+    may be rerun with other options). ``pipe:`` cannot be read back and is not checked."""
     if location.startswith("pipe:"):
         return
     try:
@@ -250,8 +260,8 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
                                    f"choose a new or empty --out prefix")
             return
         recorded, what = marker.get("prepare"), "an unfinished upload"
-        if recorded is None:  # an older marker, without settings: nothing to compare
-            return
+        if recorded is None or marker.get("stage_id") == stage_id:  # (older markers: no
+            return  # settings to compare)
     if recorded != settings:
         raise PrepareError(f"{location} holds {what} prepared with "
                            f"{settings_diff(recorded, settings)}; rerun with the same options, "
@@ -296,10 +306,11 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     # this folder's marker replaces the other's (a pipe is never read back: all is sent).
     there = _there(location, policy)
     # said first: a stage folder that uploads here later replaces it; a marker an older
-    # version wrote (the id alone) is sent again with the settings, for check_prefix
-    if there is None or there.get("stage_id") != _stage_id(folder) or \
-            there.get("prepare") is None:
-        _send_marker(folder, location, there, read_info(folder).extra.get("prepare"), policy)
+    # version wrote (the id alone), or this folder's with other settings (a start refused
+    # after prepare_data claimed the prefix), is sent again with the settings, for check_prefix
+    prepared = read_info(folder).extra.get("prepare")
+    if there != {"stage_id": _stage_id(folder), "prepare": prepared}:
+        _send_marker(folder, location, there, prepared, policy)
     sent_before = _sent_before(folder, location)
     sent = 0
     with open(os.path.join(folder, UPLOAD_LOG), "a") as record:

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_SIZE = 1000
 DEFAULT_I21K_VAL_COUNT = 50_000
 WORK_DIR = ".prepare"
+# A stage folder's (--stage, for a remote --out) own id, and the record of what it uploaded
+# where (pretrain/data/publish.py): with the work folder, the hidden files that are no output
+STAGE_ID, UPLOAD_LOG, STAGE_MARKER = ".stage_id", ".uploaded.jsonl", ".stage_marker.json"
+BOOKKEEPING = (WORK_DIR, STAGE_ID, UPLOAD_LOG, STAGE_MARKER)
 CONFIG, LOCK = "config.json", "lock"  # in WORK_DIR
 REPORT_NAME = "_skipped.json"
 
@@ -111,8 +115,7 @@ def _recorded(out: Path, settings: dict) -> Optional[dict]:
             raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
     elif (work / CONFIG).is_file():
         recorded = json.loads((work / CONFIG).read_text())
-    # (hidden files are no output: the work folder, a stage folder's upload records)
-    elif out.is_dir() and any(not p.name.startswith(".") for p in out.iterdir()):
+    elif out.is_dir() and any(p.name not in BOOKKEEPING for p in out.iterdir()):
         raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
                            f"choose a new or empty --out")
     if recorded is not None and recorded != settings and _shards_started(out):
