@@ -14,7 +14,7 @@
 #
 # Environment (read at submission; the job inherits it):
 #   SBATCH_SIGNAL    sbatch's own variable: B:USR1@SECONDS stops that long before the time limit
-#                    (default 300 below: one step + the checkpoint + closing MLflow + SLURM's
+#                    (default 300, listed at the end: one step + the checkpoint + closing MLflow + SLURM's
 #                    up-to-60 s timing slack). Keep B:USR1 and SIGUSR1 in checkpoint.stop_signals.
 #   MAX_REQUEUES     requeue at most this many times (counted by SLURM_RESTART_COUNT, which node
 #                    failures and preemptions raise too); default 50
@@ -29,7 +29,7 @@
 #   ACCELERATE_USE_DEEPSPEED=true  fine-tune under DeepSpeed, as `accelerate launch` with a
 #                    DeepSpeed config would: ACCELERATE_DEEPSPEED_ZERO_STAGE=0|1|2|3 (default 2),
 #                    or ACCELERATE_DEEPSPEED_CONFIG_FILE=FILE (its "auto" values are the run's)
-#   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
+#   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults at the end, passed to every node
 # Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
 # with a checkpoint). torchrun turns every code of a rank into 1; the trainer's rank 0 writes the
 # code it chose to the file named in VITSCALE_JOB_STATUS, which this script reads (a stalled

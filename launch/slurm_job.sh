@@ -31,8 +31,18 @@ CLEANUP=()   # files this shell made, removed when it ends or requeues (a hostfi
 cleanup() { if (( ${#CLEANUP[@]} )); then rm -f "${CLEANUP[@]}"; fi; }
 trap cleanup EXIT
 
+# Network settings every node needs (srun passes this environment on), unless set already;
+# adjust to the cluster
+NODE_ENV_DEFAULTS=(NCCL_DEBUG=WARN "NCCL_SOCKET_IFNAME=^lo,docker" OMP_NUM_THREADS=8)
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then   # the caller's header is its manual
+  if [[ -z ${BASH_SOURCE[1]:-} ]]; then
+    echo "launch/slurm_job.sh is what slurm_pretrain.sh and slurm_finetune.sh share; run one" \
+         "of those with --help"
+    exit 0
+  fi
   sed -n '2,/^#SBATCH/{/^#SBATCH/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[1]}"
+  echo "Defaults: sbatch $(sed -n 's/^#SBATCH //p' "${BASH_SOURCE[1]}" | tr '\n' ' ')(options" \
+       "given to sbatch win); ${NODE_ENV_DEFAULTS[*]}"
   exit 0
 fi
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
@@ -67,11 +77,11 @@ MASTER_ADDR=${NODES%%$'\n'*}
 # shellcheck disable=SC2034
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 
-# Network settings every node needs (srun passes this environment on); adjust to the cluster.
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
+for setting in "${NODE_ENV_DEFAULTS[@]}"; do
+  name=${setting%%=*}
+  export "$name=${!name:-${setting#*=}}"
+done
 export NCCL_ASYNC_ERROR_HANDLING=1   # a dead peer ends the job instead of hanging it
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 
 # Ask SLURM to requeue this job, unless it has been requeued MAX_REQUEUES times already.
 requeue() {

@@ -14,7 +14,7 @@
 #
 # Environment (read at submission; the job inherits it):
 #   SBATCH_SIGNAL    sbatch's own variable: B:USR1@SECONDS stops that long before the time limit
-#                    (default 300 below: one step + the checkpoint + closing MLflow + SLURM's
+#                    (default 300, listed at the end: one step + the checkpoint + closing MLflow + SLURM's
 #                    up-to-60 s timing slack). Keep B:USR1 and SIGUSR1 in checkpoint.stop_signals.
 #   MAX_REQUEUES     requeue at most this many times (counted by SLURM_RESTART_COUNT, which node
 #                    failures and preemptions raise too); default 50
@@ -26,7 +26,7 @@
 #                    crashed before any is left to a person (it would crash the same way). 0: never
 #   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
 #   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
-#   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults below, passed to every node
+#   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults at the end, passed to every node
 # Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
 # with a checkpoint, 5 a stalled rank; DeepSpeed passes the ranks' code on).
 #SBATCH --job-name=vit-pretrain

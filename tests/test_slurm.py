@@ -353,6 +353,10 @@ def test_help_prints_the_manual_and_a_run_outside_slurm_says_how_to_submit(stage
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert f"launch/slurm_{stage}.sh CONFIG [key=value ...]" in proc.stdout
     assert "MAX_REQUEUES" in proc.stdout and "#SBATCH" not in proc.stdout
+    # the defaults the manual points at: the #SBATCH options and the nodes' environment
+    [defaults] = [line for line in proc.stdout.splitlines() if line.startswith("Defaults: ")]
+    assert "--signal=B:USR1@300 " in defaults and "--time=" in defaults, defaults
+    assert defaults.endswith("NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=^lo,docker OMP_NUM_THREADS=8")
     assert _records(tmp_path, "srun") == []  # nothing started
     env = {k: v for k, v in env.items() if k != "SLURM_JOB_ID"}
     proc = subprocess.run(["bash", str(SCRIPTS[stage]), "configs/pretrain/demo.yaml"],
