@@ -14,8 +14,9 @@
 #
 # Environment (read at submission; the job inherits it):
 #   SBATCH_SIGNAL    sbatch's own variable: B:USR1@SECONDS stops that long before the time limit
-#                    (default 300, listed at the end: one step + the checkpoint + closing MLflow + SLURM's
-#                    up-to-60 s timing slack). Keep B:USR1 and SIGUSR1 in checkpoint.stop_signals.
+#                    (default 300, listed at the end: one step + the checkpoint + closing
+#                    MLflow + SLURM's up-to-60 s timing slack). Keep B:USR1 and SIGUSR1 in
+#                    checkpoint.stop_signals.
 #   MAX_REQUEUES     requeue at most this many times (counted by SLURM_RESTART_COUNT, which node
 #                    failures and preemptions raise too); default 50
 #   REQUEUE_ON_TERM  1: requeue after a SIGTERM too (scancel, a preemption that cancels), unless

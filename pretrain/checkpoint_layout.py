@@ -170,6 +170,7 @@ def unresumable(ckpt, reason: str, written: str) -> ConfigError:
     """The one-line refusal of a checkpoint this job cannot load, either stage's: every rank
     reads the same manifest and decides alike, so rank 0 alone prints it."""
     from pretrain.distributed import agreed
-    return agreed(ConfigError(f"{ckpt.path} cannot be resumed by this job ({reason}): relaunch as it was "
-                       f"written ({written}), or set checkpoint.resume=false to start a new run "
-                       f"there (this one is moved aside)"))
+    return agreed(ConfigError(
+        f"{ckpt.path} cannot be resumed by this job ({reason}): relaunch as it was written "
+        f"({written}), or set checkpoint.resume=false to start a new run there (this one is "
+        f"moved aside)"))

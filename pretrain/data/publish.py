@@ -158,13 +158,13 @@ def existing_stage_id(folder: str) -> Optional[str]:
 
 def _stage_id(folder: str) -> str:
     """This stage folder's id (made on first use)."""
-    os.makedirs(folder, exist_ok=True)
-    mine = os.path.join(folder, STAGE_ID)
-    if not os.path.isfile(mine):
-        with open(mine, "w") as f:
-            f.write(uuid.uuid4().hex)
-    with open(mine) as f:
-        return f.read()
+    stage_id = existing_stage_id(folder)
+    if stage_id is None:
+        os.makedirs(folder, exist_ok=True)
+        stage_id = uuid.uuid4().hex
+        with open(os.path.join(folder, STAGE_ID), "w") as f:
+            f.write(stage_id)
+    return stage_id
 
 
 def _there(location: str, policy: RetryPolicy) -> Optional[dict]:
