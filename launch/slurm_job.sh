@@ -156,7 +156,7 @@ run_step() {
   say "the step ended with exit code $rc$( (( code == rc )) || echo " (the trainer's: $code)")," \
       "$checkpoints checkpoint(s) completed in this allocation"
 
-  if (( rc == 0 )); then say "finished"; exit 0; fi
+  if (( code == 0 )); then say "finished"; exit 0; fi
   if (( code == 2 || code == 3 )); then
     say "not requeued: exit code $code means a person must look (2 bad input, 3 see the log)"
   elif (( GOT_USR1 )) || (( GOT_TERM && REQUEUE_ON_TERM == 1 )); then

@@ -300,3 +300,6 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
                                  "from the newest complete checkpoint if there is one\n")
             raise SystemExit(128 + signal.SIGINT) from None
         leave()
+        # the job is done, though a launcher a stop signal ended (during the final MLflow
+        # delivery, say) exits 1: the batch script reads this and does not requeue
+        job_status.note("exit", 0)

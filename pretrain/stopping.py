@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 # 5: stalled, see pretrain/watchdog.py).
 EXIT_STOPPED = 4
 HEARTBEAT_S = 2.0  # how often the ranks check on each other
+# what a signalled process keeps of its grace period to record what it leaves undone and exit
+EXIT_MARGIN_S = 5.0
 
 
 def unignore_stop_signals(names: Sequence[str]) -> None:
@@ -185,6 +187,15 @@ class StopSignals:
         """The stop checkpoint is complete, or the run is over: from here a lost peer is no
         reason to leave in a hurry (it may just have finished first)."""
         self._ending.set()
+
+    def leave_by(self) -> Optional[float]:
+        """When (``time.monotonic()``) this process should be gone, a stop signal having come:
+        its grace period, less :data:`EXIT_MARGIN_S` for leaving; None before any signal. The
+        end of a job (the MLflow delivery) waits no longer than this: a SIGKILL would cut it
+        short with nothing recorded."""
+        if self.received_at is None:
+            return None
+        return self.received_at + self.grace_period_s - EXIT_MARGIN_S
 
     @property
     def name(self) -> Optional[str]:

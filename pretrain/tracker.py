@@ -32,9 +32,13 @@ MAX_RETRY_WAIT_S = 30.0  # the longest pause between two delivery attempts
 # The sink
 # --------------------------------------------------------------------------------------------
 class NodeSampling:
-    """What both trackers hold on the first rank of a node: its system metrics sampler."""
+    """What both trackers hold: the node's system metrics sampler (on its first rank), and
+    when the job must be gone."""
 
     sampler = None  # a NodeSampler (pretrain.system_metrics), set by start_tracking
+    # when (time.monotonic()) the job must be gone, a stop signal having come, or None: the
+    # close waits for MLflow no longer (the trainer sets its StopSignals.leave_by)
+    leave_by = staticmethod(lambda: None)
 
     def stop_sampling(self) -> None:
         """Stop this node's sampler; its last sample is then in its file. At a job's end every
@@ -265,11 +269,11 @@ class MlflowTracker(NodeSampling):
                 self.state.stops += 1
             self.state.ended, self.state.end_time = status, int(time.time() * 1000)
         self._stop.set()
-        self._thread.join(2.0)
-        if self._thread.is_alive():  # the server is slow or away: say why the job is not over
+        if self._wait_for_delivery(2.0) is None:
+            # the server is slow or away: say why the job is not over
             log.info("tracking: waiting for MLflow to take %d pending records (up to %.0f s)",
                      len(self._pending) + len(self._outbox), self.close_timeout_s)
-            self._thread.join(self.close_timeout_s + 58)
+            self._wait_for_delivery(self.close_timeout_s + 58)
         self._spool.close()
         self._write_held()  # the disk may have room again: upload_spool.py can send them then
         self._remote.save_state()
@@ -293,6 +297,23 @@ class MlflowTracker(NodeSampling):
                      "call); setup %.1f ms once", self.log_calls, 1e3 * self.seconds_in_log,
                      1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
         self._lock.close()
+
+    def _wait_for_delivery(self, seconds: float) -> Optional[bool]:
+        """Wait up to ``seconds`` for the delivery thread to end: True once it has, None at the
+        timeout, False when the job has to leave first (a stop signal's grace period ends: the
+        state saved now is what upload_spool.py works from, where a SIGKILL would save none)."""
+        end = time.monotonic() + seconds
+        while self._thread.is_alive():
+            by = self.leave_by()
+            left = (end if by is None else min(end, by)) - time.monotonic()
+            if left <= 0:
+                if by is None or by > end:
+                    return None
+                log.warning("tracking: a stop signal came and its grace period "
+                            "(checkpoint.grace_period_s) ends: not waiting for MLflow any longer")
+                return False
+            self._thread.join(min(left, 0.5))  # (a signal's handler runs in between)
+        return True
 
     def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
         """What MLflow lacks of this run at its end, for upload_spool.py to send."""

@@ -268,6 +268,10 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     # boundary; before, during setup, it ends the process at once (there is nothing to save).
     stop = StopSignals(cfg.checkpoint.stop_signals, cfg.checkpoint.grace_period_s,
                        last_words=ended_by)
+    # noted until the job ends: one after the last stop point (during the MLflow delivery,
+    # say) leaves the work done and cuts that wait to its grace period, not the process short
+    job.callback(stop.restore)
+    tracker.leave_by = stop.leave_by
     try:
         while step < steps:
             scheduler.step_update(step)
@@ -360,6 +364,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                 raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}", left)
         metrics.update(stage.finish(backend, steps, sink, tracker, stop_point))
         stop.drain()
+        tracker.stop_sampling()  # every node's last system sample on disk before rank 0's
+        peaks = gather(peak_memory_gib(backend.device), world)  # tracker delivers the last
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
         watchdog.stop()  # closing waits for an unreachable MLflow server, and that is no stall
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})
@@ -372,9 +378,6 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     finally:
         watchdog.stop()
         stream.close()
-        stop.restore()
-    tracker.stop_sampling()  # every node's last system sample on disk before rank 0's tracker
-    peaks = gather(peak_memory_gib(backend.device), world)  # delivers the last (sink.close)
     sink.close()
     if rank == 0:
         log.info("data: %s", describe_skips(skipped))

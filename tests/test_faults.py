@@ -35,8 +35,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from conftest import (REPO, deepspeed_cmd, run_deepspeed, run_launcher, tiny_run_args,
-                      wait_until)
+from conftest import (REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher,
+                      tiny_run_args, wait_until)
 from pretrain.checkpoint import CheckpointStore
 from pretrain.metrics import read_jsonl
 
@@ -1066,6 +1066,43 @@ def test_a_signal_after_the_last_step_stops_before_the_backbones_export(tmp_path
     assert (out / "backbone" / "model.safetensors").is_file()
     run = mlflow_run(out)
     assert run.info.status == "FINISHED" and run.data.tags["stop.step"] == str(STEPS)
+
+
+def test_a_signal_while_the_end_waits_for_mlflow_leaves_in_time_with_the_job_finished(
+        tmp_path, tiny_data, mlflow_server):
+    """Training, its checkpoints and exports are done; the job's end waits for an unreachable
+    MLflow (tracking.close_timeout_s) when the time limit's SIGTERM comes. Before, rank 0 died
+    on it: run.json never recorded the run's end, so upload_spool.py left the run RUNNING for
+    good, and the batch script, reading a signal's exit code, requeued a finished job. Now the
+    wait ends within the grace period, what is undelivered is said and saved, rank 0 tells the
+    batch script the job finished, and upload_spool.py delivers the rest, the run's end too."""
+    out, log, status = tmp_path / "run", tmp_path / "run.log", tmp_path / "job-status"
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = run_args(out, tiny_data, NO_PERIODIC, f"tracking.uri={dead}",
+                    "tracking.close_timeout_s=600", "checkpoint.grace_period_s=15")
+    proc = launch(deepspeed_cmd(2, *args), log, env={"VITSCALE_JOB_STATUS": str(status)})
+    wait_until(lambda: "tracking: waiting for MLflow" in log.read_text(), proc,
+               "the end's wait for MLflow")
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)  # not the 600 s of tracking.close_timeout_s
+    wait_for_group(proc.pid)
+    text = log.read_text()
+    assert "tracking: a stop signal came and its grace period (checkpoint.grace_period_s) ends: " \
+           "not waiting for MLflow any longer" in text, text[-3000:]
+    assert re.search(rf"not delivered to MLflow at {re.escape(dead)}: the run itself \(never "
+                     rf"created there\), \d+ metric records .*; `python launch/upload_spool.py "
+                     rf"{re.escape(str(out))}` sends them", text), text[-3000:]
+    assert "Traceback" not in text and "stopped:" not in text, text[-3000:]
+    assert status.read_text().splitlines()[-1] == "exit 0"  # finished: not requeued
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [STEPS]
+    assert json.loads((out / "tracking/run.json").read_text())["ended"] == "FINISHED"
+
+    up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
+    assert up.returncode == 0, up.stderr[-2000:]
+    run = MlflowClient(mlflow_server.uri).get_run(
+        json.loads((out / "tracking/run.json").read_text())["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["train/loss"] == last_values(out)[STEPS]
 
 
 def test_a_signal_during_a_periodic_checkpoint_stops_on_it_and_more_signals_change_nothing(

@@ -332,6 +332,18 @@ def test_the_trainers_own_code_wins_over_a_launchers_other_code(standins):
     assert "not requeued: exit code 2 means a person must look" in out, out
 
 
+def test_a_job_done_when_the_time_limits_sigterm_came_is_not_requeued(standins):
+    """The signal came while rank 0 waited for MLflow at the job's end: the work is done and
+    rank 0 exits 0, but torchrun, ended by the same signal, reports 1. Rank 0's line decides:
+    finished, not a requeue that would only do the finish again."""
+    tmp_path, env = standins
+    rc, out = _run_with_signal("finetune", {**env, "REQUEUE_ON_TERM": "1", "RANK_STOP_CODE": "1",
+                                            "RANK_WRITES": "checkpoint 40;exit 0"},
+                               tmp_path, sig=signal.SIGTERM, also_to_step=True)
+    assert "the step ended with exit code 1 (the trainer's: 0)" in out, out
+    assert rc == 0 and _requeues(tmp_path) == [] and "finished" in out, out
+
+
 def test_a_stop_not_asked_through_the_batch_shell_is_not_requeued(standins):
     """The ranks stopped with 4 on a signal sent to the step alone: say how to resume."""
     tmp_path, env = standins
