@@ -140,10 +140,10 @@ class DataConfig(Section):
     generate_demo: bool = Field(False, description="create the procedural demo dataset at "
                                 "data.root if missing (a recipe's true is for its own data.root: "
                                 "a data.root override alone sets it false)")
-    # Shards listed in _info.json but absent (local paths are checked at start), or remote
-    # ones that stay unreachable after read_attempts.
+    # Shards listed in _info.json but absent (local paths are checked at start), refused
+    # (no read permission), or remote ones that stay unreachable after read_attempts.
     missing_shards: Literal["error", "skip"] = Field(
-        "error", description="a shard that is missing or stays unreachable -- error: stop "
+        "error", description="a shard that is missing, refused or stays unreachable -- error: stop "
         "(local files: refuse to start); skip: warn, count its samples as skipped")
     # Remote shards (s3://, gs://, http(s)://, pipe:): a failed read is retried after a
     # back-off and resumes at the byte it reached, so the stream stays exact.
@@ -314,7 +314,8 @@ class CheckpointConfig(Section):
         "(exit code 4; [] : die on them as usual)")
     grace_period_s: float = Field(30.0, gt=0, description="the scheduler's time between the "
                                   "signal and SIGKILL: a stop checkpoint taking over half of "
-                                  "it is warned about")
+                                  "it is warned about; the end's wait for MLflow stops 5 s "
+                                  "before it")
 
 
 class DeepSpeedConfig(Section):
@@ -398,7 +399,8 @@ class TrackingConfig(Section):
     # At the end of a run, how long to wait for an unreachable server before leaving the rest
     # in the spool (launch/upload_spool.py sends it later).
     close_timeout_s: float = Field(120.0, ge=0, description="wait this long at the end for an "
-                                   "unreachable server")
+                                   "unreachable server (after a stop signal: no longer than "
+                                   "checkpoint.grace_period_s allows)")
     # The exported model as an MLflow model of the run (pretrain/model_registry.py): a "model
     # from code" whose weights are the timm folder's safetensors, so loading unpickles nothing.
     log_model: Optional[bool] = Field(None, description="log the exported model to the run as "

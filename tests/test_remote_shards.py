@@ -15,7 +15,7 @@ import threading
 import time
 import urllib.request
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -39,10 +39,11 @@ class FlakyHandler(SimpleHTTPRequestHandler):
 
     def do_GET(self):
         server = self.server
-        if server.refuse_get:  # an upload-only endpoint (PUT, no reads)
+        path = Path(self.translate_path(self.path))
+        # an upload-only endpoint (PUT, no reads), or files this caller may not read
+        if server.refuse_get and path.name.endswith(server.refused):
             self.send_error(server.refuse_get)
             return
-        path = Path(self.translate_path(self.path))
         if not path.is_file():
             self.send_error(404)
             return
@@ -106,6 +107,7 @@ def flaky_http(tmp_path):
     server.requests = server.resumed = server.failures = server.refuse_get = 0
     server.refuse_put = 0
     server.failing = ""  # the files that fail: those whose names end so (all)
+    server.refused = ""  # with refuse_get: the files refused (all)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server, www
@@ -540,6 +542,117 @@ def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_one
         fs.put_file(str(f), f"datasets/toy/{f.name}")
     ranks = run_two_ranks("gs://datasets/toy", tmp_path, STEPS, SAVE_AT, env=gcs_server)
     assert_same_as_local(ranks, local_reference(local))
+
+
+class GcsWithoutAccess(BaseHTTPRequestHandler):
+    """Google Cloud Storage's JSON API as credentials without access to the bucket meet it:
+    every request is answered 403 with GCS's error body (counted in ``server.requests``)."""
+
+    def log_message(self, *args):  # keep the test output readable
+        pass
+
+    def _refuse(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))  # an upload's body
+        self.server.requests += 1
+        message = ("tester@example.iam.gserviceaccount.com does not have storage.objects.get "
+                   "access to the Google Cloud Storage object. Permission 'storage.objects.get' "
+                   "denied on resource (or it may not exist).")
+        body = json.dumps({"error": {"code": 403, "message": message, "errors": [
+            {"message": message, "domain": "global", "reason": "forbidden"}]}}).encode()
+        self.send_response(403)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_HEAD = _refuse
+
+
+@pytest.fixture
+def gcs_without_access(monkeypatch):
+    """(server, environment) of :class:`GcsWithoutAccess` on 127.0.0.1, gcsfs pointed at it."""
+    import fsspec
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), GcsWithoutAccess)
+    server.requests = 0
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    fs_class = fsspec.get_filesystem_class("gs")
+    fs_class.clear_instance_cache()  # one made for another test's server is not this one
+    yield server, env
+    fs_class.clear_instance_cache()
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_gcs_bucket_the_credentials_may_not_read_is_said_at_once_not_retried(
+        tmp_path, gcs_without_access):
+    """gcsfs raises a GCS 403 as a plain OSError, which was retried as an outage: minutes of
+    back-off per shard, then "unreachable". A refusal is now one line at once, when reading
+    (a shard, the info file a run starts from) and when prepare_data.py uploads."""
+    from pretrain.data.info import InfoNotRead, read_info
+
+    server, env = gcs_without_access
+    denied = (r"GCS 403 Forbidden: \S+ tester@example.iam.gserviceaccount.com does not have "
+              r"storage.objects.get access")
+    for attempts in (1, 4):
+        before = server.requests
+        with pytest.raises(PermissionError, match=rf"^gs://datasets/toy.tar: {denied}"):
+            open_shard("gs://datasets/toy.tar", RetryPolicy(attempts=attempts, backoff_s=2.0))
+        asked = server.requests - before
+        if attempts == 1:  # (gcsfs asks for the object, then for a folder of that name)
+            one_attempt = asked
+    assert asked == one_attempt  # no retry
+    with pytest.raises(InfoNotRead, match=rf"^cannot read gs://datasets/toy/_info.json: "
+                                          rf"gs://datasets/toy/_info.json: {denied}"):
+        read_info("gs://datasets/toy", RetryPolicy(attempts=4, backoff_s=2.0))
+
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "gs://datasets/pets",
+                        env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert re.fullmatch(r"error: --out gs://datasets/pets refuses uploads \(gs://datasets/pets/"
+                        r"_stage_id: GCS 403 Forbidden: .*\); fix the credentials, the server "
+                        r"or the URL \(checked before preparing anything\)",
+                        done.stderr.strip().splitlines()[-1]), done.stderr[-2000:]
+    assert not list((tmp_path / "stage").glob("*.tar"))
+
+
+def test_a_shard_the_credentials_may_not_read_stops_the_run_or_is_skipped_and_counted(
+        tmp_path, flaky_http):
+    """One shard refused (HTTP 403: an object the job's account may not read) was counted as
+    a truncated shard and skipped even under data.missing_shards=error. It is the input's
+    fault, as a missing shard is: the run stops naming it, or skips and counts it as missing."""
+    from pretrain.config import DataConfig
+    from pretrain.data.loader import build_train_loader
+    from pretrain.data.shards import LoaderError
+
+    url, server, www = flaky_http
+    server.p_503 = server.p_cut = 0.0
+    write_split(www / "toy", [4, 4, 4])
+    server.refuse_get, server.refused = 403, "toy-train-000001.tar"
+    args = dict(img_size=32, batch_size=4, num_classes=10)
+    data = DataConfig(root=f"{url}/toy", num_workers=1, shuffle_buffer=2, missing_shards="skip",
+                      read_attempts=4, retry_backoff_s=2.0)
+    loader = build_train_loader(data, **args)
+    it = iter(loader)
+    batches = [next(it) for _ in range(4)]  # two epochs of the 8 samples left
+    del it
+    assert all(not k.startswith("train_001_") for b in batches for k in b.keys)
+    assert loader.skipped_by_cause["missing_shard"] >= 4
+    assert loader.skipped_by_cause["truncated_shard"] == 0
+
+    loader = build_train_loader(data.model_copy(update={"missing_shards": "error"}), **args)
+    it = iter(loader)
+    with pytest.raises(LoaderError, match=rf"^shard {url}/toy/toy-train-000001.tar cannot be "
+                                          rf"read: access refused \(.*HTTP 403 Forbidden\); "
+                                          rf"fix the credentials or the storage's permissions, "
+                                          rf"or set data.missing_shards=skip"):
+        for _ in range(3):  # an epoch: the shard is reached
+            next(it)
+    del it
 
 
 class StallingProxy:

@@ -25,7 +25,7 @@ from typing import Optional
 
 from pretrain.data.info import DatasetInfoError, InfoNotRead, NoInfo, read_info
 from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
-                                  fsspec_location, read_bytes)
+                                  fsspec_location, fsspec_refusal, read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
 from pretrain.data.sources import PrepareError
 
@@ -74,7 +74,7 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
     """Copy a finished local file to ``location`` (s3://, gs:// or another fsspec URL, an HTTP
     PUT, or ``pipe:<command>`` fed the file), retrying failures after a back-off; on object
     stores the object appears whole or not at all. A refusal (HTTP 403, 405, an S3
-    AccessDenied) raises PermissionError at once."""
+    AccessDenied, a GCS 403) raises PermissionError at once."""
     for failures in range(1, policy.attempts + 1):
         try:
             _put(local, location, policy)
@@ -84,7 +84,7 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
         except Exception as e:  # noqa: BLE001 -- transport errors of boto3, urllib, fsspec
             if isinstance(e, urllib.error.HTTPError) and e.code not in RETRY_HTTP:
                 raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
-            refusal = _s3_refusal(e)
+            refusal = _s3_refusal(e) or fsspec_refusal(e)
             if refusal:
                 raise PermissionError(f"{location}: {refusal}") from None
             if failures == policy.attempts:

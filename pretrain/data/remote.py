@@ -9,7 +9,8 @@ already read are discarded. The tar reader above never sees the failure; it gets
 bytes of one clean read, so every sample is read once and the loader's exact position and
 exactly-once epochs hold. Only after ``attempts`` failures in a row (no byte gained in between)
 does the location count as :class:`Unreachable`; a location that is not there (HTTP 404, S3
-``NoSuchKey``, no such file) is :class:`Missing` at once -- retrying cannot bring it back.
+``NoSuchKey``, no such file) is :class:`Missing` at once -- retrying cannot bring it back --
+and one refused (HTTP 401/403, S3 ``AccessDenied``, GCS 401/403) is a PermissionError at once.
 
 A short read is a failure too: an HTTP server that closes the connection early ends the body
 without an error in ``http.client``, so the reader compares what it got with the length the
@@ -37,7 +38,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +190,52 @@ def fsspec_location(location: str, timeout_s: float):
     return fsspec.core.url_to_fs(location, **options)
 
 
+def fsspec_refusal(e: BaseException) -> Optional[str]:
+    """What an fsspec driver's ``e`` says where it is a refusal no retry changes (wrong or no
+    credentials, no access to the bucket), else None. s3fs raises PermissionError; gcsfs a plain
+    OSError "Forbidden: <path>\n<message>" for a 403, and its HttpError for a 401."""
+    if isinstance(e, PermissionError):
+        return f"{type(e).__name__}: {e}"
+    text = str(e).strip()
+    if type(e) is OSError and text.startswith("Forbidden:"):
+        return "GCS 403 " + " ".join(text.split("\n"))
+    if type(e).__name__ == "HttpError" and getattr(e, "code", None) == 401:
+        return f"GCS 401 Unauthorized: {text}"
+    return None
+
+
+class _Refusals:
+    """An fsspec file whose refusals (:func:`fsspec_refusal`) are PermissionError, not retried."""
+
+    def __init__(self, f, location: str):
+        self.f, self.location = f, location
+
+    def read(self, n: int) -> bytes:
+        try:
+            return self.f.read(n)
+        except Exception as e:  # noqa: BLE001 -- the driver's own types
+            refusal = fsspec_refusal(e)
+            if refusal:
+                raise PermissionError(f"{self.location}: {refusal}") from None
+            raise
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def _open_fsspec(location: str, offset: int, policy: RetryPolicy):
     fs, path = fsspec_location(location, policy.timeout_s)
     try:
         f = fs.open(path, "rb")
     except FileNotFoundError as e:
         raise Missing(f"{location}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- the driver's own types
+        refusal = fsspec_refusal(e)
+        if refusal:
+            raise PermissionError(f"{location}: {refusal}") from None
+        raise
     f.seek(offset)
-    return f, getattr(f, "size", None)
+    return _Refusals(f, location), getattr(f, "size", None)
 
 
 class _Pipe:

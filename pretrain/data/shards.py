@@ -267,9 +267,14 @@ def _records(plan: ShardPlan, shard_ids: Sequence[int], warn: RateLimitedLog) ->
                     yield sample
         except Exception as e:  # noqa: BLE001 -- truncated tar, unreachable storage, garbage
             reason = f"{type(e).__name__}: {e}"
-            if isinstance(e, (FileNotFoundError, Unreachable)):  # Missing is a FileNotFoundError
-                cause = "missing_shard" if isinstance(e, FileNotFoundError) else \
-                    "unreachable_shard"
+            # Missing is a FileNotFoundError; a refusal (no read permission, the credentials
+            # refused) is the input's fault too, and no retry changes it: counted as missing
+            if isinstance(e, (FileNotFoundError, PermissionError, Unreachable)):
+                cause = "unreachable_shard" if isinstance(e, Unreachable) else "missing_shard"
+                if shards.on_missing == "error" and isinstance(e, PermissionError):
+                    raise LoaderError(f"shard {url} cannot be read: access refused ({e}); fix "
+                                      f"the credentials or the storage's permissions, or set "
+                                      f"data.missing_shards=skip to go on without it") from None
                 if shards.on_missing == "error" and cause == "missing_shard":
                     raise LoaderError(f"shard {url} is missing ({e}); check the storage, or set "
                                       f"data.missing_shards=skip to go on without it") from None
