@@ -299,6 +299,14 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
                 sys.stderr.write("interrupted (SIGINT); relaunch to start again, or to resume "
                                  "from the newest complete checkpoint if there is one\n")
             raise SystemExit(128 + signal.SIGINT) from None
+        except Exception as e:  # noqa: BLE001 -- one kind is said in a line, not a traceback
+            from pretrain.distributed import peer_gone
+            why = peer_gone(e)
+            if why is None:
+                raise
+            fail(f"rank {os.environ.get('RANK', '0')}: {why}; the launcher's log names it and "
+                 f"its exit code (-9 or 137: killed, by the OOM killer say); relaunching "
+                 f"resumes from the newest complete checkpoint", code=1)
         leave()
         # the job is done, though a launcher a stop signal ended (during the final MLflow
         # delivery, say) exits 1: the batch script reads this and does not requeue

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -82,6 +84,21 @@ def agreed(exc: BaseException) -> BaseException:
     launchers print its line from rank 0 only, not once per rank."""
     exc.agreed = True
     return exc
+
+
+# what gloo says when the process at the other end of a connection is gone
+_PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
+
+
+def peer_gone(exc: BaseException) -> Optional[str]:
+    """The one-line cause where ``exc`` is a collective that failed because another rank's
+    process is gone (killed, crashed), else None. Its traceback is noise: every surviving rank
+    printed one, and none says why that rank went (the launcher's log and its output do)."""
+    text = str(exc)
+    found = _PEER_GONE.search(text) if isinstance(exc, RuntimeError) else None
+    if found is None or not ("gloo" in text or isinstance(exc, dist.DistError)):
+        return None
+    return f"a collective failed, {found.group(0)} (gloo): another rank's process is gone"
 
 
 def barrier() -> None:

@@ -33,7 +33,7 @@ from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
 from pretrain.cli import quiet_libraries
 from pretrain.config_files import save_config, to_yaml
-from pretrain.distributed import all_reduce_sum, gather
+from pretrain.distributed import all_reduce_sum, gather, peer_gone
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
@@ -371,9 +371,10 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})
         sink.close()
         raise
-    except BaseException:  # a stop, a bad shard, a crash: the MLflow run ends FAILED, now
+    except BaseException as e:  # a stop, a bad shard, a crash: the MLflow run ends FAILED, now
         watchdog.stop()
-        tracker.close("FAILED")
+        why = peer_gone(e)
+        tracker.close("FAILED", tags={"failure": why} if why else None)
         raise
     finally:
         watchdog.stop()
