@@ -250,15 +250,27 @@ class FinetuneStage(Stage):
         """``<name>/`` in timm's layout (config.json, model.safetensors, README.md): loads with
         ``timm.create_model("local-dir:<name>", pretrained=True)`` and nothing else."""
         from pretrain.consolidate import Consolidated
-        from pretrain.timm_folder import write_timm_folder
 
         c = Consolidated(state_dict=state, spec=spec, source=str(out.with_suffix(".safetensors")),
                          step=step, tracking_run_id=run_id)
-        # a fine-tune swaps the pre-logits away; a model that kept them (trained from scratch
-        # with model.representation_size) cannot carry its head into timm's ViT
-        write_timm_folder(c, out, head=not spec.representation_size and spec.num_classes > 0,
-                          normalize=self.cfg.data.normalize,
-                          dataset=self.cfg.data.root, metrics=metrics, lineage=self.lineage)
+        write_finetune_folder(c, out, normalize=self.cfg.data.normalize,
+                              dataset=self.cfg.data.root, metrics=metrics, lineage=self.lineage)
+
+
+def write_finetune_folder(c, out, *, normalize: Optional[str] = None,
+                          dataset: Optional[str] = None, metrics: Optional[dict] = None,
+                          lineage: Optional[dict] = None) -> Path:
+    """A fine-tune's weights (a :class:`pretrain.consolidate.Consolidated`) as ``out/`` in timm's
+    layout, head included (the run's own exports, ``launch/export.py`` of one of its
+    checkpoints); ``normalize`` / ``dataset``: from ``c``'s run config when not given."""
+    from pretrain.timm_folder import write_timm_folder
+
+    spec = c.spec
+    # a fine-tune swaps the pre-logits away; a model that kept them (trained from scratch with
+    # model.representation_size) cannot carry its head into timm's ViT: its backbone then
+    return write_timm_folder(c, out, head=not spec.representation_size and spec.num_classes > 0,
+                             normalize=normalize, dataset=dataset, metrics=metrics,
+                             lineage=lineage)
 
 
 def per_class_png(per_class: list, split: str) -> bytes:

@@ -9,7 +9,9 @@ optionally, a timm-format backbone file.
 
 CHECKPOINT_OR_OUTPUT_DIR is a pretraining output dir (its newest complete checkpoint is used) or
 one checkpoint dir (checkpoints/step_N/). The ZeRO shards (stages 0-3) are merged to fp32 with
-DeepSpeed's zero-to-fp32 utilities. The full file is what `finetune init=FILE` takes; the timm
+DeepSpeed's zero-to-fp32 utilities. A fine-tune's checkpoint dir (RUN/checkpoints/step_N/) is
+exported too, as the fine-tune exports its best and final weights (the EMA's where the run
+averaged them; its head goes into the folder); a fine-tune's output dir holds those already. The full file is what `finetune init=FILE` takes; the timm
 file loads with timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE),
 num_classes=0) (plus the architecture arguments this command prints once it has written the
 file, when the model is not a stock timm size).
@@ -22,9 +24,11 @@ backbone (num_classes=0): timm's ViT has no pre-logits layer to put a head behin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from pretrain import cli, interpreter
@@ -35,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_OUTPUT_DIR",
                    help="pretraining output dir (newest complete checkpoint) or one "
-                        "checkpoint dir")
+                        "checkpoint dir, a fine-tune's too")
     p.add_argument("--out", required=True, metavar="FILE_OR_FOLDER",
                    help="FILE.safetensors: the whole model + its config; any other name: a "
                         "folder in timm's layout (local-dir:FOLDER); a name ending in another "
@@ -87,6 +91,25 @@ def _size(folder) -> str:
         return ""
 
 
+def finetune_checkpoint(path: Path):
+    """(Consolidated, lineage, what) of a fine-tune's checkpoint dir: the weights its run
+    evaluated and exported (the EMA's with train.ema_decay), in fp32."""
+    import yaml
+
+    from pretrain.checkpoint import CLIENT_STATE, CheckpointError
+    from pretrain.export import from_model
+    from pretrain.model_files import load_model
+
+    if not (path / CLIENT_STATE).is_file():
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {CLIENT_STATE}: a save was "
+                              f"interrupted); pick another step in {path.parent}")
+    print(f"reading {path}{_size(path)}", file=sys.stderr, flush=True)
+    mf = load_model(path)
+    c = from_model(mf.model, source=str(mf.path), step=mf.step,
+                   tracking_run_id=mf.source_run_id, config_yaml=yaml.safe_dump(mf.run_config))
+    return c, mf.lineage, mf.kind
+
+
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     folder = not args.out.endswith(".safetensors")
@@ -99,35 +122,48 @@ def main(argv=None) -> None:
         cli.fail(f"--out '{args.out}' is a file; name a folder, or a FILE.safetensors for the "
                  f"single-file export")
     check_targets(args, folder)
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.consolidate import consolidate, resolve_checkpoint
+    from finetune.stage import write_finetune_folder
+    from pretrain.checkpoint import CLIENT_STATE, TAG_RE, CheckpointError
+    from pretrain.consolidate import consolidate, is_finetune_dir, resolve_checkpoint
     from pretrain.export import export_full, export_timm_backbone, timm_kwargs
-    from pretrain.timm_folder import file_overlay, write_timm_folder
+    from pretrain.timm_folder import CONFIG, file_overlay, write_timm_folder
+
+    from pretrain.model_files import ModelFileError
 
     try:
-        # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
-        ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
-        print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
-        full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
+        given = Path(args.checkpoint)
+        if (given / CLIENT_STATE).is_file() or (  # a fine-tune's: Accelerate's files
+                TAG_RE.match(given.name) and is_finetune_dir(given.parent.parent)):
+            c, lineage, what = finetune_checkpoint(given)
+            full = write_finetune_folder(c, args.out, lineage=lineage) if folder else \
+                export_full(c, args.out)
+        else:
+            # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
+            ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
+            print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
+            started = time.monotonic()
+            c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
+            full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
+            ranks = f"{c.world_size} rank{'s' * (c.world_size != 1)}" if c.world_size else \
+                "ranks not recorded"
+            what = f"ZeRO-{c.zero_stage}, {ranks}"
         timm_file = export_timm_backbone(c, args.timm_backbone) if args.timm_backbone else None
-    except CheckpointError as e:
+    except (CheckpointError, ModelFileError) as e:
         cli.fail(str(e))
     except OSError as e:  # unwritable output, full disk
         cli.fail(f"cannot write the export: {e}")
     s = c.spec
     params = sum(v.numel() for v in c.state_dict.values())
-    ranks = f"{c.world_size} ranks" if c.world_size else "ranks not recorded"
-    print(f"checkpoint {c.source} (step {c.step}, ZeRO-{c.zero_stage}, {ranks}, "
-          f"tracking run {c.tracking_run_id or '-'}; exported in "
-          f"{time.monotonic() - started:.1f} s)")
+    print(f"checkpoint {c.source} (step {c.step}, {what}, tracking run "
+          f"{c.tracking_run_id or '-'}; exported in {time.monotonic() - started:.1f} s)")
     print(f"model {s.name}: {s.img_size}px, patch {s.patch_size}, width {s.embed_dim}, "
           f"depth {s.depth}, pre-logits {s.representation_size or '-'}, "
           f"{s.num_classes} classes, {params / 1e6:.2f} M parameters (fp32)")
     if folder:
-        print(f"wrote {full}/ (timm layout, backbone); load it with "
-              f"timm.create_model('local-dir:{full}', pretrained=True)")
+        head = json.loads((full / CONFIG).read_text())["num_classes"]
+        print(f"wrote {full}/ (timm layout, {'with its head' if head else 'backbone'}); load it "
+              f"with timm.create_model('local-dir:{full}', pretrained=True)")
     else:
         print(f"wrote {full}")
     if timm_file is not None:

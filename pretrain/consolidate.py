@@ -65,7 +65,7 @@ def _is_checkpoint_dir(d: Path) -> bool:
     return any(d.glob("*model_states.pt"))
 
 
-def _is_finetune_dir(d: Path) -> bool:
+def is_finetune_dir(d: Path) -> bool:
     import yaml
     if (d / "final.safetensors").is_file():
         return True
@@ -86,13 +86,14 @@ def resolve_checkpoint(path: Union[str, os.PathLike], warn: bool = True) -> Path
     if not p.is_dir():
         raise CheckpointError(f"'{p}' is a file, not a pretraining output dir or a DeepSpeed "
                               f"checkpoint dir")
-    if _is_finetune_dir(p):  # its checkpoints are Accelerate's, and it exports by itself
+    if is_finetune_dir(p):  # its checkpoints are Accelerate's, and it exports by itself
         raise CheckpointError(f"'{p}' is a fine-tune's output dir; it writes its exports itself "
                               f"when it ends: {p / 'final.safetensors'} and {p / 'final'}/ (timm "
-                              f"folder), best.* likewise")
-    if TAG_RE.match(p.name) and _is_finetune_dir(p.parent.parent):
+                              f"folder), best.* likewise; launch/export.py exports one of its "
+                              f"checkpoints ({p / 'checkpoints'}/step_N)")
+    if TAG_RE.match(p.name) and is_finetune_dir(p.parent.parent):
         raise CheckpointError(f"'{p}' is a fine-tune's checkpoint (Accelerate's, for its resume); "
-                              f"evaluate it with launch/evaluate.py, or take its run's exports: "
+                              f"export it with launch/export.py, or take its run's exports: "
                               f"{p.parent.parent / 'final.safetensors'}, best.* likewise")
     if _is_checkpoint_dir(p):
         if TAG_RE.match(p.name):  # one of ours: only a complete one (COMPLETE.json checked)

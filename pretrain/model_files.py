@@ -61,6 +61,7 @@ class ModelFile:
     source_run_id: Optional[str] = None
     source_uri: Optional[str] = None  # where that run is, from its run.json
     notes: list = field(default_factory=list)  # what had to be assumed, one line each
+    lineage: Optional[dict] = None  # a fine-tune checkpoint's: the init it started from
 
     @property
     def stage(self) -> Optional[str]:
@@ -285,6 +286,7 @@ def _accelerate_checkpoint(ckpt: Path) -> ModelFile:
                 _model_config(run_config, ckpt / CLIENT_STATE), state, run_config,
                 step=_int(client.get("step")))
     mf.source_run_id = client.get("tracking_run_id")
+    mf.lineage = (client.get("stage") or {}).get("lineage")
     attach_run(mf, ckpt.parent.parent)
     return mf
 

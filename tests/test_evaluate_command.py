@@ -131,6 +131,35 @@ def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
     assert not torch.equal(trained["head.weight"], final["head.weight"])
 
 
+def test_export_writes_a_fine_tunes_checkpoint_as_the_fine_tune_exports_it(ft, tmp_path):
+    """launch/export.py of one of a fine-tune's checkpoints (it refused them before): the
+    weights the run exported for that step (the EMA's), its head, its eval preprocessing."""
+    import timm
+    from safetensors.torch import load_file
+
+    step = ft.out / f"checkpoints/step_{ft.step:08d}"  # the last: the run's final export's
+    proc = run_launcher("export.py", str(step), "--out", str(tmp_path / "ft_timm"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"checkpoint {step} (step {ft.step}, fine-tune checkpoint (EMA weights), tracking " \
+           f"run {ft.run_id}; exported in" in proc.stdout, proc.stdout
+    assert f"wrote {tmp_path / 'ft_timm'}/ (timm layout, with its head)" in proc.stdout
+    ours, run = (json.loads((d / "config.json").read_text())
+                 for d in (tmp_path / "ft_timm", ft.out / "final"))
+    assert ours == run  # architecture, classes, label names, preprocessing
+    exported, final = (load_file(str(d / "model.safetensors"))
+                       for d in (tmp_path / "ft_timm", ft.out / "final"))
+    assert exported.keys() == final.keys()
+    assert all(torch.equal(exported[k], final[k]) for k in final)
+    vit = timm.create_model(f"local-dir:{tmp_path / 'ft_timm'}", pretrained=True).eval()
+    assert vit.num_classes == 10
+    proc = run_launcher("export.py", str(step), "--out", str(tmp_path / "ft.safetensors"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    full, run_file = (load_file(str(f)) for f in (tmp_path / "ft.safetensors",
+                                                   ft.out / "final.safetensors"))
+    assert full.keys() == run_file.keys()
+    assert all(torch.equal(full[k], run_file[k]) for k in run_file)
+
+
 def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp_path):
     """Best and final exports travel (to a model store, another cluster): without the run's
     folder beside them, the files themselves must still say which MLflow run made them."""

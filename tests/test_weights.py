@@ -210,15 +210,15 @@ def test_the_export_cli_fails_with_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"error: '{ft}' is a fine-tune's output dir; it writes its exports itself when it ends: "
-        f"{ft / 'final.safetensors'} and {ft / 'final'}/ (timm folder), best.* likewise")
-    step = ft / "checkpoints/step_00000004"  # one of its checkpoints: not "no checkpoint"
-    proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(step),
+        f"{ft / 'final.safetensors'} and {ft / 'final'}/ (timm folder), best.* likewise; "
+        f"launch/export.py exports one of its checkpoints ({ft / 'checkpoints'}/step_N)")
+    step = ft / "checkpoints/step_00000004"  # one of its checkpoints, cut short: not "no
+    proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(step),  # ckpt"
                            "--out", str(tmp_path / "x.safetensors")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"error: '{step}' is a fine-tune's checkpoint (Accelerate's, for its resume); evaluate "
-        f"it with launch/evaluate.py, or take its run's exports: {ft / 'final.safetensors'}, "
-        f"best.* likewise")
+        f"error: checkpoint '{step}' is incomplete (no client_state.pt: a save was interrupted); "
+        f"pick another step in {step.parent}")
 
 
 def test_timm_loads_the_backbone_export_with_no_missing_or_unexpected_keys(pretrained, caplog):
