@@ -307,7 +307,7 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
             fail(f"rank {os.environ.get('RANK', '0')}: {why}; the launcher's log names it and "
                  f"its exit code (-9 or 137: killed, by the OOM killer say); relaunching "
                  f"resumes from the newest complete checkpoint", code=1)
-        leave()
         # the job is done, though a launcher a stop signal ended (during the final MLflow
         # delivery, say) exits 1: the batch script reads this and does not requeue
         job_status.note("exit", 0)
+        leave()

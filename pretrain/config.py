@@ -315,7 +315,7 @@ class CheckpointConfig(Section):
     grace_period_s: float = Field(30.0, gt=0, description="the scheduler's time between the "
                                   "signal and SIGKILL: a stop checkpoint taking over half of "
                                   "it is warned about; the end's wait for MLflow stops 5 s "
-                                  "before it")
+                                  "before it (at most 25 s after a SIGTERM or SIGINT)")
 
 
 class DeepSpeedConfig(Section):

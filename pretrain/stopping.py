@@ -55,6 +55,9 @@ EXIT_STOPPED = 4
 HEARTBEAT_S = 2.0  # how often the ranks check on each other
 # what a signalled process keeps of its grace period to record what it leaves undone and exit
 EXIT_MARGIN_S = 5.0
+# the per-node launchers (DeepSpeed's launch.py, torchrun) pass SIGTERM and SIGINT on to the
+# ranks and SIGKILL them this long after, whatever the scheduler's grace period
+LAUNCHER_KILL_S = 30.0
 
 
 def unignore_stop_signals(names: Sequence[str]) -> None:
@@ -190,12 +193,16 @@ class StopSignals:
 
     def leave_by(self) -> Optional[float]:
         """When (``time.monotonic()``) this process should be gone, a stop signal having come:
-        its grace period, less :data:`EXIT_MARGIN_S` for leaving; None before any signal. The
-        end of a job (the MLflow delivery) waits no longer than this: a SIGKILL would cut it
-        short with nothing recorded."""
+        its grace period (no longer than a launcher waits after a SIGTERM or SIGINT), less
+        :data:`EXIT_MARGIN_S` for leaving; None before any signal. The end of a job (the
+        MLflow delivery) waits no longer than this: a SIGKILL would cut it short with nothing
+        recorded."""
         if self.received_at is None:
             return None
-        return self.received_at + self.grace_period_s - EXIT_MARGIN_S
+        grace = self.grace_period_s
+        if self.received in (signal.SIGTERM, signal.SIGINT):
+            grace = min(grace, LAUNCHER_KILL_S)
+        return self.received_at + grace - EXIT_MARGIN_S
 
     @property
     def name(self) -> Optional[str]:
@@ -255,6 +262,8 @@ class StopSignals:
                 since = longest.item()
             except Exception:  # noqa: BLE001 -- a peer left after the checkpoint: own figure
                 pass
+            if self.received_at is None:  # only another rank was signalled: its time counts
+                self.received_at = time.monotonic() - since  # (leave_by)
             if dist.get_rank() != 0:
                 return
         msg = (f"{signame}: checkpoint written in {seconds:.1f} s, {since:.1f} s after the "

@@ -269,7 +269,10 @@ class MlflowTracker(NodeSampling):
                 self.state.stops += 1
             self.state.ended, self.state.end_time = status, int(time.time() * 1000)
         self._stop.set()
-        if self._wait_for_delivery(2.0) is None:
+        # a short wait in any case: a healthy server takes the last records and the run's end
+        # in well under EXIT_MARGIN_S, a stop checkpoint that took all the grace period or not
+        self._thread.join(2.0)
+        if self._thread.is_alive() and self._wait_for_delivery(0.0) is None:
             # the server is slow or away: say why the job is not over
             log.info("tracking: waiting for MLflow to take %d pending records (up to %.0f s)",
                      len(self._pending) + len(self._outbox), self.close_timeout_s)

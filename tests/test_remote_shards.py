@@ -627,7 +627,7 @@ def test_a_shard_the_credentials_may_not_read_stops_the_run_or_is_skipped_and_co
     fault, as a missing shard is: the run stops naming it, or skips and counts it as missing."""
     from pretrain.config import DataConfig
     from pretrain.data.loader import build_train_loader
-    from pretrain.data.shards import LoaderError
+    from pretrain.data.shards import LoaderError, ShardUnreachable
 
     url, server, www = flaky_http
     server.p_503 = server.p_cut = 0.0
@@ -647,10 +647,21 @@ def test_a_shard_the_credentials_may_not_read_stops_the_run_or_is_skipped_and_co
     loader = build_train_loader(data.model_copy(update={"missing_shards": "error"}), **args)
     it = iter(loader)
     with pytest.raises(LoaderError, match=rf"^shard {url}/toy/toy-train-000001.tar cannot be "
-                                          rf"read: access refused \(.*HTTP 403 Forbidden\); "
-                                          rf"fix the credentials or the storage's permissions, "
-                                          rf"or set data.missing_shards=skip"):
+                                          rf"read \(.*HTTP 403 Forbidden\); fix the "
+                                          rf"credentials or the storage's permissions, or set "
+                                          rf"data.missing_shards=skip"):
         for _ in range(3):  # an epoch: the shard is reached
+            next(it)
+    del it
+    # a CDN's 522 (origin timed out) is no refusal: retried, then unreachable (exit code 1,
+    # a crash that a requeue may get past), not "fix the credentials" (2)
+    server.refuse_get = 522
+    quick = data.model_copy(update={"missing_shards": "error", "read_attempts": 2,
+                                    "retry_backoff_s": 0.01})
+    it = iter(build_train_loader(quick, **args))
+    with pytest.raises(ShardUnreachable, match=r"HTTP 522 .*2 attempts in a row failed|"
+                                               r"2 attempts in a row failed.*HTTP 522"):
+        for _ in range(3):
             next(it)
     del it
 

@@ -733,6 +733,31 @@ def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
     assert read_jsonl(tmp_path / "run/tracking/spool.jsonl")[0]["metrics"] == {"train/loss": 1.0}
 
 
+def test_the_end_after_a_stop_signals_grace_period_still_gives_a_healthy_store_its_records(
+        tmp_path, caplog):
+    """A stop checkpoint that took all of the grace period: the end still waits a moment, which
+    a store that answers needs to take the last records and the run's end (it gave up at once,
+    and the run showed RUNNING until upload_spool.py)."""
+    from mlflow import MlflowClient
+
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.tracking import start_tracking
+
+    uri = sqlite_store(tmp_path)
+    cfg = load_config(PretrainConfig, None, [
+        f"tracking.uri={uri}", "tracking.system_metrics=false", "tracking.flush_every_s=30"])
+    tracker = start_tracking(cfg, "pretrain", tmp_path / "run", 0, world_size=1)
+    assert tracker.settled_run_id() is not None
+    tracker.leave_by = lambda: time.monotonic() - 100  # the grace period is over
+    tracker.log({"train/loss": 0.5}, 7)  # (the thread sends it at its close, not before)
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        tracker.close("KILLED", tags={"stop.signal": "SIGTERM", "stop.step": "7"})
+    assert "not delivered" not in caplog.text, caplog.text
+    run = MlflowClient(uri).get_run(tracker.run_id)
+    assert run.info.status == "KILLED" and run.data.metrics["train/loss"] == 0.5
+
+
 def test_a_server_lost_before_the_end_is_said_to_lack_the_runs_end(
         tmp_path, client, mlflow_server, monkeypatch, caplog):
     """The run exists, the server goes away: its status (RUNNING in the UI until then) and its

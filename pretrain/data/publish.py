@@ -24,8 +24,8 @@ import uuid
 from typing import Optional
 
 from pretrain.data.info import DatasetInfoError, InfoNotRead, NoInfo, read_info
-from pretrain.data.remote import (RETRY_HTTP, RetryPolicy, Unreachable, _s3_client, _s3_parts,
-                                  fsspec_location, fsspec_refusal, read_bytes)
+from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable, _s3_client,
+                                  _s3_parts, fsspec_location, fsspec_refusal, read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
 from pretrain.data.sources import PrepareError
 
@@ -53,11 +53,6 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
     else:
         fs, path = fsspec_location(location, policy.timeout_s)
         fs.put_file(local, path)
-
-
-# S3 answers that no retry changes: the credentials or the bucket are wrong
-S3_REFUSALS = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "NoSuchBucket",
-               "SignatureDoesNotMatch", "InvalidBucketName", "AccountProblem"}
 
 
 def _s3_refusal(e: BaseException) -> Optional[str]:

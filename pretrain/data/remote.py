@@ -10,7 +10,8 @@ bytes of one clean read, so every sample is read once and the loader's exact pos
 exactly-once epochs hold. Only after ``attempts`` failures in a row (no byte gained in between)
 does the location count as :class:`Unreachable`; a location that is not there (HTTP 404, S3
 ``NoSuchKey``, no such file) is :class:`Missing` at once -- retrying cannot bring it back --
-and one refused (HTTP 401/403, S3 ``AccessDenied``, GCS 401/403) is a PermissionError at once.
+one refused (HTTP 401/403, S3 ``AccessDenied``, GCS 401/403) is a PermissionError at once, and
+another 4xx (400, 405) is :class:`Rejected` at once; a 5xx is retried.
 
 A short read is a failure too: an HTTP server that closes the connection early ends the body
 without an error in ``http.client``, so the reader compares what it got with the length the
@@ -44,6 +45,11 @@ log = logging.getLogger(__name__)
 
 # HTTP codes worth another try: timeouts, throttling and server-side trouble.
 RETRY_HTTP = {408, 425, 429, 500, 502, 503, 504}
+# ... and those that refuse the caller: the credentials, not the network; no retry changes them
+REFUSED_HTTP = {401, 403, 407}
+# S3 answers that no retry changes: the credentials or the bucket are wrong
+S3_REFUSALS = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "NoSuchBucket",
+               "SignatureDoesNotMatch", "InvalidBucketName", "AccountProblem"}
 
 
 _JITTER = random.SystemRandom()
@@ -78,6 +84,11 @@ class Unreachable(OSError):
     """The location failed ``RetryPolicy.attempts`` times in a row."""
 
 
+class Rejected(OSError):
+    """The server rejects the request itself (an HTTP 4xx but 404, 410 and the refusals of
+    the caller: 400, 405, ...): no retry changes it."""
+
+
 def is_remote(location: str) -> bool:
     return location.startswith("pipe:") or ("://" in location
                                             and not location.startswith("file://"))
@@ -104,9 +115,13 @@ def _open_http(location: str, offset: int, policy: RetryPolicy):
     except urllib.error.HTTPError as e:
         if e.code in (404, 410):
             raise Missing(f"{location}: HTTP {e.code}") from None
-        if e.code in RETRY_HTTP:
+        if e.code == 416 and offset:  # resumed at the very end: nothing was left to read
+            return io.BytesIO(b""), offset
+        if e.code in REFUSED_HTTP:
+            raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
+        if e.code in RETRY_HTTP or e.code >= 500:  # (a CDN's 52x too)
             raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
-        raise PermissionError(f"{location}: HTTP {e.code} {e.reason}") from None
+        raise Rejected(f"{location}: HTTP {e.code} {e.reason}") from None
     length = resp.headers.get("Content-Length")
     if offset and resp.status != 206:  # the server ignores ranges: skip what was read before
         _discard(resp, offset)
@@ -150,9 +165,14 @@ def _open_s3(location: str, offset: int, policy: RetryPolicy):
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in ("NoSuchKey", "NoSuchBucket", "404") or status == 404:
             raise Missing(f"{location}: {code or status}") from None
-        if status in RETRY_HTTP or code in ("SlowDown", "Throttling", "RequestTimeout"):
-            raise ConnectionError(f"S3 {code or status}") from None
-        raise PermissionError(f"{location}: S3 {code or status}") from None
+        if (code == "InvalidRange" or status == 416) and offset:  # resumed at the very end
+            return io.BytesIO(b""), offset
+        if code in S3_REFUSALS or status in REFUSED_HTTP:
+            raise PermissionError(f"{location}: S3 {code or status}") from None
+        if 400 <= status < 500 and status not in RETRY_HTTP and code not in (
+                "SlowDown", "Throttling", "RequestTimeout"):
+            raise Rejected(f"{location}: S3 {code or status}") from None
+        raise ConnectionError(f"S3 {code or status}") from None  # SlowDown, a 5xx: retried
     except BotoCoreError as e:  # endpoint unreachable, read timeout, connection closed
         raise ConnectionError(f"{type(e).__name__}: {e}") from None
     return _S3Body(obj["Body"]), offset + obj["ContentLength"]
@@ -327,7 +347,7 @@ class RetryingReader(io.RawIOBase):
                 if self._stream is None:
                     self._stream, self._total = open_at(self.location, self.pos, self.policy)
                 return step()
-            except (FileNotFoundError, PermissionError, ImportError):  # Missing included
+            except (FileNotFoundError, PermissionError, Rejected, ImportError):  # Missing too
                 raise
             except Exception as e:  # noqa: BLE001 -- resets, timeouts, IncompleteRead, ...
                 failures += 1

@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 from pretrain.data.info import StorageUnreachable, join, read_info
-from pretrain.data.remote import RetryPolicy, Unreachable, is_remote, open_shard
+from pretrain.data.remote import Rejected, RetryPolicy, Unreachable, is_remote, open_shard
 
 log = logging.getLogger("pretrain.data.loader")  # one logger for what the loader warns about
 
@@ -268,12 +268,14 @@ def _records(plan: ShardPlan, shard_ids: Sequence[int], warn: RateLimitedLog) ->
         except Exception as e:  # noqa: BLE001 -- truncated tar, unreachable storage, garbage
             reason = f"{type(e).__name__}: {e}"
             # Missing is a FileNotFoundError; a refusal (no read permission, the credentials
-            # refused) is the input's fault too, and no retry changes it: counted as missing
-            if isinstance(e, (FileNotFoundError, PermissionError, Unreachable)):
+            # refused) or a request the server rejects is the input's fault too, and no retry
+            # changes it: counted as missing
+            if isinstance(e, (FileNotFoundError, PermissionError, Rejected, Unreachable)):
                 cause = "unreachable_shard" if isinstance(e, Unreachable) else "missing_shard"
-                if shards.on_missing == "error" and isinstance(e, PermissionError):
-                    raise LoaderError(f"shard {url} cannot be read: access refused ({e}); fix "
-                                      f"the credentials or the storage's permissions, or set "
+                if shards.on_missing == "error" and isinstance(e, (PermissionError, Rejected)):
+                    fix = ("the credentials or the storage's permissions"
+                           if isinstance(e, PermissionError) else "the URL or the server")
+                    raise LoaderError(f"shard {url} cannot be read ({e}); fix {fix}, or set "
                                       f"data.missing_shards=skip to go on without it") from None
                 if shards.on_missing == "error" and cause == "missing_shard":
                     raise LoaderError(f"shard {url} is missing ({e}); check the storage, or set "
