@@ -229,6 +229,20 @@ def test_two_ranks_over_s3_consume_exactly_the_local_keys(tmp_path, s3_server):
     assert_same_as_local(ranks, local_reference(local))
 
 
+def two_epochs_without_shard_1(data, args):
+    """A loader of ``data`` (data.missing_shards=skip) whose two epochs, over shards of 4
+    samples each, lack shard 1's: counted as missing."""
+    from pretrain.data.loader import build_train_loader
+
+    loader = build_train_loader(data, **args)
+    it = iter(loader)
+    batches = [next(it) for _ in range(4)]  # two epochs of the 8 samples left
+    del it
+    assert all(not k.startswith("train_001_") for b in batches for k in b.keys)
+    assert loader.skipped_by_cause["missing_shard"] >= 4
+    return loader
+
+
 def test_a_missing_remote_shard_is_skipped_and_counted_or_stops_the_run(tmp_path, s3_server):
     import boto3
 
@@ -246,12 +260,7 @@ def test_a_missing_remote_shard_is_skipped_and_counted_or_stops_the_run(tmp_path
     args = dict(img_size=32, batch_size=4, num_classes=10)
     data = DataConfig(root="s3://datasets/toy", num_workers=1, shuffle_buffer=2,
                       missing_shards="skip")
-    loader = build_train_loader(data, **args)
-    it = iter(loader)
-    batches = [next(it) for _ in range(4)]  # two epochs of the 8 samples left
-    del it
-    assert all(not k.startswith("train_001_") for b in batches for k in b.keys)
-    assert loader.skipped_by_cause["missing_shard"] >= 4
+    loader = two_epochs_without_shard_1(data, args)
 
     loader = build_train_loader(data.model_copy(update={"missing_shards": "error"}), **args)
     it = iter(loader)
@@ -636,12 +645,7 @@ def test_a_shard_the_credentials_may_not_read_stops_the_run_or_is_skipped_and_co
     args = dict(img_size=32, batch_size=4, num_classes=10)
     data = DataConfig(root=f"{url}/toy", num_workers=1, shuffle_buffer=2, missing_shards="skip",
                       read_attempts=4, retry_backoff_s=2.0)
-    loader = build_train_loader(data, **args)
-    it = iter(loader)
-    batches = [next(it) for _ in range(4)]  # two epochs of the 8 samples left
-    del it
-    assert all(not k.startswith("train_001_") for b in batches for k in b.keys)
-    assert loader.skipped_by_cause["missing_shard"] >= 4
+    loader = two_epochs_without_shard_1(data, args)
     assert loader.skipped_by_cause["truncated_shard"] == 0
 
     loader = build_train_loader(data.model_copy(update={"missing_shards": "error"}), **args)
