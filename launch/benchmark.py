@@ -111,6 +111,15 @@ def run_train(args) -> dict:
              f"if missing, appended to if there)")
     if args.profile is not None and args.profile.exists() and not args.profile.is_dir():
         fail(f"--profile {args.profile} is a file; name a folder for the trace (made if missing)")
+    try:  # made now: a place that cannot be written is found before the measurement
+        if args.record is not None:
+            args.record.parent.mkdir(parents=True, exist_ok=True)
+            open(args.record, "a").close()
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot write {e.filename or args.record or args.profile} ({e.strerror or e}); "
+             f"name a --record file or --profile folder that can be written")
     _quiet()
     from pretrain import benchmark
 
@@ -131,9 +140,13 @@ def run_table(args) -> int:
         fail(f"{args.records}: no such file; write it with `benchmark.py train ... --record "
              f"{args.records}`")
     try:
-        table = bench_records.markdown(bench_records.load(args.records))
+        records = bench_records.load(args.records)
+        table = bench_records.markdown(records)
     except (ValueError, OSError) as e:  # not records; unreadable; not UTF-8
         fail(f"{args.records}: {e}" if str(args.records) not in str(e) else str(e))
+    if not records:  # (a README's table would be emptied)
+        fail(f"{args.records} holds no records; write them with `benchmark.py train ... "
+             f"--record {args.records}`")
     if args.readme is None:
         print(table)
         return 0
@@ -223,8 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "DeepSpeed engine, warm-up steps excluded, on synthetic uint8 batches on "
                     "the device unless --shards. The run config is a pretraining recipe "
                     "(--config) with the options below put in.")
-    train.add_argument("--model", default="vit_large_patch16_224",
-                       help="timm ViT name (default vit_large_patch16_224)")
+    train.add_argument("--model", default=None,
+                       help="timm ViT name (default: the --config recipe's model; "
+                            "vit_large_patch16_224 without --config)")
     train.add_argument("--batch", type=positive_int, required=True, metavar="N",
                        help="micro-batch per rank (required: e.g. 256 for ViT-L/16 on an H100)")
     train.add_argument("--accum", type=positive_int, default=1, metavar="N",

@@ -46,7 +46,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 DEFAULT_RECIPE = RECIPES / "vit_l16_i21k.yaml"
 
 
-def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
+def bench_config(model: Optional[str], batch: int, *, image_size: Optional[int] = None,
                  zero: Optional[int] = None, precision: Optional[str] = None, ranks: int = 1,
                  activation_checkpointing: Optional[bool] = None,
                  num_classes: Optional[int] = None, recipe: Optional[os.PathLike | str] = None,
@@ -56,18 +56,21 @@ def bench_config(model: str, batch: int, *, image_size: Optional[int] = None,
     head, loss, drop-path and optimizer are those of the real run) with the model, per-rank
     micro-batch and the other given settings put in (``compile``: train.compile on, whatever
     the recipe says; ``accum``: micro-batches per update). ``overrides`` are the usual
-    ``key=value``."""
+    ``key=value``. ``model`` None: the recipe's (ViT-L/16 without one)."""
     from pretrain.model import _timm_arch
 
-    sets = [f"model.name={model}", f"train.micro_batch_size={batch}",
+    sets = [f"train.micro_batch_size={batch}",
             f"train.global_batch_size={batch * ranks * accum}", f"train.grad_accum_steps={accum}",
             "train.total_steps=1000000", "data.val_split=null"]
     if recipe is None:
         recipe = DEFAULT_RECIPE
+        model = model or "vit_large_patch16_224"
         # The recipe's pre-logits width is ViT-L's; the paper makes it the model's width.
         sets.append(f"model.representation_size={_timm_arch(model)[2]}")
         # ...and its resolution is 224: the named model's own unless --image-size says.
         sets.append(f"model.img_size={_timm_arch(model)[0]}")
+    if model is not None:  # (a recipe's own depth, width, patch ... win over the name's)
+        sets.insert(0, f"model.name={model}")
     if image_size is not None:
         sets.append(f"model.img_size={image_size}")
     if zero is not None:

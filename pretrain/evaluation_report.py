@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import shutil
 import time
 from pathlib import Path
@@ -56,12 +57,27 @@ def output_dir(model: str, split: str, out: Optional[str], overwrite: bool) -> P
         if held and not overwrite:
             raise EvaluateError(f"--out '{out}' already holds an evaluation ({held[0]}); name a "
                                 f"new folder, or pass --overwrite to replace it")
-        return p
+        return _writable(p, f"--out '{out}'")
     m = _out_of_checkpoints(Path(model.rstrip("/")))  # not among the step dirs
     base = m.with_name(f"{m.name}-eval-{split}")
     p, i = base, 2
     while p.exists():
         p, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return _writable(p, f"the results' folder '{p}' (next to the model)")
+
+
+def _writable(p: Path, what: str) -> Path:
+    """``p``, once a file can be made there: found now, not after an evaluation of hours."""
+    made = not p.exists()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise EvaluateError(f"{what} cannot be written ({e.strerror or e}); name a folder "
+                            f"with --out that can") from None
+    if made:
+        p.rmdir()  # (made again with the results)
     return p
 
 

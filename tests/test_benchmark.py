@@ -8,7 +8,8 @@ from pathlib import Path
 
 from pretrain.data.info import read_info
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "launch" / "benchmark.py"
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARK = REPO / "launch" / "benchmark.py"
 
 
 def _run(*args: str) -> str:
@@ -66,6 +67,8 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
     record = dict(command="python launch/benchmark.py train --batch 2", commit="abc", date="d",
                   device="CPU", model="vit_tiny_patch16_224", image_size=32, batch_per_rank=2,
                   ranks=1, precision="fp32", zero_stage=1, images_per_sec=1.0)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
     kept = tmp_path / "kept.jsonl"
     kept.write_text(json.dumps(record) + "\n")
     cases = [
@@ -89,6 +92,14 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
          f"file (made if missing, appended to if there)"),
         (["train", "--batch", "2", "--profile", str(mine)],
          f"error: --profile {mine} is a file; name a folder for the trace (made if missing)"),
+        (["train", "--batch", "2", "--record", "/proc/bench.jsonl"],
+         "error: cannot write /proc/bench.jsonl (No such file or directory); name a --record "
+         "file or --profile folder that can be written"),
+        (["train", "--batch", "2", "--profile", "/proc/trace"],
+         "error: cannot write /proc/trace (No such file or directory); name a --record file or "
+         "--profile folder that can be written"),
+        (["table", str(empty)], f"error: {empty} holds no records; write them with `benchmark.py "
+                                f"train ... --record {empty}`"),
         (["overhead", "--repeats", "0"],
          "error: argument --repeats: expected a whole number of at least 1, got '0'; see "
          "benchmark.py overhead --help"),
@@ -106,6 +117,18 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
         assert done.returncode == 2 and "Traceback" not in done.stderr, (args, done.stderr)
         assert done.stderr.strip().splitlines()[-1] == line, args
     assert (ph / "_info.json").read_text() == info and mine.read_text() == "mine"
+
+
+def test_train_with_a_recipe_measures_the_recipes_model():
+    """--config RECIPE without --model: the recipe's model (it measured ViT-L/16's width with
+    the recipe's depth and patch, under ViT-L/16's name)."""
+    from pretrain.benchmark import bench_config
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+
+    demo = REPO / "configs/pretrain/demo.yaml"
+    assert bench_config(None, 8, recipe=demo).model == load_config(PretrainConfig, demo).model
+    assert bench_config(None, 8).model.name == "vit_large_patch16_224"  # no recipe: ViT-L/16
 
 
 def test_a_record_names_the_commit_a_shipped_copy_says(monkeypatch):

@@ -425,6 +425,12 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
                         "--split", "test", "--no-tracking", "--device", "gpu0", timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: --device gpu0: not a torch device; use cpu, cuda or cuda:N"]
+    # a place the results cannot go: said before the evaluation, not after it
+    proc = run_launcher("evaluate.py", str(ft.out / "final"), "--data", str(ft.data),
+                        "--split", "test", "--no-tracking", "--out", "/proc/results", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: --out '/proc/results' cannot be written (No such file or directory); name a "
+        "folder with --out that can"], proc.stderr[-2000:]
 
     (tmp_path / "notes.txt").write_text("hi")
     (tmp_path / "empty").mkdir()
