@@ -167,7 +167,8 @@ def summarize(prof, on_device: bool) -> Dict[str, float]:
 
 def format_breakdown(b: Dict, steps: int, step_ms: float) -> str:
     """A small table: ms per step and share of the busy time, plus the idle remainder."""
-    lines = [f"where the time goes ({b['time_base']}, per step of {step_ms:.1f} ms):"]
+    lines = [f"where the time goes ({b['time_base']}, per step of {step_ms:.1f} ms; the "
+             f"shares are of its {b['busy_ms'] / steps:.1f} ms busy):"]
     for kind, ms in b["ms"].items():
         lines.append(f"  {kind:<24}{ms / steps:>10.2f} ms {100 * b['share'][kind]:>6.1f} %")
     idle = step_ms - b["busy_ms"] / steps
