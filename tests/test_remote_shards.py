@@ -555,7 +555,9 @@ def test_gcs_shards_written_by_prepare_data_are_read_by_two_ranks_like_local_one
 
 class GcsWithoutAccess(BaseHTTPRequestHandler):
     """Google Cloud Storage's JSON API as credentials without access to the bucket meet it:
-    every request is answered 403 with GCS's error body (counted in ``server.requests``)."""
+    every request is answered 403 with GCS's error body (counted in ``server.requests``); but
+    the metadata of the objects in ``server.listed`` ({name: size}), which a role that may
+    list a bucket but not read its objects gets."""
 
     def log_message(self, *args):  # keep the test output readable
         pass
@@ -563,6 +565,18 @@ class GcsWithoutAccess(BaseHTTPRequestHandler):
     def _refuse(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))  # an upload's body
         self.server.requests += 1
+        name = self.path.split("?")[0].rsplit("/o/", 1)[-1]
+        if self.command == "GET" and "alt=media" not in self.path and name in self.server.listed:
+            body = json.dumps({"kind": "storage#object", "bucket": "datasets", "name": name,
+                               "size": str(self.server.listed[name]), "generation": "1",
+                               "updated": "2026-11-28T00:00:00.000Z",
+                               "contentType": "application/x-tar"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json; charset=UTF-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         message = ("tester@example.iam.gserviceaccount.com does not have storage.objects.get "
                    "access to the Google Cloud Storage object. Permission 'storage.objects.get' "
                    "denied on resource (or it may not exist).")
@@ -583,7 +597,7 @@ def gcs_without_access(monkeypatch):
     import fsspec
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), GcsWithoutAccess)
-    server.requests = 0
+    server.requests, server.listed = 0, {}
     threading.Thread(target=server.serve_forever, daemon=True).start()
     env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{server.server_address[1]}",
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
@@ -615,6 +629,12 @@ def test_a_gcs_bucket_the_credentials_may_not_read_is_said_at_once_not_retried(
         if attempts == 1:  # (gcsfs asks for the object, then for a folder of that name)
             one_attempt = asked
     assert asked == one_attempt  # no retry
+    server.listed["toy.tar"] = 4096  # listed, not readable: refused at the first read
+    shard = open_shard("gs://datasets/toy.tar", RetryPolicy(attempts=4, backoff_s=2.0))
+    before = server.requests
+    with pytest.raises(PermissionError, match=rf"^gs://datasets/toy.tar: {denied}"):
+        shard.read()
+    assert server.requests - before == 1  # no retry
     with pytest.raises(InfoNotRead, match=rf"^cannot read gs://datasets/toy/_info.json: "
                                           rf"gs://datasets/toy/_info.json: {denied}"):
         read_info("gs://datasets/toy", RetryPolicy(attempts=4, backoff_s=2.0))
