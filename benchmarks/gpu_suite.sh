@@ -132,9 +132,9 @@ step l16-timm-backward 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIME
 # measured before and off the path to the goal: last, where the lease leaves time
 # ZeRO-3 uncompiled: DeepSpeed's parameter hooks break the graph at every module anyway
 step h14-zero3 90 train "${H[@]}" --batch "$HZ3" --zero 3 --no-activation-checkpointing \
-    "${STEPS[@]}" --record "$records"
+    "${TIMED[@]}" --record "$records"
 step h14-ckpt 150 train "${H[@]}" --batch "$HB2" --activation-checkpointing \
-    --set train.checkpointed_blocks="$CKB" "${COMPILE[@]}" "${STEPS[@]}" --record "$records"
+    --set train.checkpointed_blocks="$CKB" "${COMPILE[@]}" "${TIMED[@]}" --record "$records"
 # Inductor's Triton matmul templates timed against cuBLAS, bias and GELU fused into a winner;
 # with the same accumulation, so row l16-accum is its baseline. Compiling took over 240 s on an
 # H100 (2,000 template kernels made): last, with whatever the budget leaves

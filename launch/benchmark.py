@@ -104,6 +104,12 @@ def _stdout_to_stderr():
 
 
 def run_train(args) -> dict:
+    # an option that would change nothing: said, not ignored
+    if args.workers is not None and args.shards is None:
+        fail("--workers sets the loader's workers, which only --shards uses; add --shards DIR "
+             "or drop --workers")
+    if args.profile_steps is not None and args.profile is None:
+        fail("--profile-steps needs --profile FOLDER (where the trace goes)")
     # output paths that would fail only after the measurement, losing it
     if args.record is not None and (args.record.is_dir() or any(
             p.exists() and not p.is_dir() for p in args.record.parents)):
@@ -131,7 +137,7 @@ def run_train(args) -> dict:
     return benchmark.run(cfg, ranks=args.ranks, steps=args.steps, warmup=args.warmup,
                          shards=args.shards, workers=args.workers,
                          profile=str(args.profile) if args.profile else None,
-                         profile_steps=args.profile_steps)
+                         profile_steps=args.profile_steps or 3)
 
 
 def run_table(args) -> int:
@@ -294,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after the timed steps, run --profile-steps more under torch.profiler: "
                             "DIR/trace_rank<R>.json and a breakdown by kind of work (matmul, attention, "
                             "norms, optimizer, ...), printed too (default: no profile)")
-    train.add_argument("--profile-steps", type=positive_int, default=3,
-                       help="steps profiled (default 3)")
+    train.add_argument("--profile-steps", type=positive_int, default=None,
+                       help="with --profile: steps profiled (default 3)")
     train.add_argument("--json", action="store_true", help="print one JSON object")
     train.add_argument("--record", type=Path, default=None, metavar="FILE",
                        help="append the result to FILE (JSON lines) with this command, the "

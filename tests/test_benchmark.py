@@ -98,6 +98,11 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
         (["train", "--batch", "2", "--profile", "/proc/trace"],
          "error: cannot write /proc/trace (No such file or directory); name a --record file or "
          "--profile folder that can be written"),
+        (["train", "--batch", "2", "--workers", "4"],
+         "error: --workers sets the loader's workers, which only --shards uses; add --shards DIR "
+         "or drop --workers"),
+        (["train", "--batch", "2", "--profile-steps", "5"],
+         "error: --profile-steps needs --profile FOLDER (where the trace goes)"),
         (["table", str(empty)], f"error: {empty} holds no records; write them with `benchmark.py "
                                 f"train ... --record {empty}`"),
         (["overhead", "--repeats", "0"],
