@@ -586,7 +586,8 @@ class GcsWithoutAccess(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it heard enough
+            self.wfile.write(body)
 
     do_GET = do_POST = do_PUT = do_HEAD = _refuse
 
@@ -621,20 +622,19 @@ def test_a_gcs_bucket_the_credentials_may_not_read_is_said_at_once_not_retried(
     server, env = gcs_without_access
     denied = (r"GCS 403 Forbidden: \S+ tester@example.iam.gserviceaccount.com does not have "
               r"storage.objects.get access")
-    for attempts in (1, 4):
-        before = server.requests
-        with pytest.raises(PermissionError, match=rf"^gs://datasets/toy.tar: {denied}"):
-            open_shard("gs://datasets/toy.tar", RetryPolicy(attempts=attempts, backoff_s=2.0))
-        asked = server.requests - before
-        if attempts == 1:  # (gcsfs asks for the object, then for a folder of that name)
-            one_attempt = asked
-    assert asked == one_attempt  # no retry
+    # not retried: 10 attempts would ask at least 10 times (gcsfs asks up to 3 times in one:
+    # the object, then a folder of that name, unless it has these answers cached)
+    policy = RetryPolicy(attempts=10, backoff_s=0.5)
+    before = server.requests
+    with pytest.raises(PermissionError, match=rf"^gs://datasets/toy.tar: {denied}"):
+        open_shard("gs://datasets/toy.tar", policy)
+    assert server.requests - before < policy.attempts
     server.listed["toy.tar"] = 4096  # listed, not readable: refused at the first read
-    shard = open_shard("gs://datasets/toy.tar", RetryPolicy(attempts=4, backoff_s=2.0))
+    shard = open_shard("gs://datasets/toy.tar", policy)
     before = server.requests
     with pytest.raises(PermissionError, match=rf"^gs://datasets/toy.tar: {denied}"):
         shard.read()
-    assert server.requests - before == 1  # no retry
+    assert server.requests - before < policy.attempts
     with pytest.raises(InfoNotRead, match=rf"^cannot read gs://datasets/toy/_info.json: "
                                           rf"gs://datasets/toy/_info.json: {denied}"):
         read_info("gs://datasets/toy", RetryPolicy(attempts=4, backoff_s=2.0))
