@@ -11,10 +11,11 @@ CHECKPOINT_OR_OUTPUT_DIR is a pretraining output dir (its newest complete checkp
 one checkpoint dir (checkpoints/step_N/). The ZeRO shards (stages 0-3) are merged to fp32 with
 DeepSpeed's zero-to-fp32 utilities. A fine-tune's checkpoint dir (RUN/checkpoints/step_N/) is
 exported too, as the fine-tune exports its best and final weights (the EMA's where the run
-averaged them; its head goes into the folder); a fine-tune's output dir holds those already. The full file is what `finetune init=FILE` takes; the timm
-file loads with timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE),
-num_classes=0) (plus the architecture arguments this command prints once it has written the
-file, when the model is not a stock timm size).
+averaged them; its head goes into the folder); a fine-tune's output dir holds those already.
+The full file is what `finetune init=FILE` takes; the timm file loads with
+timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE), num_classes=0)
+(plus the architecture arguments this command prints once it has written the file, when the
+model is not a stock timm size).
 
 An --out that does not end in .safetensors is a folder (config.json, model.safetensors,
 README.md) that loads with nothing else: timm.create_model("local-dir:FOLDER", pretrained=True),
@@ -126,9 +127,8 @@ def main(argv=None) -> None:
     from pretrain.checkpoint import CLIENT_STATE, TAG_RE, CheckpointError
     from pretrain.consolidate import consolidate, is_finetune_dir, resolve_checkpoint
     from pretrain.export import export_full, export_timm_backbone, timm_kwargs
-    from pretrain.timm_folder import CONFIG, file_overlay, write_timm_folder
-
     from pretrain.model_files import ModelFileError
+    from pretrain.timm_folder import CONFIG, file_overlay, write_timm_folder
 
     try:
         started = time.monotonic()
@@ -142,7 +142,6 @@ def main(argv=None) -> None:
             # a ZeRO checkpoint of a large model takes minutes to read and merge: say what first
             ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
             print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
-            started = time.monotonic()
             c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
             full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
             ranks = f"{c.world_size} rank{'s' * (c.world_size != 1)}" if c.world_size else \

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional

@@ -272,10 +272,11 @@ class MlflowTracker(NodeSampling):
         # a short wait in any case: a healthy server takes the last records and the run's end
         # in well under EXIT_MARGIN_S, a stop checkpoint that took all the grace period or not
         self._thread.join(2.0)
-        if self._thread.is_alive() and self._wait_for_delivery(0.0) is None:
-            # the server is slow or away: say why the job is not over
-            log.info("tracking: waiting for MLflow to take %d pending records (up to %.0f s)",
-                     len(self._pending) + len(self._outbox), self.close_timeout_s)
+        if self._thread.is_alive():
+            by = self.leave_by()
+            if by is None or by > time.monotonic():  # slow or away: say why the job is not over
+                log.info("tracking: waiting for MLflow to take %d pending records (up to %.0f s)",
+                         len(self._pending) + len(self._outbox), self.close_timeout_s)
             self._wait_for_delivery(self.close_timeout_s + 58)
         self._spool.close()
         self._write_held()  # the disk may have room again: upload_spool.py can send them then
@@ -301,22 +302,20 @@ class MlflowTracker(NodeSampling):
                      1e3 * self.seconds_in_log / self.log_calls, 1e3 * self.seconds_setup)
         self._lock.close()
 
-    def _wait_for_delivery(self, seconds: float) -> Optional[bool]:
-        """Wait up to ``seconds`` for the delivery thread to end: True once it has, None at the
-        timeout, False when the job has to leave first (a stop signal's grace period ends: the
-        state saved now is what upload_spool.py works from, where a SIGKILL would save none)."""
+    def _wait_for_delivery(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the delivery thread to end, less when the job has to leave
+        first (a stop signal's grace period ends: the state saved then is what upload_spool.py
+        works from, where a SIGKILL would save none)."""
         end = time.monotonic() + seconds
         while self._thread.is_alive():
             by = self.leave_by()
             left = (end if by is None else min(end, by)) - time.monotonic()
             if left <= 0:
-                if by is None or by > end:
-                    return None
-                log.warning("tracking: a stop signal came and its grace period "
-                            "(checkpoint.grace_period_s) ends: not waiting for MLflow any longer")
-                return False
+                if by is not None and by <= end:
+                    log.warning("tracking: a stop signal came and its grace period (checkpoint."
+                                "grace_period_s) ends: not waiting for MLflow any longer")
+                return
             self._thread.join(min(left, 0.5))  # (a signal's handler runs in between)
-        return True
 
     def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
         """What MLflow lacks of this run at its end, for upload_spool.py to send."""
