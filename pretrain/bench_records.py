@@ -121,6 +121,14 @@ def _data(r: dict) -> str:
     return f"shards, {workers} workers: {100 * r['data_wait_frac']:.1f} % wait"
 
 
+def _model(r: dict) -> str:
+    changes = r.get("arch_changes") or {}
+    names = {"embed_dim": "width", "num_heads": "heads", "patch_size": "patch",
+             "mlp_ratio": "MLP ratio"}
+    said = ", ".join(f"{names.get(k, k)} {v:g}" for k, v in changes.items())
+    return f"{r['model']}{f' ({said})' if said else ''} @{r['image_size']}"
+
+
 def markdown(records: list[dict]) -> str:
     lines = ["| # | device | model | batch/GPU × GPUs | options | input | images/s | MFU | "
              "median step (timed steps) | MFU at the median | commit | date |",
@@ -131,7 +139,7 @@ def markdown(records: list[dict]) -> str:
         at_median = "—" if at_median is None else f"{100 * at_median:.1f} %"
         median = f"{r['step_time_ms_median']:,.1f} ms ({r['steps']})" \
             if r.get("step_time_ms_median") else "—"
-        lines.append(f"| {i} | {r['device']} | {r['model']} @{r['image_size']} | "
+        lines.append(f"| {i} | {r['device']} | {_model(r)} | "
                      f"{r['batch_per_rank']} × {r['ranks']} | {_options(r)} | {_data(r)} | "
                      f"{r['images_per_sec']:,.1f} | {mfu} | {median} | {at_median} | "
                      f"{r['commit']} | {r['date']} |")

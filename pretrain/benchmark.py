@@ -131,6 +131,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     from pretrain.block_kernels import kernels_run_on
     from pretrain.deepspeed_json import zero_stage
     from pretrain.grad_accum import summed_in
+    from pretrain.model import changed_from_stock
     from pretrain import grad_checks
     from pretrain.profile import profiled
     from pretrain.data.device_batch import build_mixup, prepare_batch
@@ -213,6 +214,7 @@ def measure(cfg: PretrainConfig, *, steps: int = 10, warmup: int = 3,
     loss_value = float(loss.float().item()) if loss is not None else float("nan")
     result = {
         "model": spec.name, "image_size": spec.img_size, "batch_per_rank": micro,
+        "arch_changes": changed_from_stock(spec),  # e.g. --set model.depth=2
         "grad_accum_steps": accum, "updates": updates, "ranks": world,
         # the dtype DeepSpeed summed the micro-batches' gradients in (pretrain/grad_accum.py)
         "grad_sum_dtype": summed_in(ds_config, cfg.train.precision) if accum > 1 else None,

@@ -118,6 +118,15 @@ def resolve_spec(cfg: ModelConfig) -> ViTSpec:
                    **arch)
 
 
+def changed_from_stock(spec: ViTSpec) -> dict:
+    """The architecture fields (but the image size) in which ``spec`` differs from the timm
+    model it is named for: a label of ``spec.name`` alone would pass off a 2-block model as
+    the 24-block one."""
+    stock = dict(zip(ARCH_FIELDS, _timm_arch(spec.name)[:-1]))
+    return {k: getattr(spec, k) for k in ARCH_FIELDS
+            if k != "img_size" and getattr(spec, k) != stock[k]}
+
+
 class PatchConv2d(nn.Conv2d):
     """The patch embedding's convolution (kernel = stride, no padding) as one matmul in training.
 

@@ -136,6 +136,31 @@ def test_train_with_a_recipe_measures_the_recipes_model():
     assert bench_config(None, 8).model.name == "vit_large_patch16_224"  # no recipe: ViT-L/16
 
 
+def test_the_table_names_a_models_architecture_overrides():
+    """`--set model.depth=2` measures a 2-block model: its row must not read as the stock one."""
+    from pretrain.bench_records import markdown
+    from pretrain.benchmark import bench_config
+    from pretrain.model import changed_from_stock, resolve_spec
+
+    def spec(*overrides):
+        return resolve_spec(bench_config("vit_tiny_patch16_224", 4, image_size=32,
+                                         overrides=overrides).model)
+
+    assert changed_from_stock(spec("model.depth=2", "model.mlp_ratio=2.5")) == \
+        {"depth": 2, "mlp_ratio": 2.5}
+    # the image size has its own place in the label; the stock model has no changes
+    assert changed_from_stock(spec()) == {}
+    r = dict(command="python launch/benchmark.py train ...", commit="0123456789",
+             date="2026-11-28", device="CPU", model="vit_tiny_patch16_224", image_size=32,
+             batch_per_rank=4, ranks=1, precision="fp32", zero_stage=1, images_per_sec=10.0,
+             arch_changes={"depth": 2, "mlp_ratio": 2.5})
+    assert "| CPU | vit_tiny_patch16_224 (depth 2, MLP ratio 2.5) @32 | 4 × 1 |" in markdown([r])
+    # records from before the key, and stock models, keep the plain label
+    assert "| CPU | vit_tiny_patch16_224 @32 | 4 × 1 |" in markdown([{**r, "arch_changes": {}}])
+    r.pop("arch_changes")
+    assert "| CPU | vit_tiny_patch16_224 @32 | 4 × 1 |" in markdown([r])
+
+
 def test_a_record_names_the_commit_a_shipped_copy_says(monkeypatch):
     # a copy of the checkout sent to a GPU node may carry another commit's .git, or none
     from pretrain import bench_records

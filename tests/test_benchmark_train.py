@@ -32,6 +32,7 @@ def test_train_reports_consistent_throughput_on_synthetic_input(tmp_path):
               "--record", str(records))
     dates.add(today())  # a run across midnight (UTC) is dated either day
     assert r["model"] == "vit_tiny_patch16_224" and r["image_size"] == 32
+    assert r["arch_changes"] == {}  # timm's ViT-Ti as registered
     assert (r["batch_per_rank"], r["ranks"], r["zero_stage"]) == (4, 1, 2)
     assert (r["grad_accum_steps"], r["updates"]) == (1, 3)  # an update per step
     assert r["images_per_sec"] > 0 and r["step_time_ms_median"] > 0
