@@ -6,8 +6,11 @@ The script names a file in ``$VITSCALE_JOB_STATUS`` (new for each allocation); r
 one line per event, ``checkpoint 1200`` once a checkpoint of step 1200 is complete and
 ``exit 3`` as it leaves with a code of its choosing. A crash after a checkpoint of this
 allocation is then requeued (it resumes past where the previous allocation started), one
-before any is not (it would fail the same way), and a fine-tune's 2 or 3 is not requeued.
-Without the variable nothing is written.
+before any is not (it would fail the same way), and a 2 or 3 is not requeued. Any other rank
+writes its ``exit 2`` or ``exit 3`` too: bad input only that rank met (a shard it may not
+read) ends it alone, and rank 0 then fails as a crash (its peer is gone), which the script
+would requeue; the script takes a 2 or 3 from any rank over rank 0's later code. Without the
+variable nothing is written.
 """
 from __future__ import annotations
 
@@ -15,14 +18,17 @@ import logging
 import os
 
 ENV = "VITSCALE_JOB_STATUS"
+FOR_A_PERSON = (2, 3)  # bad input; a run that had to stop (pretrain/cli.py)
 log = logging.getLogger(__name__)
 
 
 def note(event: str, value: int) -> None:
-    """Append ``event value`` to the job's status file, on rank 0; a failure to write is one
-    warning (the script then decides on the exit code alone)."""
+    """Append ``event value`` to the job's status file, on rank 0, and on the other ranks an
+    exit for a person (:data:`FOR_A_PERSON`); a failure to write is one warning (the script
+    then decides on the exit code alone)."""
     path = os.environ.get(ENV)
-    if not path or os.environ.get("RANK", "0") != "0":
+    rank_0 = os.environ.get("RANK", "0") == "0"
+    if not path or not (rank_0 or (event == "exit" and int(value) in FOR_A_PERSON)):
         return
     try:
         with open(path, "a") as f:

@@ -15,6 +15,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        longer; meanwhile OUTPUT_DIR/starting exists
   "slow_data":    [rank, seconds]      that rank waits this much longer for each training batch
                                        (a node with a slow disk or network)
+  "bad_input":    [rank, batch]        that rank's ``batch``-th training batch (from 1) raises
+                                       the loader's error for a shard it may not read
   "late":         [rank, seconds]      that rank starts this much later (a busy node)
   "node":         [rank, host]         that rank is the first of a second node of that host
                                        name ($LOCAL_RANK 0), on this machine
@@ -109,6 +111,20 @@ if "slow_data" in FAULTS and FAULTS["slow_data"][0] == RANK:
         time.sleep(FAULTS["slow_data"][1])
         return _prepare_batch(*args, **kwargs)
     batch_lib.prepare_batch = _slow_prepare_batch
+
+if "bad_input" in FAULTS and FAULTS["bad_input"][0] == RANK:
+    import pretrain.data.device_batch as batch_lib
+    from pretrain.data.shards import LoaderError
+    _prepare, _batches = batch_lib.prepare_batch, [0]
+
+    def _refused_prepare_batch(*args, **kwargs):
+        _batches[0] += 1
+        if _batches[0] == FAULTS["bad_input"][1]:
+            raise LoaderError("shard s3://bucket/train-000007.tar cannot be read (AccessDenied); "
+                              "fix the credentials or the storage's permissions, or set "
+                              "data.missing_shards=skip")
+        return _prepare(*args, **kwargs)
+    batch_lib.prepare_batch = _refused_prepare_batch
 
 if "late" in FAULTS and FAULTS["late"][0] == RANK:
     time.sleep(FAULTS["late"][1])

@@ -600,6 +600,22 @@ def test_a_rank_starved_of_data_is_named_though_rank_0_waits_for_none(tmp_path, 
     assert re.search(r"step 8/8 .* \| data wait \d+% \(rank 1\)", text), text[-3000:]
 
 
+def test_bad_input_one_rank_alone_met_is_told_to_the_batch_script_as_2(tmp_path, tiny_data):
+    """Rank 1 alone meets a shard it may not read, after the checkpoint of step 5: it says so
+    and exits 2, and rank 0, its peer gone, ends as a crash. Only rank 0 wrote to the job's
+    status file, so the batch script read a crash after a checkpoint and requeued the job,
+    which met the same shard again; rank 1's 2 is there now (the script prefers it:
+    test_slurm.py)."""
+    out, status = tmp_path / "run", tmp_path / "job-status"
+    text = faulty(out, tiny_data, "tracking.enabled=false", faults={"bad_input": [1, 8]},
+                  fails=True, env={"VITSCALE_JOB_STATUS": str(status)})
+    assert "error: shard s3://bucket/train-000007.tar cannot be read (AccessDenied); fix the " \
+           "credentials" in text, text[-3000:]
+    lines = status.read_text().splitlines()
+    assert "checkpoint 5" in lines and "exit 2" in lines, lines
+    assert lines.index("exit 2") > lines.index("checkpoint 5"), lines
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Non-finite losses
 # --------------------------------------------------------------------------------------------

@@ -332,6 +332,18 @@ def test_the_trainers_own_code_wins_over_a_launchers_other_code(standins):
     assert "not requeued: exit code 2 means a person must look" in out, out
 
 
+def test_a_2_another_rank_wrote_wins_over_rank_0s_crash_after_it(standins):
+    """Another rank alone met bad input (2) and rank 0, its peer gone, ended as a crash (1)
+    after it: a person must look, not a requeue as a crash after a checkpoint."""
+    tmp_path, env = standins
+    proc = _start("pretrain", {**env, "RANK_EXIT": "1",
+                               "RANK_WRITES": "checkpoint 40;exit 2;exit 1"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert "the step ended with exit code 1 (the trainer's: 2)" in out, out
+    assert proc.returncode == 2 and _requeues(tmp_path) == [], out
+    assert "not requeued: exit code 2 means a person must look" in out, out
+
+
 def test_a_job_done_when_the_time_limits_sigterm_came_is_not_requeued(standins):
     """The signal came while rank 0 waited for MLflow at the job's end: the work is done and
     rank 0 exits 0, but torchrun, ended by the same signal, reports 1. Rank 0's line decides:
