@@ -9,10 +9,12 @@ misspelled key, the closest valid one) before any work starts.
 from __future__ import annotations
 
 import re
+import typing
 from typing import ClassVar, Literal, Optional, Tuple
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 
 # What MLflow takes in a metric name besides '/' (mlflow.utils.validation's rule; importing it
@@ -23,12 +25,37 @@ class ConfigError(ValueError):
     """A configuration problem, phrased as one line that names the offending key."""
 
 
+def _types_in(annotation) -> set:
+    """The plain types an annotation admits, through Optional, Union, Tuple, list, Annotated;
+    a Literal's values' types (``Literal[True]`` admits bool)."""
+    if typing.get_origin(annotation) is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    args = typing.get_args(annotation)
+    if not args:
+        return {annotation}
+    return set().union(*(_types_in(a) for a in args))
+
+
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are re-validated,
-    and no number is infinite or NaN (YAML's .inf and .nan pass any bound pydantic checks)."""
+    no number is infinite or NaN (YAML's .inf and .nan pass any bound pydantic checks), and
+    no number is a boolean (pydantic would read YAML's true, yes or on as 1)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
                               validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value, info: ValidationInfo):
+        # checkpointed_blocks=true recomputed one block, not all; depth=yes built one
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, bool) for v in values):
+            types = _types_in(cls.model_fields[info.field_name].annotation)
+            if bool not in types and types & {int, float}:
+                raise PydanticCustomError(
+                    "bool_for_number", "takes a number, not a true/false (YAML reads true, "
+                    "false, yes, no, on and off as booleans)")
+        return value
 
 
 # --------------------------------------------------------------------------------------------

@@ -76,12 +76,32 @@ def test_recipe_inheritance():
     ("train.epochs=.inf", "config key 'train.epochs': input should be a finite number (got inf)"),
     ("optimizer.lr=.inf", "config key 'optimizer.lr': input should be a finite number"),
     ("model.head_bias_init=.nan", "config key 'model.head_bias_init': input should be a finite"),
+    # YAML's booleans were read as 1 and 0: checkpointed_blocks=true recomputed one block of all
+    ("train.checkpointed_blocks=true", "config key 'train.checkpointed_blocks': takes a number, "
+     "not a true/false (YAML reads true, false, yes, no, on and off as booleans) (got True)"),
+    ("model.depth=yes", "config key 'model.depth': takes a number, not a true/false"),
+    ("optimizer.lr=on", "config key 'optimizer.lr': takes a number, not a true/false"),
+    ("train.max_rollbacks=no", "config key 'train.max_rollbacks': takes a number"),
+    ("eval.fewshot_shots=[true,5]", "config key 'eval.fewshot_shots': takes a number"),
+    ("optimizer.betas=[0.9,false]", "config key 'optimizer.betas': takes a number"),
 ])
 def test_bad_values_name_the_key_in_one_line(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(PretrainConfig, REPO / "configs/pretrain/demo.yaml", [override])
     assert fragment in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_booleans_stay_booleans_and_a_recipes_boolean_number_is_refused_in_both_stages(tmp_path):
+    from finetune.config import FinetuneConfig
+    cfg = load_config(PretrainConfig, None, ["model.head_zero_init=no", "data.resample=on"])
+    assert (cfg.model.head_zero_init, cfg.data.resample) == (False, True)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  epochs: yes\n")
+    for schema in (PretrainConfig, FinetuneConfig):
+        with pytest.raises(ConfigError, match=rf"^config file '{recipe}': config key "
+                                              rf"'train.epochs': takes a number, not a true"):
+            load_config(schema, recipe)
 
 
 def test_timm_randaugment_strings_are_accepted_in_both_stages():
