@@ -130,4 +130,6 @@ def read_npz(path: Path) -> InitSource:
     if not isinstance(w, np.lib.npyio.NpzFile):
         raise InitError(f"init '{path}' holds one array (a .npy file), not the .npz archive of "
                         f"a Google checkpoint")
-    return InitSource("npz", str(path), state, extra={"layout": layout})
+    # Google's ViT and big_vision both train on pixels scaled to [-1, 1]
+    return InitSource("npz", str(path), state, extra={"layout": layout},
+                      normalize="minus_one_one")

@@ -91,7 +91,8 @@ class FinetuneStage(Stage):
         if self.cfg.init:
             from finetune.weights import load_init
             # plain data: it goes into the checkpoint's client state (read weights_only)
-            self.lineage = json.loads(json.dumps(load_init(model, self.cfg.init), default=str))
+            self.lineage = json.loads(json.dumps(
+                load_init(model, self.cfg.init, normalize=self.cfg.data.normalize), default=str))
             if "pre_logits" in self.lineage["new"] and rank() == 0:
                 log.warning("init '%s' has no pre-logits layer: model.representation_size=%s "
                             "starts it from random weights (set model.representation_size=null "

@@ -70,6 +70,8 @@ class InitSource:
     pretrain_run_id: Optional[str] = None
     spec: Optional[dict] = None  # ViTSpec fields, when the file says
     extra: dict = field(default_factory=dict)
+    # the data.normalize it was trained with, when known: the fine-tune must feed the same
+    normalize: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,7 +109,17 @@ def _from_deepspeed(path: Path) -> InitSource:
 
     c = consolidate(path)
     return InitSource("deepspeed", c.source, c.state_dict, c.step, c.tracking_run_id,
-                      asdict(c.spec))
+                      asdict(c.spec), normalize=_normalize_in(c.config_yaml))
+
+
+def _normalize_in(config_yaml: Optional[str]) -> Optional[str]:
+    """``data.normalize`` of a run's saved config (None: no config, or it does not say)."""
+    import yaml
+    try:
+        data = (yaml.safe_load(config_yaml or "") or {}).get("data") or {}
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return data.get("normalize") if isinstance(data, dict) else None
 
 
 def _read_tensors(path: Path) -> tuple[dict, dict]:
@@ -169,7 +181,8 @@ def _from_file(path: Path) -> InitSource:
         return InitSource(fmt, str(path), tensors, int(step) if step else None,
                           _run_id(meta),
                           json.loads(meta["spec"]) if "spec" in meta else None,
-                          extra={"source": meta["source"]} if "source" in meta else {})
+                          extra={"source": meta["source"]} if "source" in meta else {},
+                          normalize=_normalize_in(meta.get("config")))
     state = {}
     for k, v in tensors.items():
         if k.startswith(("head.", "pre_logits.")):  # timm's classifier / pre-0.6 representation
@@ -220,7 +233,14 @@ def read_init(init: str | os.PathLike) -> InitSource:
     """Read ``init`` (any supported format) into ViTClassifier key layout, nothing copied yet."""
     kind, path = check_init(init), Path(str(init)).expanduser()
     if kind == "timm folder":
-        return _from_file(path / "model.safetensors")
+        from pretrain.timm_folder import normalize_of
+        src = _from_file(path / "model.safetensors")
+        try:  # its eval transform's mean and std: ours say which normalisation they are
+            src.normalize = normalize_of(json.loads((path / "config.json").read_text())
+                                         .get("pretrained_cfg") or {})
+        except (OSError, ValueError, AttributeError):
+            pass  # timm reports an unreadable config.json where it matters
+        return src
     if kind == "deepspeed":
         try:
             return _from_deepspeed(path)
@@ -331,17 +351,34 @@ def _matched(model: ViTClassifier, src: InitSource, with_head: bool) -> tuple:
     return new, parts, fresh, pos_grids
 
 
-def check_init_fits(init: str | os.PathLike, model_cfg) -> None:
-    """``--dry-run``: ``init`` is read and checked against the configured model as the run's
-    start checks it (the model built on the meta device: no memory, no initialisation)."""
+def check_init_fits(init: str | os.PathLike, model_cfg, normalize: Optional[str] = None
+                    ) -> None:
+    """``--dry-run``: ``init`` is read and checked against the configured model and
+    normalisation as the run's start checks it (the model built on the meta device: no
+    memory, no initialisation)."""
     from pretrain.model import create_model
     with torch.device("meta"):
         model = create_model(model_cfg)
-    _matched(model, read_init(init), with_head=False)
+    src = read_init(init)
+    _check_normalize(init, src, normalize)
+    _matched(model, src, with_head=False)
 
 
-def load_init(model: ViTClassifier, init: str | os.PathLike, *, with_head: bool = False) -> dict:
+def _check_normalize(init, src: InitSource, normalize: Optional[str]) -> None:
+    """The weights learned on inputs in one range; fed another, the fine-tune starts from
+    features of inputs they never saw (and reports no error: its loss just starts higher)."""
+    if normalize and src.normalize and src.normalize != normalize:
+        raise InitError(f"init '{init}' was trained on inputs normalised as "
+                        f"data.normalize={src.normalize}, but this fine-tune normalises them as "
+                        f"{normalize}; set data.normalize={src.normalize}")
+
+
+def load_init(model: ViTClassifier, init: str | os.PathLike, *, with_head: bool = False,
+              normalize: Optional[str] = None) -> dict:
     """Initialise ``model`` from ``init`` (see the module docstring); returns the lineage:
     ``{format, path, step, pretrain_run_id, resolution, pos_embed_grid, loaded, dropped, ...}``.
-    Raises :class:`InitError` (one line) when ``init`` is unreadable or does not fit."""
-    return apply_init(model, read_init(init), with_head=with_head)
+    Raises :class:`InitError` (one line) when ``init`` is unreadable, does not fit, or was
+    trained on inputs normalised otherwise than ``normalize`` says (where the init says)."""
+    src = read_init(init)
+    _check_normalize(init, src, normalize)
+    return apply_init(model, src, with_head=with_head)

@@ -30,7 +30,7 @@ def check_inputs(cfg: FinetuneConfig) -> None:
     from pretrain.checkpoint import resume_point
     if cfg.init and resume_point(cfg) is None:  # (resumed: the weights are the checkpoint's)
         from finetune.weights import check_init_fits
-        check_init_fits(cfg.init, cfg.model)
+        check_init_fits(cfg.init, cfg.model, cfg.data.normalize)
 
 
 if __name__ == "__main__":

@@ -397,6 +397,25 @@ def test_timm_reads_our_npz_like_an_official_one(npz_files, pretrained, layout):
         torch.testing.assert_close(vit(x), ours.forward_features(x), rtol=0, atol=1e-6)
 
 
+def test_a_fine_tune_normalising_otherwise_than_its_init_is_refused_at_the_start(
+        pretrained, tiny_cifar, tmp_path):
+    """The init learned on pixels in [-1, 1]; fed ImageNet-normalised ones, the fine-tune ran
+    on, its loss merely starting higher. --dry-run and the run refuse it in one line."""
+    args = ["--config", str(REPO / "configs/finetune/demo.yaml"), f"init={pretrained['out']}",
+            f"output_dir={tmp_path / 'ft'}", "data.normalize=imagenet", "tracking.enabled=false",
+            "data.generate_demo=false", f"data.root={tiny_cifar}", "data.num_workers=1",
+            "model.num_classes=10"]
+    line = (f"error: init '{pretrained['out']}' was trained on inputs normalised as "
+            f"data.normalize=minus_one_one, but this fine-tune normalises them as imagenet; set "
+            f"data.normalize=minus_one_one")
+    for extra in (["--dry-run"], []):
+        done = subprocess.run([sys.executable, str(REPO / "launch/finetune.py"), *args, *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == line, \
+            (extra, done.stderr[-2000:])
+        assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Every init format -> the same model
 # --------------------------------------------------------------------------------------------
@@ -429,6 +448,16 @@ def test_every_init_format_gives_identical_features(pretrained, npz_files, tmp_p
             if with_head:
                 logits[name] = model(x)
                 assert lineage["loaded"] == ["backbone", "pre_logits", "head"]
+        # each says the normalisation it was trained with (a timm backbone file does not)
+        if name in ("timm", "timm .pth"):
+            load_init(fresh(cfg.model), init, normalize="imagenet")  # nothing to compare with
+        else:
+            with pytest.raises(InitError, match=rf"^init '{re.escape(str(init))}' was trained "
+                                                rf"on inputs normalised as data.normalize="
+                                                rf"minus_one_one, but this fine-tune normalises "
+                                                rf"them as imagenet; set data.normalize="
+                                                rf"minus_one_one$"):
+                load_init(fresh(cfg.model), init, normalize="imagenet")
         tags = lineage_tags(lineage.get("pretrain_run_id"), init, lineage.get("step"))
         if name not in ("timm .pth", *npz_names):  # the lineage the fine-tune logs
             assert lineage["step"] == 20 and lineage["pretrain_run_id"] == c.tracking_run_id, name
