@@ -123,11 +123,13 @@ class FinetuneStage(Stage):
         rank, world = backend.rank, backend.world_size
 
         def evaluator(name, split, holdout=0.0):
+            empty = {"fix_if_empty": f"the hash of its keys held none of '{split}' out: raise "
+                                     f"data.dev_fraction={holdout:g}"} if holdout else {}
             return ClassificationEvaluator(
                 eval_data(cfg, spec, rank, world, split, holdout=holdout,
                           num_classes=spec.num_classes),
                 name=name, every_steps=cfg.eval.every_steps, max_samples=cfg.eval.max_samples,
-                **common)
+                **common, **empty)
 
         if cfg.data.val_split:  # the reported figure: once, after the last step (finish)
             self.test = evaluator(cfg.eval.val_name or cfg.data.val_split, cfg.data.val_split)

@@ -180,8 +180,10 @@ class ClassificationEvaluator:
     def __init__(self, data: DataFn, *, normalize: Normalize, name: str = "val",
                  every_steps: int = 1000, device: torch.device | str = "cpu",
                  dtype: Optional[torch.dtype] = None, max_samples: Optional[int] = None,
-                 topk: Sequence[int] = (1, 5), confusion: bool = False):
+                 topk: Sequence[int] = (1, 5), confusion: bool = False,
+                 fix_if_empty: str = "check its split (data.val_split) and eval.max_samples"):
         self.data, self.normalize, self.name, self.every_steps = data, normalize, name, every_steps
+        self.fix_if_empty = fix_if_empty  # what the one line says when no sample came
         self.device, self.dtype, self.max_samples, self.topk = device, dtype, max_samples, topk
         self.track_confusion = confusion
 
@@ -222,9 +224,11 @@ class ClassificationEvaluator:
                 per_class[1].index_add_(0, labels, torch.ones_like(labels))
         hits = all_reduce(hits)
         total = int(hits[-1])
-        if total == 0:
-            raise RuntimeError(f"evaluator '{self.name}' got no labelled samples on any rank; "
-                               f"check its split (data.val_split) and eval.max_samples")
+        if total == 0:  # (every rank has the sum: they all raise it, rank 0 says it)
+            from pretrain.data.shards import LoaderError
+            from pretrain.distributed import agreed
+            raise agreed(LoaderError(f"evaluator '{self.name}' got no labelled samples on any "
+                                     f"rank; {self.fix_if_empty}"))
         if per_class is None:  # this rank had no real batch: contribute zeros of the same size
             per_class = torch.zeros(2, unwrap(model).spec.num_classes, dtype=torch.int64,
                                     device=forward.device)

@@ -4,6 +4,7 @@ import json
 import os
 import logging
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -65,6 +66,19 @@ def test_top1_top5_match_a_hand_computed_ranking_and_skip_padding():
     assert run_due([ev], model, step=20) == {"eval/i21k_val/top1": 2 / 3,
                                              "eval/i21k_val/top5": 1.0}
     assert run_due([ev], model, step=25) == {}
+
+
+def test_an_evaluator_given_no_sample_says_so_in_one_line_with_its_fix():
+    """Only padding rows (or an empty dev split): bad input (exit 2, not a crash to requeue),
+    the line rank 0 says for every rank, and the fix its stage gave."""
+    from pretrain.data.shards import LoaderError
+    padding = [(torch.zeros(2, 3, 16, 16, dtype=torch.uint8), torch.tensor([-1, -1]))]
+    ev = ClassificationEvaluator(lambda: padding, normalize=normalize, name="dev",
+                                 fix_if_empty="raise data.dev_fraction=0.001")
+    with pytest.raises(LoaderError, match=r"^evaluator 'dev' got no labelled samples on any "
+                                          r"rank; raise data.dev_fraction=0.001$") as e:
+        ev.run(tiny_vit(num_classes=8), step=10)
+    assert e.value.agreed
 
 
 def test_bf16_autocast_gives_the_same_hits_on_a_clear_ranking():

@@ -157,6 +157,21 @@ def test_a_dev_split_too_small_to_choose_on_is_said_once(tmp_path, tiny_cifar):
     assert 5 < images < 25 and step == round(100 / images)
 
 
+def test_a_dev_fraction_that_holds_out_no_image_is_refused_at_the_start(tmp_path, tiny_cifar):
+    """0.01 % of 640 images: the run trained, then died at its first dev evaluation with a
+    traceback and exit code 1 (a crash, which a batch script requeues)."""
+    for extra in ([], ["--dry-run"]):
+        proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml",
+                            *finetune_args(tmp_path / "ft", tiny_cifar, "null"),
+                            "data.dev_fraction=0.0001", *extra)
+        assert proc.returncode == 2, (extra, proc.stderr[-2000:])
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: data.dev_fraction=0.0001 holds out no image of the 640 in split 'train' of "
+            f"{tiny_cifar}; raise it to at least 0.039 (25 images; the paper holds out 1 % of "
+            f"ImageNet's train, 2 % of CIFAR's)"), extra
+        assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
 def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path, tiny_cifar):
     """A decay so close to 1 that the average stays where it started (timm's EMA starts from
     the weights after the first updates): the exported head barely moved, the trained one did."""

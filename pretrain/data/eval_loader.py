@@ -103,6 +103,19 @@ class EvalLoader:
             yield Batch(*item)
 
 
+def held_out(shards: ShardSet, holdout: float, split: str, root: str) -> ShardSet:
+    """The ``holdout`` share of ``shards`` (a fine-tune's dev split, data.dev_fraction); one
+    that would hold no image out is refused (its first evaluation would find nothing)."""
+    total = shards.num_samples
+    held = shards.holding_out(holdout, "held")
+    if total and not held.num_samples:  # (the hash decides exactly: this is about)
+        raise LoaderError(f"data.dev_fraction={holdout:g} holds out no image of the {total:,} "
+                          f"in split '{split}' of {root}; raise it to at least "
+                          f"{min(25 / total, 0.5):.2g} (25 images; the paper holds out 1 % of "
+                          f"ImageNet's train, 2 % of CIFAR's)")
+    return held
+
+
 def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                       world_size: int = 1, num_classes: Optional[int] = None,
                       split: Optional[str] = None, holdout: float = 0.0) -> EvalLoader:
@@ -114,7 +127,7 @@ def build_eval_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
     shards = ShardSet.from_info(data.root, split, retry_policy(data), data.missing_shards)
     shards.check_present(data.missing_shards, rank)
     if holdout:
-        shards = shards.holding_out(holdout, "held")
+        shards = held_out(shards, holdout, split, data.root)
     return EvalLoader(shards, img_size=img_size,
                       batch_size=batch_size, rank=rank, world_size=world_size,
                       num_workers=data.num_workers, num_classes=num_classes)
