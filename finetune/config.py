@@ -71,8 +71,9 @@ class FinetuneTrainConfig(TrainConfig):
 
 class FinetuneConfig(RunConfig):
     launcher: ClassVar[str] = "launch/finetune.py"
-    # a fine-tune resumed with another init would keep the weights it started from
-    identity_keys: ClassVar = ("model", "init")
+    # a fine-tune resumed with another init would keep the weights it started from; another
+    # data.dev_fraction moves images between the dev split and the samples trained on
+    identity_keys: ClassVar = ("model", "init", "data.train_split", "data.dev_fraction")
     head_per_class: ClassVar[bool] = True
     # what a fine-tune's recipe (or an override) must say: a pretraining recipe, whose keys the
     # fine-tune's config all has, would otherwise plan a fine-tune from scratch into its run

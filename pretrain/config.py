@@ -472,7 +472,8 @@ class RunConfig(Section):
     recipe_bound_keys: ClassVar = {"data.generate_demo": "data.root"}
     # What makes a relaunch the same run: resuming a checkpoint saved with other values of these
     # is refused (pretrain/run_dir.py, check_same_run).
-    identity_keys: ClassVar = ("model",)
+    # data.train_split: the samples trained on, which the loader's saved position is within
+    identity_keys: ClassVar = ("model", "data.train_split")
     # One output per class of the dataset (a fine-tune's new head), not at least one: a
     # pretraining head may be wider than the labels a subset of ImageNet-21k uses.
     head_per_class: ClassVar[bool] = False

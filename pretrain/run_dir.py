@@ -282,7 +282,9 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
         return []
     old = _saved_config(out, saved, type(cfg))
     for key in cfg.identity_keys:
-        was, now = getattr(old, key), getattr(cfg, key)
+        was, now = old, cfg
+        for part in key.split("."):  # (data.train_split: a key of a section)
+            was, now = getattr(was, part), getattr(now, part)
         if was != now and hasattr(now, "model_fields"):  # a section: name the first difference
             field = next(f for f in now.model_fields if getattr(was, f) != getattr(now, f))
             key, was, now = f"{key}.{field}", getattr(was, field), getattr(now, field)

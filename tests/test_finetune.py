@@ -402,6 +402,34 @@ def test_a_fine_tune_resumed_with_another_init_is_refused(tmp_path):
             == []
 
 
+def test_a_relaunch_that_would_train_on_other_samples_is_refused_naming_the_key(tmp_path):
+    """Another data.dev_fraction moves images between the dev split and training, another
+    data.train_split trains on another split: the saved loader position is within other
+    samples. The run refused it as "different shards ...; resume with the same data.root"
+    (data.root had not changed), and --dry-run listed it as a setting the relaunch changes."""
+    from finetune.config import FinetuneConfig
+    from pretrain.checkpoint import Checkpoint
+    from pretrain.config import ConfigError, PretrainConfig
+    from pretrain.config_files import load_config, save_config
+    from pretrain.run_dir import check_same_run
+
+    ckpt = Checkpoint(tmp_path / "checkpoints/step_00000010", 10, 1, 0)
+    for schema, key, was, now in ((FinetuneConfig, "data.dev_fraction", 0.02, 0.05),
+                                  (FinetuneConfig, "data.train_split", "train", "trainval"),
+                                  (PretrainConfig, "data.train_split", "train", "trainval")):
+        save_config(load_config(schema, None, ["init=runs/p"] * (schema is FinetuneConfig) +
+                                [f"{key}={was}"]), tmp_path / "config.yaml")
+        cfg = load_config(schema, None, ["init=runs/p"] * (schema is FinetuneConfig) +
+                          [f"{key}={now}"])
+        with pytest.raises(ConfigError, match=rf"^output_dir '{tmp_path}' holds a run with "
+                                              rf"another {key} \({was!r} there, {now!r} now\); "
+                                              rf"pick a new output_dir"):
+            check_same_run(tmp_path, cfg, ckpt)
+    # what a relaunch may change is still listed, not refused
+    assert check_same_run(tmp_path, load_config(PretrainConfig, None, ["optimizer.lr=0.01"]),
+                          ckpt) == ["optimizer.lr: 0.001 -> 0.01"]
+
+
 def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp_path,
                                                                           tiny_cifar):
     """Loading the checkpoint's optimizer state puts its saved settings back: the relaunch's
