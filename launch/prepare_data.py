@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-size", type=int, metavar="PX",
                    help="resize images whose shorter side is longer than PX down to PX (default: keep the "
                         "original size and, for JPEGs, the original bytes)")
-    p.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, metavar="N",
+    p.add_argument("--workers", type=positive_int, default=_usable_cores(), metavar="N",
                    help="processes writing shards in parallel, and reading the headers of "
-                        "per-synset tars in the index pass (default: all %(default)s cores)")
+                        "per-synset tars in the index pass (default: %(default)s, the cores "
+                        "this process may use: a SLURM job's, not the node's)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of the held-out choice and of the shuffle (default %(default)s)")
     p.add_argument("--synsets", default="goog", metavar="goog|fall11|PATH",
@@ -87,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out synsets / class folders missing from the label list (listed in "
                         "_skipped.json) instead of stopping with an error")
     return p
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity: a SLURM job's allotment, taskset), not
+    the machine's: 128 decoding processes on the 8 cores a job was given run out of memory."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # (macOS)
+        return os.cpu_count() or 1
 
 
 class _Stopped(KeyboardInterrupt):

@@ -22,7 +22,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from conftest import run_launcher
+from conftest import REPO, run_launcher
 from pretrain.data import synthetic
 from pretrain.data.info import read_info
 from pretrain.data.shard_plan import build_index
@@ -498,7 +498,7 @@ def test_a_different_configuration_on_the_same_dir_is_refused(i21k, tmp_path):
     assert snapshot(out) == before
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "mine.txt").write_text("keep me")
-    with pytest.raises(PrepareError, match="not empty"):
+    with pytest.raises(PrepareError, match=r"other is not empty \(mine.txt\) and holds no "):
         prepare("imagenet21k", str(raw.root), str(tmp_path / "other"), progress=False)
 
 
@@ -535,12 +535,30 @@ def test_index_of_14m_samples_fits_in_memory():
 
 def test_cli_writes_shards(i21k, tmp_path):
     raw, out, _ = i21k
-    proc = run_launcher("prepare_data.py", "imagenet21k", "--src", str(raw.root),
-                        "--out", str(tmp_path / "cli"), "--shard-size", "16", "--val-count", "20",
-                        "--workers", "1")
+    src = tmp_path / "raw"  # the raw data a job script deletes once its shards are written
+    shutil.copytree(raw.root, src)
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / ".DS_Store").write_bytes(b"\0")  # a folder made in Finder is empty
+    command = ["prepare_data.py", "imagenet21k", "--src", str(src), "--out",
+               str(tmp_path / "cli"), "--shard-size", "16", "--val-count", "20", "--workers", "1"]
+    proc = run_launcher(*command)
     assert proc.returncode == 0, proc.stderr
     assert "103 train in 7 shards, 20 validation in 2 shards" in proc.stderr
     assert read_info(tmp_path / "cli").splits.keys() == {"train", "validation"}
+    # the job script's rerun after the raw data is gone: done, not "--src does not exist"
+    shutil.rmtree(src)
+    proc = run_launcher(*command)
+    assert proc.returncode == 0 and "is already complete; nothing to do" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
+def test_the_default_workers_are_the_cores_the_process_may_use():
+    """A SLURM job given 1 core of the node's: not a decoding process per core of the node."""
+    proc = subprocess.run([sys.executable, str(REPO / "launch/prepare_data.py"), "--help"],
+                          capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert proc.returncode == 0 and "(default: 1, the cores this process may use" in \
+        " ".join(proc.stdout.split()), proc.stdout
 
 
 def test_a_synset_tar_cut_between_two_images_is_warned_about(i21k, tmp_path):

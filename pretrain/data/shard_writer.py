@@ -45,6 +45,7 @@ WORK_DIR = ".prepare"
 # where (pretrain/data/publish.py): with the work folder, the hidden files that are no output
 STAGE_ID, UPLOAD_LOG, STAGE_MARKER = ".stage_id", ".uploaded.jsonl", ".stage_marker.json"
 BOOKKEEPING = (WORK_DIR, STAGE_ID, UPLOAD_LOG, STAGE_MARKER)
+OS_LITTER = (".DS_Store", "Thumbs.db", "desktop.ini")  # a folder made in Finder or Explorer
 CONFIG, LOCK = "config.json", "lock"  # in WORK_DIR
 REPORT_NAME = "_skipped.json"
 
@@ -115,9 +116,10 @@ def _recorded(out: Path, settings: dict) -> Optional[dict]:
             raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
     elif (work / CONFIG).is_file():
         recorded = json.loads((work / CONFIG).read_text())
-    elif out.is_dir() and any(p.name not in BOOKKEEPING for p in out.iterdir()):
-        raise PrepareError(f"{out} is not empty and holds no prepare_data output; "
-                           f"choose a new or empty --out")
+    elif out.is_dir() and (other := sorted(p.name for p in out.iterdir()
+                                            if p.name not in BOOKKEEPING + OS_LITTER)):
+        raise PrepareError(f"{out} is not empty ({other[0]}{', ...' if other[1:] else ''}) and "
+                           f"holds no prepare_data output; choose a new or empty --out")
     if recorded is not None and recorded != settings and _shards_started(out):
         raise PrepareError(f"{out} was written with {settings_diff(recorded, settings)}; rerun "
                            f"with the same options or choose another --out")
@@ -266,15 +268,17 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         raise PrepareError(f"the output folder {out_dir} is inside --src {src}; write it "
                            f"elsewhere")
     work = out_dir / WORK_DIR
-    raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work),
-                      workers=workers)
-    if raw.has_validation and settings["val_count"]:
-        raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
-    done_info = _complete(out_dir, settings)  # read only: a finished folder may be read-only
+    # before the source is opened: a job script's rerun after the raw data was deleted (1.3 TB
+    # of ImageNet-21k) is still done. Read only: a finished folder may be read-only
+    done_info = _complete(out_dir, settings)
     if done_info is not None:
         log.info("%s is already complete; nothing to do (the source is not read again: a "
                  "changed source needs a new output folder)", out_dir)
         return done_info
+    raw = open_source(source, src, synsets=synsets, skip_unknown=skip_unknown, work_dir=str(work),
+                      workers=workers)
+    if raw.has_validation and settings["val_count"]:
+        raise PrepareError(f"{source} brings its own held-out split; drop --val-count")
     with claim_out_dir(out_dir, settings):  # the lock: one run at a time writes out_dir
         # shards of the earlier listing that would be kept (all deleted since: none is)
         kept = any((out_dir / name).is_file() for name in _read_ledger(work / "shards.jsonl"))
