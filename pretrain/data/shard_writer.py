@@ -93,9 +93,14 @@ def claim_out_dir(out: Path, settings: dict) -> IO:
         recorded = _recorded(out, settings)  # again: the other run may have ended in between
         if recorded is not None and recorded != settings:
             # Nothing was written yet (say the first try stopped at an unknown synset): start
-            # afresh.
+            # afresh, but keep the listing (hours for ImageNet-21k) where it still holds
+            keep = {LOCK} | (INDEX_FILES if _same_listing(recorded, settings) else set())
+            if INDEX_FILES & {p.name for p in work.iterdir()}:
+                log.info("options changed since the last try (%s): %s", settings_diff(
+                    recorded, settings), "its listing of the source is kept" if INDEX_FILES <= keep
+                    else "the source is listed again")
             for p in work.iterdir():
-                if p.name != LOCK:
+                if p.name not in keep:
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         if not (work / CONFIG).is_file():
             write_atomic(work / CONFIG, json.dumps(settings, indent=1))
@@ -103,6 +108,22 @@ def claim_out_dir(out: Path, settings: dict) -> IO:
         lock.close()  # not left to the traceback: a retry in this process would be refused
         raise
     return lock
+
+
+# what the first pass (the listing of the source) leaves in WORK_DIR: shard_plan.py's index
+# cache and scan state, the journal of a pass cut off, the spilled images of an outer tar
+INDEX_FILES = {"index.npz", "scan.json", "scan", "spill"}
+
+
+def _same_listing(recorded: dict, settings: dict) -> bool:
+    """Whether the listing made under ``recorded`` holds under ``settings``: the options it
+    depends on are the same (the others only plan and write the shards), or --skip-unknown was
+    added (a listing that went on had met no unknown synset)."""
+    def of(s):
+        return {k: s.get(k) for k in ("source", "src", "synsets")}
+    return of(recorded) == of(settings) and (
+        recorded.get("skip_unknown") == settings.get("skip_unknown")
+        or settings.get("skip_unknown"))
 
 
 def _recorded(out: Path, settings: dict) -> Optional[dict]:
