@@ -111,11 +111,8 @@ class FinetuneConfig(RunConfig):
     @model_validator(mode="after")
     def _check_reported_split(self) -> "FinetuneConfig":
         # the reported figure must come from held-out data, under a name of its own
+        # (one the same as data.train_split is refused for both stages: RunConfig)
         val = self.data.val_split
-        if val and val == self.data.train_split:
-            raise ValueError(f"data.val_split={val} is the split fine-tuned on: the reported "
-                             f"figure would be on training data; set data.val_split to a "
-                             f"held-out split (or null: the dev figure only)")
         if val == "dev" and not self.eval.val_name and self.data.dev_fraction:
             raise ValueError("data.val_split=dev would report its figure as eval/dev/*, the dev "
                              "split's series, which picks the best weights; set eval.val_name "

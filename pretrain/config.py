@@ -403,6 +403,15 @@ class EvalConfig(Section):
                              f"use letters, digits, '_', '-', '.', ':' and spaces")
         return name
 
+    @model_validator(mode="after")
+    def _check_probe_splits(self) -> "EvalConfig":
+        # scored on the images its shots came from, the probe reads as held-out but is not
+        if self.fewshot_root and self.fewshot_train_split == self.fewshot_test_split:
+            raise ValueError(f"eval.fewshot_test_split={self.fewshot_test_split} is the split "
+                             f"the probe's shots come from (eval.fewshot_train_split): its "
+                             f"figure would be on its own training images; give another split")
+        return self
+
 
 class TrackingConfig(Section):
     """MLflow tracking (rank 0 logs; see pretrain/tracking.py).
@@ -500,6 +509,11 @@ class RunConfig(Section):
         if self.data.generate_demo and not self.data.root:
             raise ValueError("data.generate_demo needs data.root: the folder the demo data is "
                              "written to")
+        val = self.data.val_split
+        if val and val == self.data.train_split:
+            raise ValueError(f"data.val_split={val} is the split trained on: its figure would "
+                             f"be on training data, logged as held-out; set data.val_split to "
+                             f"a held-out split, or null")
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError(f"schedule.min_lr={self.schedule.min_lr:g} is above optimizer.lr="
                              f"{self.optimizer.lr:g}: the learning rate would rise after the "

@@ -264,9 +264,18 @@ def test_finetune_config_has_the_paper_transfer_defaults():
         load_config(FinetuneConfig, None, ["data.val_split=dev"])
     assert load_config(FinetuneConfig, None, ["data.val_split=dev", "eval.val_name=heldout"])
     assert load_config(FinetuneConfig, None, ["data.val_split=dev", "data.dev_fraction=0"])
-    # the reported figure is never taken on the data fine-tuned on
-    with pytest.raises(ConfigError, match="data.val_split=train is the split fine-tuned on"):
-        load_config(FinetuneConfig, None, ["data.val_split=train"])
+    # the reported figure is never taken on the data trained on, in either stage, nor the
+    # probe's on the images its shots came from (pretraining logged both as held-out)
+    for schema in (FinetuneConfig, PretrainConfig):
+        with pytest.raises(ConfigError, match=r"^data.val_split=train is the split trained on: "
+                                              r"its figure would be on training data, logged "
+                                              r"as held-out; set data.val_split to a held-out "
+                                              r"split, or null$"):
+            load_config(schema, None, ["data.val_split=train"])
+        with pytest.raises(ConfigError, match=r"^eval.fewshot_test_split=train is the split "
+                                              r"the probe's shots come from"):
+            load_config(schema, None, ["eval.fewshot_root=runs/c10", "data.val_split=null",
+                                       "eval.fewshot_test_split=train"])
 
 
 def test_setting_one_train_key_keeps_the_stages_other_train_defaults(tmp_path):
