@@ -38,8 +38,9 @@ def _types_in(annotation) -> set:
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are re-validated,
-    no number is infinite or NaN (YAML's .inf and .nan pass any bound pydantic checks), and
-    no number is a boolean (pydantic would read YAML's true, yes or on as 1)."""
+    no number is infinite or NaN (YAML's .inf and .nan pass any bound pydantic checks), no
+    number is a boolean (pydantic would read YAML's true, yes or on as 1), and no string is
+    empty."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
                               validate_default=True, allow_inf_nan=False)
@@ -47,6 +48,12 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_boolean_for_a_number(cls, value, info: ValidationInfo):
+        if isinstance(value, str) and not value.strip():
+            # 'init: ""' in a templated recipe fine-tuned from scratch, 'data.val_split: ""'
+            # evaluated nothing: an empty string is no setting of any key, and never null
+            none = type(None) in _types_in(cls.model_fields[info.field_name].annotation)
+            raise PydanticCustomError("empty_string", "an empty string is no value; give one" + (
+                ", or null for none" if none else ""))
         # checkpointed_blocks=true recomputed one block, not all; depth=yes built one
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, bool) for v in values):

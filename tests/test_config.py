@@ -69,9 +69,13 @@ def test_recipe_inheritance():
     ("data.crop_scale=0.5", "config key 'data.crop_scale' takes 2 values"),
     ("checkpoint.stop_signals=SIGTERM", "config key 'checkpoint.stop_signals' takes a list, "
      "e.g. checkpoint.stop_signals=[SIGTERM,SIGINT,SIGUSR1] (the default)"),
-    ("output_dir=''", "config key 'output_dir': string should have at least 1 character"),
-    ("tracking.experiment=''", "config key 'tracking.experiment': string should have at least "
-     "1 character"),
+    ("output_dir=''", "config key 'output_dir': an empty string is no value; give one (got "
+     "'')"),
+    ("tracking.experiment=''", "config key 'tracking.experiment': an empty string is no value"),
+    # a templated recipe's 'init: ""' fine-tuned from scratch; 'val_split: ""' evaluated nothing
+    ("data.val_split=''", "config key 'data.val_split': an empty string is no value; give one, "
+     "or null for none (got '')"),
+    ("eval.fewshot_root=' '", "config key 'eval.fewshot_root': an empty string is no value"),
     # YAML's infinities and NaN pass every bound: a traceback later, or a run of NaN losses
     ("train.epochs=.inf", "config key 'train.epochs': input should be a finite number (got inf)"),
     ("optimizer.lr=.inf", "config key 'optimizer.lr': input should be a finite number"),
@@ -94,6 +98,9 @@ def test_bad_values_name_the_key_in_one_line(override, fragment):
 
 def test_booleans_stay_booleans_and_a_recipes_boolean_number_is_refused_in_both_stages(tmp_path):
     from finetune.config import FinetuneConfig
+    with pytest.raises(ConfigError, match=r"^config key 'init': an empty string is no value; "
+                                          r"give one, or null for none \(got ''\)$"):
+        load_config(FinetuneConfig, None, ["init=''"])
     cfg = load_config(PretrainConfig, None, ["model.head_zero_init=no", "data.resample=on"])
     assert (cfg.model.head_zero_init, cfg.data.resample) == (False, True)
     recipe = tmp_path / "r.yaml"
