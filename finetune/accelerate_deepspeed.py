@@ -26,7 +26,7 @@ import os
 from typing import Optional
 
 from pretrain.config import ConfigError
-from pretrain.deepspeed_json import without_throughput_timer, zero_stage
+from pretrain.deepspeed_json import refuse_gc_setting, without_throughput_timer, zero_stage
 from pretrain.distributed import world_of_one_unless_launched
 from pretrain.grad_accum import HALF, accumulation_dtype
 
@@ -88,6 +88,7 @@ def fill_deepspeed_values(ds_config: dict, micro: int, accum: int, world: int,
     if owned:
         raise ConfigError(f"{WHERE} sets {owned}, which come from this config (optimizer.*, "
                           f"schedule.*); remove them from that config")
+    refuse_gc_setting(ds_config, WHERE, "that config")
     for dtype in HALF:
         section = ds_config.setdefault(dtype, {})
         given, ours = section.get("enabled", "auto"), precision == dtype

@@ -16,6 +16,17 @@ DEEPSPEED_CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "deepsp
 DEFAULT_ZERO_STAGE = 1
 
 
+def refuse_gc_setting(ds: dict, where: str, holder: str) -> None:
+    """DeepSpeed's disable_python_gc would keep the collector off for the application to run it
+    at points of its choosing; the launchers of both stages have their own way
+    (pretrain/interpreter.py), which would silently turn it on again."""
+    if ds.get("disable_python_gc"):
+        raise ConfigError(f"{where} sets disable_python_gc, but the launchers manage Python's "
+                          f"garbage collector themselves (off while a run starts, what lives "
+                          f"for the whole run frozen out of it from the first step); remove the "
+                          f"key from {holder}")
+
+
 def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
     """The file ``deepspeed.config`` names (from configs/deepspeed/ when not found as given),
     or None; refused when it sets what our config owns. Read when the backend is made, so a
@@ -47,14 +58,7 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
         raise ConfigError(f"config key 'deepspeed.config': '{path}' sets {owned}, which come "
                           f"from this config (optimizer.*, schedule.*, train.*, "
                           f"deepspeed.grad_accum_dtype); remove them from the file")
-    if out.get("disable_python_gc"):
-        # DeepSpeed would keep the collector off for the application to run it at points of its
-        # choosing; the launchers have their own way (pretrain/interpreter.py), which would
-        # silently turn it on again
-        raise ConfigError(f"config key 'deepspeed.config': '{path}' sets disable_python_gc, but "
-                          f"the launchers manage Python's garbage collector themselves (off "
-                          f"while a run starts, what lives for the whole run frozen out of it "
-                          f"from the first step); remove the key from the file")
+    refuse_gc_setting(out, f"config key 'deepspeed.config': '{path}'", "the file")
     # the file decides the stage; one also given as deepspeed.zero_stage must agree with it,
     # and a file without one runs deepspeed.zero_stage or the default (DeepSpeed's own is 0)
     given = cfg.deepspeed.zero_stage

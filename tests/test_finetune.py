@@ -315,6 +315,11 @@ def test_an_accelerate_deepspeed_config_takes_the_runs_batch_layout_and_clipping
     ("bf16", {}, None),
     ("fp32", {"scheduler": {"type": "WarmupLR"}}, r"sets \['scheduler'\], which come from "
                                                    r"this config"),
+    # as in pretraining's file: the launchers' own collector handling would turn it on again
+    ("fp32", {"disable_python_gc": True}, r"^Accelerate's DeepSpeed config sets "
+                                          r"disable_python_gc, but the launchers manage "
+                                          r"Python's garbage collector themselves .*; remove "
+                                          r"the key from that config$"),
 ])
 def test_an_accelerate_deepspeed_config_computes_in_the_runs_precision(precision, file, refused):
     """Accelerate fills bf16/fp16 from train.precision where the file leaves them to it, and
