@@ -108,9 +108,10 @@ def read_dataset(cfg: RunConfig):
         return None, str(e)
 
 
-def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
+def data_line(cfg: RunConfig, info, why: Optional[str], world: int = 1) -> str:
     """What the run will read; raises DatasetInfoError for a split the info file lacks or
-    labels beyond model.num_classes, which would stop the run."""
+    labels beyond model.num_classes, LoaderError for fewer training shards than the ``world``'s
+    readers, which would stop the run."""
     if info is None:
         return f"data: not read here ({why})"
     info.check_labels(cfg.data.root, cfg.model.num_classes, cfg.head_per_class)
@@ -118,6 +119,10 @@ def data_line(cfg: RunConfig, info, why: Optional[str]) -> str:
     for split in [s for s in (cfg.data.train_split, cfg.data.val_split) if s in info.splits]:
         # local shard files: a missing one stops the run at its start (data.missing_shards)
         ShardSet.from_dataset(cfg.data.root, info, split).check_present(cfg.data.missing_shards)
+    if cfg.data.train_split in info.splits:
+        from pretrain.data.loader import reader_slots
+        reader_slots(ShardSet.from_dataset(cfg.data.root, info, cfg.data.train_split), world,
+                     cfg.data.num_workers, cfg.data.resample)
     holdout = getattr(cfg.data, "dev_fraction", 0.0)  # a fine-tune's dev split, out of train
     if holdout and cfg.data.train_split in info.splits:
         from pretrain.data.eval_loader import held_out
@@ -143,7 +148,7 @@ def describe(cfg: RunConfig, world: int):
 
     micro, accum = batch_layout(cfg, world, on_gpu=True)  # a plan is for GPUs
     info, why = read_dataset(cfg)
-    data = data_line(cfg, info, why)
+    data = data_line(cfg, info, why, world)
     model = create_model(cfg.model, device="meta")  # sizes ViT-H without allocating it
     spec, params = model.spec, count_parameters(model)
     checkpointed_blocks(cfg.train, spec.depth)  # what the run would refuse at its start

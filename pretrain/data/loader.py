@@ -116,6 +116,19 @@ class _TrainDataset(IterableDataset):
             yield (epoch, index, sample["__key__"]) + decoded
 
 
+def reader_slots(shards: ShardSet, world_size: int, num_workers: int, resample: bool) -> int:
+    """The readers an epoch's shards are dealt to (every rank's workers); refused where some
+    would get none (exactly-once epochs deal whole shards)."""
+    workers = max(1, num_workers)
+    slots = world_size * workers
+    if len(shards.urls) < slots and not resample:
+        raise LoaderError(
+            f"split '{shards.name}' has {len(shards.urls)} shards but world size {world_size} "
+            f"x {workers} workers = {slots} reader slots; lower data.num_workers, write "
+            f"smaller shards, or set data.resample=true (no exactly-once epochs)")
+    return slots
+
+
 class TrainLoader:
     """The rank's infinite stream of uint8 train batches; see the module docstring.
 
@@ -136,12 +149,7 @@ class TrainLoader:
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.workers = max(1, num_workers)
         self.shuffle_buffer, self.resample = shuffle_buffer, resample
-        slots = world_size * self.workers
-        if len(shards.urls) < slots and not resample:
-            raise LoaderError(
-                f"split '{shards.name}' has {len(shards.urls)} shards but world size {world_size} "
-                f"x {self.workers} workers = {slots} reader slots; lower data.num_workers, write "
-                f"smaller shards, or set data.resample=true (no exactly-once epochs)")
+        slots = reader_slots(shards, world_size, num_workers, resample)
         self.plan = ShardPlan(shards, slots, seed, resample)
         self.transform = TrainTransform(img_size, crop_scale, hflip, randaugment)
         self.num_classes = num_classes
