@@ -8,6 +8,7 @@ what fine-tuning does differently.
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -132,6 +133,10 @@ def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype)
     common = dict(normalize=functools.partial(normalize, mode=cfg.data.normalize),
                   device=device, dtype=dtype)
     out = []
+    if not cfg.data.val_split and rank == 0:
+        _warn_unused(cfg, ("val_name", "every_steps", "max_samples")
+                     + (() if cfg.eval.fewshot_root else ("batch_size",)),
+                     "data.val_split=null: there is no held-out classification")
     if cfg.data.val_split:
         out.append(ClassificationEvaluator(
             eval_data(cfg, spec, rank, world, cfg.data.val_split, num_classes=spec.num_classes),
@@ -188,6 +193,14 @@ def in_probe_keys(err):
                      .replace("data.root", "eval.fewshot_root"))
 
 
+def _warn_unused(cfg: RunConfig, keys: tuple, why: str) -> None:
+    """One warning for the eval.* ``keys`` the recipe or command line set that do nothing."""
+    unused = [f"eval.{k}={getattr(cfg.eval, k)}" for k in keys if k in cfg.eval.model_fields_set]
+    if unused:
+        logging.getLogger(__name__).warning("%s %s nothing: %s", ", ".join(unused),
+                                            "does" if len(unused) == 1 else "do", why)
+
+
 def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) -> list:
     """The few-shot linear probe on eval.fewshot_root, when it is set (either stage)."""
     from pretrain.data.info import DatasetInfoError
@@ -196,6 +209,10 @@ def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) ->
     e = cfg.eval
     info = check_fewshot_root(cfg)
     if info is None:
+        if rank == 0:
+            _warn_unused(cfg, ("fewshot_train_split", "fewshot_test_split", "fewshot_shots",
+                               "fewshot_every_steps", "fewshot_l2_reg"),
+                         "eval.fewshot_root is unset: there is no few-shot probe")
         return []
     classes = info.classes
     try:

@@ -428,6 +428,33 @@ def test_a_bad_deepspeed_file_fails_a_run_before_its_demo_data_is_made(text, mes
     assert not (tmp_path / "demo").exists()  # refused before the demo data is generated
 
 
+def test_eval_keys_that_can_do_nothing_are_announced_once_by_rank_0(caplog):
+    """Pretraining took them without a word (the fine-tune warned of its every_steps)."""
+    import logging
+
+    from finetune.config import FinetuneConfig
+    from pretrain.stage import build_evaluators, fewshot_evaluators
+    overrides = ["data.val_split=null", "eval.every_steps=5", "eval.batch_size=7",
+                 "eval.fewshot_shots=[2]"]
+    cfg = load_config(PretrainConfig, None, overrides)
+    for rank in (1, 0):
+        with caplog.at_level(logging.WARNING):
+            assert build_evaluators(cfg, None, rank, 2, "cpu", None) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "eval.every_steps=5, eval.batch_size=7 do nothing: data.val_split=null: there is no "
+        "held-out classification",
+        "eval.fewshot_shots=(2,) does nothing: eval.fewshot_root is unset: there is no few-shot "
+        "probe"]
+    caplog.clear()  # the fine-tune's probe keys alike; nothing set, nothing said
+    with caplog.at_level(logging.WARNING):
+        assert fewshot_evaluators(load_config(FinetuneConfig, None, overrides), None, 0, 1) == []
+        assert build_evaluators(load_config(PretrainConfig, None, ["data.val_split=null"]),
+                                None, 0, 1, "cpu", None) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "eval.fewshot_shots=(2,) does nothing: eval.fewshot_root is unset: there is no few-shot "
+        "probe"]
+
+
 def test_a_warmup_as_long_as_the_run_is_announced(caplog):
     import logging
 
