@@ -42,6 +42,13 @@ def ensure_demo_data(root: str | Path, num_classes: int, layout: str = "imagenet
     pretraining demo); "cifar10": CIFAR-10's pickles with ``train``/``test`` (the fine-tune demo).
     """
     root = Path(root)
+    if layout == "cifar10" and num_classes != 10 and not any((root / n).is_file()
+                                                              for n in INFO_NAMES):
+        # (every rank: they all read the same config) it said 20 classes and wrote 10
+        from pretrain.data.sources import PrepareError
+        raise PrepareError(f"data.generate_demo makes a 10-class CIFAR-10-format set, and "
+                           f"model.num_classes is {num_classes}; set model.num_classes=10, or "
+                           f"data.generate_demo=false to train on data of your own")
     if rank() == 0 and not any((root / n).is_file() for n in INFO_NAMES):
         from pretrain.data.shard_writer import prepare
         check_demo_root(root)

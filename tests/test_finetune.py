@@ -157,6 +157,17 @@ def test_a_dev_split_too_small_to_choose_on_is_said_once(tmp_path, tiny_cifar):
     assert 5 < images < 25 and step == round(100 / images)
 
 
+def test_the_demo_set_asked_for_another_class_count_is_refused_before_it_is_made(tmp_path):
+    """It logged "generating ... 20 classes", wrote 10, then refused the 20-class head."""
+    from pretrain.data.sources import PrepareError
+    from pretrain.demo import ensure_demo_data
+    with pytest.raises(PrepareError, match=r"^data.generate_demo makes a 10-class CIFAR-10-"
+                                           r"format set, and model.num_classes is 20; set "
+                                           r"model.num_classes=10, or data.generate_demo=false"):
+        ensure_demo_data(tmp_path / "demo", 20, layout="cifar10")
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_dev_fraction_that_holds_out_no_image_is_refused_at_the_start(tmp_path, tiny_cifar):
     """0.01 % of 640 images: the run trained, then died at its first dev evaluation with a
     traceback and exit code 1 (a crash, which a batch script requeues)."""
