@@ -46,6 +46,12 @@ RECIPES = Path(__file__).resolve().parent.parent / "configs" / "pretrain"
 DEFAULT_RECIPE = RECIPES / "vit_l16_i21k.yaml"
 
 
+# the keys the benchmark sets from its own options (a --set of one would fight them)
+BENCH_OWNED = {"train.micro_batch_size": "--batch", "train.global_batch_size": "--batch, --accum "
+               "and --ranks", "train.grad_accum_steps": "--accum", "train.total_steps": "--steps "
+               "and --warmup", "train.epochs": "--steps and --warmup"}
+
+
 def bench_config(model: Optional[str], batch: int, *, image_size: Optional[int] = None,
                  zero: Optional[int] = None, precision: Optional[str] = None, ranks: int = 1,
                  activation_checkpointing: Optional[bool] = None,
@@ -57,8 +63,13 @@ def bench_config(model: Optional[str], batch: int, *, image_size: Optional[int] 
     micro-batch and the other given settings put in (``compile``: train.compile on, whatever
     the recipe says; ``accum``: micro-batches per update). ``overrides`` are the usual
     ``key=value``. ``model`` None: the recipe's (ViT-L/16 without one)."""
+    from pretrain.config import ConfigError
     from pretrain.model import _timm_arch
 
+    for override in overrides:  # the config's own fix ("set it to null in the file") is no fix
+        key = override.partition("=")[0].strip()
+        if key in BENCH_OWNED:
+            raise ConfigError(f"--set {key} is the benchmark's to set: give {BENCH_OWNED[key]}")
     sets = [f"train.micro_batch_size={batch}",
             f"train.global_batch_size={batch * ranks * accum}", f"train.grad_accum_steps={accum}",
             "train.total_steps=1000000", "data.val_split=null"]

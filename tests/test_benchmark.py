@@ -103,6 +103,11 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
          "or drop --workers"),
         (["train", "--batch", "2", "--profile-steps", "5"],
          "error: --profile-steps needs --profile FOLDER (where the trace goes)"),
+        # the config's own fixes ("set it to null in the file") cannot be made from here
+        (["train", "--batch", "2", "--set", "train.epochs=1"],
+         "error: --set train.epochs is the benchmark's to set: give --steps and --warmup"),
+        (["train", "--batch", "2", "--set", "train.grad_accum_steps=4"],
+         "error: --set train.grad_accum_steps is the benchmark's to set: give --accum"),
         (["table", str(empty)], f"error: {empty} holds no records; write them with `benchmark.py "
                                 f"train ... --record {empty}`"),
         (["overhead", "--repeats", "0"],
