@@ -397,7 +397,15 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
 
 def test_dry_run_refuses_what_the_run_refuses_at_its_start(tiny_data, tmp_path):
     """Each passed the plan with exit code 0, and then stopped the job on the cluster."""
+    partial = tmp_path / "cut-off"  # what a prepare_data.py cut off leaves: no info file yet
+    (partial / ".prepare").mkdir(parents=True)
+    (partial / ".prepare" / "config.json").write_text("{}")
+    (partial / "in21k-train-000000.tar").write_bytes(b"")
     cases = [
+        ([f"data.root={partial}", "data.generate_demo=false"],
+         f"error: '{partial}' is a preparation launch/prepare_data.py has not finished "
+         f"(.prepare/ is there, _info.json not yet); rerun the same prepare_data.py command to "
+         f"finish it"),
         (["data.root=null", "data.generate_demo=false"],
          "error: data.root is not set; point it at a directory with _info.json"),
         (["train.activation_checkpointing=true", "train.checkpointed_blocks=9"],

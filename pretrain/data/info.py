@@ -39,6 +39,9 @@ class StorageUnreachable(Exception):
     at the start: bad input, code 2."""
 
 
+PREPARE_WORK_DIR = ".prepare"  # prepare_data.py's bookkeeping in its output folder
+
+
 class NoInfo(InfoNotRead):
     """The folder holds no info file at all: not prepared (yet)."""
 
@@ -157,6 +160,12 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
                 raise InfoNotRead(f"cannot read {loc}: {e}") from None
             break
     if raw is None:
+        if not is_url(root) and os.path.isfile(os.path.join(root, PREPARE_WORK_DIR, "config.json")):
+            # not "maybe readable elsewhere": the preparation was cut off here (its info last)
+            raise DatasetInfoError(f"'{root}' is a preparation launch/prepare_data.py has not "
+                                   f"finished ({PREPARE_WORK_DIR}/ is there, "
+                                   f"{INFO_NAMES[0]} not yet); rerun the same prepare_data.py "
+                                   f"command to finish it")
         raise NoInfo(f"no {' or '.join(INFO_NAMES)} in '{root}'; point data.root at a "
                                f"directory written by launch/prepare_data.py")
     # The file is edited by hand at times (num_labels, a split renamed): a typo is named here

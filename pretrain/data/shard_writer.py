@@ -30,7 +30,7 @@ from pretrain.atomic_write import write_atomic
 from pretrain.file_lock import holder, try_lock
 from pretrain.helper_processes import pool_map
 
-from .info import INFO_NAMES, DatasetInfo, SplitInfo, read_info, write_info
+from .info import INFO_NAMES, PREPARE_WORK_DIR, DatasetInfo, SplitInfo, read_info, write_info
 from .shard_plan import (Index, Shard, hold_out, index_entries, load_or_build_index, plan_shards,
                          sort_by_key, take_rows)
 from .sources import PrepareError, Source, open_source
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_SIZE = 1000
 DEFAULT_I21K_VAL_COUNT = 50_000
-WORK_DIR = ".prepare"
+WORK_DIR = PREPARE_WORK_DIR
 # A stage folder's (--stage, for a remote --out) own id, and the record of what it uploaded
 # where (pretrain/data/publish.py): with the work folder, the hidden files that are no output
 STAGE_ID, UPLOAD_LOG, STAGE_MARKER = ".stage_id", ".uploaded.jsonl", ".stage_marker.json"
