@@ -502,6 +502,32 @@ def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
     server.refuse_get = server.refuse_put = 0
     done = run_launcher("prepare_data.py", *args, "--out", f"{url}/pets")
     assert done.returncode == 0 and "uploaded 0 of " in done.stderr, done.stderr[-2000:]
+    # a pipe command that cannot run (mistyped) is no outage: said at once, not retried for
+    # minutes in silence
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "pipe:nosuch-uploader",
+                        timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "error: --out pipe:nosuch-uploader refuses uploads (the pipe command cannot run (exit "
+        "status 127: "), done.stderr[-2000:]
+    assert "retrying" not in done.stderr
+
+
+def test_an_upload_that_fails_is_retried_with_a_line_for_each_failure(tmp_path, caplog):
+    """It waited minutes between tries without a word (an endpoint away, a flaky link)."""
+    from pretrain.data.publish import upload
+    from pretrain.data.remote import RetryPolicy, Unreachable
+    local = tmp_path / "f"
+    local.write_bytes(b"shard")
+    mark, dest = tmp_path / "failed-once", tmp_path / "dest"
+    flaky = f"pipe:if [ -e {mark} ]; then cat > {dest}; else touch {mark}; exit 1; fi #"
+    with caplog.at_level("WARNING", logger="pretrain.data.publish"):
+        upload(str(local), flaky, RetryPolicy(attempts=3, backoff_s=0.01))
+    assert dest.read_bytes() == b"shard"
+    assert re.search(r"upload failed \(ConnectionError: exit status 1\); retrying in "
+                     r"[\d.]+ s \(failure 1 of 3\)", caplog.text), caplog.text
+    with pytest.raises(Unreachable, match=r"upload failed 2 times"):
+        upload(str(local), "pipe:exit 1 #", RetryPolicy(attempts=2, backoff_s=0.01))
 
 
 @pytest.fixture

@@ -49,7 +49,10 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
                                   capture_output=True)
         if done.returncode:
             err = done.stderr.decode(errors="replace").strip().splitlines()
-            raise ConnectionError(f"exit status {done.returncode}" + (f": {err[-1]}" if err else ""))
+            said = f"exit status {done.returncode}" + (f": {err[-1]}" if err else "")
+            if done.returncode in (126, 127):  # the shell's: no such command, not executable
+                raise PermissionError(f"the pipe command cannot run ({said})")
+            raise ConnectionError(said)
     else:
         fs, path = fsspec_location(location, policy.timeout_s)
         fs.put_file(local, path)
@@ -85,7 +88,10 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
             if failures == policy.attempts:
                 raise Unreachable(f"{location}: upload failed {failures} times "
                                   f"(last: {type(e).__name__}: {e})") from None
-            time.sleep(policy.wait(failures))
+            wait = policy.wait(failures)  # (minutes in all: said, not a silent pause)
+            log.warning("%s: upload failed (%s: %s); retrying in %.1f s (failure %d of %d)",
+                        location, type(e).__name__, e, wait, failures, policy.attempts)
+            time.sleep(wait)
 
 
 def remote_size(location: str, timeout_s: float) -> Optional[int]:
