@@ -513,6 +513,29 @@ def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
     assert "retrying" not in done.stderr
 
 
+def test_a_stage_folder_holding_a_users_files_is_refused_before_the_prefix_is_claimed(
+        tmp_path, flaky_http):
+    """It wrote its bookkeeping into the folder and claimed the prefix first, then refused
+    the folder naming --out; the corrected command, with other options, was then refused too
+    (the prefix held an unfinished upload of those options)."""
+    url, server, _ = flaky_http
+    server.p_503 = server.p_cut = 0.0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("keep me")
+    args = [str(mine) if a == str(tmp_path / "stage") else a for a in pets(tmp_path)]
+    done = run_launcher("prepare_data.py", *args, "--out", f"{url}/pets")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: {mine} is not empty (thesis.txt) and holds no prepare_data output; choose a "
+        f"new or empty --stage")
+    assert [p.name for p in mine.iterdir()] == ["thesis.txt"]
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{url}/pets",
+                        "--shard-size", "3")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_pets(f"{url}/pets")
+
+
 def test_an_upload_that_fails_is_retried_with_a_line_for_each_failure(tmp_path, caplog):
     """It waited minutes between tries without a word (an endpoint away, a flaky link)."""
     from pretrain.data.publish import upload

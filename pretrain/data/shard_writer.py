@@ -126,25 +126,32 @@ def _same_listing(recorded: dict, settings: dict) -> bool:
         or settings.get("skip_unknown"))
 
 
-def _recorded(out: Path, settings: dict) -> Optional[dict]:
+def _recorded(out: Path, settings: dict, option: str = "--out") -> Optional[dict]:
     """The settings ``out`` was written with (None: a new or empty folder); refuses a folder
-    holding something else, or shards written with other settings."""
+    holding something else, or shards written with other settings (``option``: the command
+    line's name of the folder: --out, or --stage for a remote --out)."""
     work = out / WORK_DIR
     recorded = None
     if any((out / n).is_file() for n in INFO_NAMES):
         recorded = read_info(out).extra.get("prepare")
         if recorded is None:
-            raise PrepareError(f"{out} holds shards not written by prepare_data; choose another --out")
+            raise PrepareError(f"{out} holds shards not written by prepare_data; choose another {option}")
     elif (work / CONFIG).is_file():
         recorded = json.loads((work / CONFIG).read_text())
     elif out.is_dir() and (other := sorted(p.name for p in out.iterdir()
                                             if p.name not in BOOKKEEPING + OS_LITTER)):
         raise PrepareError(f"{out} is not empty ({other[0]}{', ...' if other[1:] else ''}) and "
-                           f"holds no prepare_data output; choose a new or empty --out")
+                           f"holds no prepare_data output; choose a new or empty {option}")
     if recorded is not None and recorded != settings and _shards_started(out):
         raise PrepareError(f"{out} was written with {settings_diff(recorded, settings)}; rerun "
-                           f"with the same options or choose another --out")
+                           f"with the same options or choose another {option}")
     return recorded
+
+
+def check_stage_folder(stage: str, settings: dict) -> None:
+    """A remote --out's --stage, checked as an output folder before the prefix is claimed
+    (the claim writes into it): one holding a user's files is refused untouched."""
+    _recorded(Path(stage), settings, "--stage")
 
 
 def settings_diff(recorded: dict, settings: dict) -> str:
