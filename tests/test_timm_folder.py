@@ -174,6 +174,7 @@ def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     from finetune.stage import FinetuneStage
     from pretrain.config_files import load_config
     cfg = load_config(FinetuneConfig, None, [f"init={folder}", "model.representation_size=64",
+                                             "data.normalize=imagenet",  # the folder's run's
                                              *(f"model.{k}={v}" for k, v in ARCH.items())])
     with caplog.at_level(logging.WARNING, logger="finetune"):
         FinetuneStage(cfg).init_weights(create_model(cfg.model))
