@@ -190,7 +190,8 @@ def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
         # and its newline separately, so two ranks' messages could end up on one line
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
-    job_status.note("exit", code)
+        # (quiet: every rank met it, and rank 0, which is never quiet, notes it once for all)
+        job_status.note("exit", code)
     raise SystemExit(code)
 
 
