@@ -120,14 +120,13 @@ def data_line(cfg: RunConfig, info, why: Optional[str], world: int = 1) -> str:
         # local shard files: a missing one stops the run at its start (data.missing_shards)
         ShardSet.from_dataset(cfg.data.root, info, split).check_present(cfg.data.missing_shards)
     if cfg.data.train_split in info.splits:
-        from pretrain.data.loader import reader_slots
-        reader_slots(ShardSet.from_dataset(cfg.data.root, info, cfg.data.train_split), world,
-                     cfg.data.num_workers, cfg.data.resample)
-    holdout = getattr(cfg.data, "dev_fraction", 0.0)  # a fine-tune's dev split, out of train
-    if holdout and cfg.data.train_split in info.splits:
         from pretrain.data.eval_loader import held_out
-        held_out(ShardSet.from_dataset(cfg.data.root, info, cfg.data.train_split), holdout,
-                 cfg.data.train_split, cfg.data.root)
+        from pretrain.data.loader import reader_slots
+        train = ShardSet.from_dataset(cfg.data.root, info, cfg.data.train_split)
+        reader_slots(train, world, cfg.data.num_workers, cfg.data.resample)
+        holdout = getattr(cfg.data, "dev_fraction", 0.0)  # a fine-tune's dev split, of train
+        if holdout:
+            held_out(train, holdout, cfg.data.train_split, cfg.data.root)
     sizes = _split_sizes(info, cfg.data.train_split, cfg.data.val_split)
     labels = f", {info.num_labels:,} labels" if info.num_labels else ""
     wider = None if cfg.head_per_class else info.wider_head(cfg.data.root, cfg.model.num_classes)
