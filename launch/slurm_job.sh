@@ -146,9 +146,10 @@ run_step() {
   STEP_PID=""
   if [[ -f $VITSCALE_JOB_STATUS ]]; then   # (unreadable: decided on the step's code alone)
     checkpoints=$(grep -c '^checkpoint ' "$VITSCALE_JOB_STATUS" || true)
-    # rank 0's last code, but a 2 or 3 from any rank first: a rank that alone met bad input
-    # leaves rank 0 to fail as a crash (its peer gone)
+    # rank 0's last code, but a 2 or 3 from any rank first, then a stalled rank's 5: a rank
+    # that alone met bad input or stalled leaves rank 0 to fail as a crash (its peer gone)
     chosen=$( { sed -n 's/^exit \([23]\)$/\1/p' "$VITSCALE_JOB_STATUS"
+                sed -n 's/^exit \(5\)$/\1/p' "$VITSCALE_JOB_STATUS"
                 sed -n 's/^exit \([0-9][0-9]*\)$/\1/p' "$VITSCALE_JOB_STATUS" | tail -n 1
               } | head -n 1 || true)
   fi

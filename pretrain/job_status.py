@@ -9,8 +9,10 @@ allocation is then requeued (it resumes past where the previous allocation start
 before any is not (it would fail the same way), and a 2 or 3 is not requeued. Any other rank
 writes its ``exit 2`` or ``exit 3`` too: bad input only that rank met (a shard it may not
 read) ends it alone, and rank 0 then fails as a crash (its peer is gone), which the script
-would requeue; the script takes a 2 or 3 from any rank over rank 0's later code. Without the
-variable nothing is written.
+would requeue; the script takes a 2 or 3 from any rank over rank 0's later code. So with a
+stalled rank's ``exit 5`` (pretrain/watchdog.py), which explains the crash of the ranks that
+lost it: it comes after a 2 or 3, before rank 0's own code. Without the variable nothing is
+written.
 """
 from __future__ import annotations
 
@@ -19,16 +21,18 @@ import os
 
 ENV = "VITSCALE_JOB_STATUS"
 FOR_A_PERSON = (2, 3)  # bad input; a run that had to stop (pretrain/cli.py)
+STALLED = 5  # a rank that made no progress (pretrain/watchdog.py)
 log = logging.getLogger(__name__)
 
 
 def note(event: str, value: int) -> None:
     """Append ``event value`` to the job's status file, on rank 0, and on the other ranks an
-    exit for a person (:data:`FOR_A_PERSON`); a failure to write is one warning (the script
-    then decides on the exit code alone)."""
+    exit for a person (:data:`FOR_A_PERSON`) or a stall; a failure to write is one warning (the
+    script then decides on the exit code alone)."""
     path = os.environ.get(ENV)
     rank_0 = os.environ.get("RANK", "0") == "0"
-    if not path or not (rank_0 or (event == "exit" and int(value) in FOR_A_PERSON)):
+    told = event == "exit" and int(value) in (*FOR_A_PERSON, STALLED)
+    if not path or not (rank_0 or told):
         return
     try:
         with open(path, "a") as f:

@@ -86,14 +86,21 @@ def exit_now(code: int, why: str, last_words: Optional[Callable[[str], None]] = 
              within_s: float = 15.0) -> None:
     """End this process at once with ``code`` (its main thread is stuck: nothing else would),
     after ``last_words(why)`` -- ending the MLflow run FAILED, say -- has had ``within_s``
-    seconds: it may be stuck too (an unreachable server, a hung filesystem)."""
+    seconds: it may be stuck too (an unreachable server, a hung filesystem). The job's batch
+    script hears of ``code`` (pretrain/job_status.py) within the same bound."""
     if not _exiting.acquire(blocking=False):  # another thread of ours is ending the process
         while True:  # (the watchdog and the signal watcher may both get here): its os._exit
             time.sleep(60)  # ends this thread too, and its last words are not cut short
-    if last_words is not None:
-        words = threading.Thread(target=last_words, args=(why,), name="last-words", daemon=True)
-        words.start()
-        words.join(within_s)
+    from pretrain import job_status
+
+    def say_all() -> None:
+        job_status.note("exit", code)  # (its file may be on the filesystem that hangs)
+        if last_words is not None:
+            last_words(why)
+
+    words = threading.Thread(target=say_all, name="last-words", daemon=True)
+    words.start()
+    words.join(within_s)
     os._exit(code)
 
 

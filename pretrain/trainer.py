@@ -196,7 +196,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     # loader forks its workers (pretrain/interpreter.py)
     training_starts()
     # from the first batch on, a rank stuck for train.stall_timeout_s shows its stacks and ends
-    watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank, last_words=ended_by).start()
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, rank, last_words=ended_by,
+                              world=world).start()
     stream = iter(loader)  # closed at the end: its worker processes go with it
     batches = stream
     if resume is None:  # a picture of what the model sees: the first batch, augmented

@@ -28,13 +28,15 @@ import threading
 import time
 from typing import Callable, Optional
 
+from pretrain import job_status
+from pretrain.progress_board import ProgressBoard
 from pretrain.stopping import exit_now
 
 log = logging.getLogger(__name__)
 
 # A rank that made no progress for train.stall_timeout_s exits with this code (see stopping.py
 # for the others): relaunching resumes from the newest complete checkpoint.
-EXIT_STALLED = 5
+EXIT_STALLED = job_status.STALLED
 
 _last_progress = time.monotonic()
 # An unlinked temporary file, made by the watchdog before any loader worker is forked: each
@@ -50,6 +52,10 @@ def progress() -> None:
     _last_progress = time.monotonic()
 
 
+def _last_progress_wall() -> float:
+    return time.time() - (time.monotonic() - _last_progress)
+
+
 def dump_stacks_on_sigquit(file=None) -> None:
     """``kill -QUIT`` writes this process's Python stacks (to ``file``, default stderr) and
     lets it run on; in a loader worker, to where the rank's watchdog reads them."""
@@ -62,9 +68,14 @@ class StallWatchdog:
     was last called ``timeout_s`` ago; ``timeout_s=0`` turns it off."""
 
     def __init__(self, timeout_s: float, rank: int,
-                 last_words: Optional[Callable[[str], None]] = None):
+                 last_words: Optional[Callable[[str], None]] = None, world: int = 1):
         self.timeout_s, self.rank = timeout_s, rank
         self.last_words = last_words  # given why, before the end (bounded: see exit_now)
+        self.every_s = min(30.0, max(0.5, timeout_s / 10))
+        # where the others can see how this rank is doing, so that a stall names the rank to
+        # look at (pretrain/progress_board.py)
+        self.board = ProgressBoard(rank, world, self.every_s, _last_progress_wall) \
+            if timeout_s > 0 and ProgressBoard.wanted(world) else None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -78,16 +89,19 @@ class StallWatchdog:
             self._thread = threading.Thread(target=self._watch, name="stall-watchdog",
                                             daemon=True)
             self._thread.start()
+            if self.board is not None:
+                self.board.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self.board is not None:
+            self.board.stop()
 
     def _watch(self) -> None:
-        every = min(30.0, max(0.5, self.timeout_s / 10))
-        while not self._stop.wait(every):
+        while not self._stop.wait(self.every_s):
             idle = time.monotonic() - _last_progress
             if idle >= self.timeout_s:
                 self._end(idle)
@@ -116,8 +130,12 @@ class StallWatchdog:
         why = (f"stalled: rank {self.rank} made no progress (no batch read, step finished or "
                f"checkpoint written) in {idle:.0f} s, over train.stall_timeout_s="
                f"{self.timeout_s:g}")
-        log.error("%s; its stacks are above. Ending it (exit code %d): relaunch the same "
-                  "command to resume from the newest complete checkpoint", why, EXIT_STALLED)
+        look_at = self.board.whom_to_look_at() if self.board is not None else None
+        log.error("%s; its stacks are above%s. Ending it (exit code %d): relaunch the same "
+                  "command to resume from the newest complete checkpoint", why,
+                  f"; {look_at}" if look_at else "", EXIT_STALLED)
+        if look_at:
+            why = f"{why}; {look_at}"
         for handler in logging.getLogger().handlers:
             handler.flush()
         for pid in workers:  # one stuck before its start never learnt to die with the rank

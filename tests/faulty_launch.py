@@ -3,6 +3,8 @@ injected where ``$FAULTS`` (JSON) says: how the fault suite breaks a real DeepSp
 Accelerate run from the inside. Every key is optional; ranks are global ranks.
 
   "kill":         [rank, step]         SIGKILL that rank once ``step`` steps are done
+  "freeze":       [rank, step]         SIGSTOP that rank once ``step`` steps are done (a frozen
+                                       node: none of its threads runs again)
   "kill_in_save": [rank, step]         SIGKILL that rank as it starts writing checkpoint ``step``
   "write_error":  [rank, step, errno]  that rank's writes of checkpoint ``step`` fail (OSError)
   "nan":          [i, j, ...]          rank 0's i-th, j-th... forward pass of this process (from 1)
@@ -50,20 +52,24 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-if "kill" in FAULTS and FAULTS["kill"][0] == RANK:
-    build_scheduler = eng_lib.build_scheduler
+for key, signum in (("kill", signal.SIGKILL), ("freeze", signal.SIGSTOP)):
+    if key in FAULTS and FAULTS[key][0] == RANK:
+        build_scheduler = eng_lib.build_scheduler
 
-    def _scheduler_that_kills(*args, **kwargs):
-        scheduler = build_scheduler(*args, **kwargs)
-        step_update = scheduler.step_update
+        def _scheduler_that_kills(*args, _step=FAULTS[key][1], _signum=signum,
+                                  _build=build_scheduler, **kwargs):
+            scheduler = _build(*args, **kwargs)
+            step_update = scheduler.step_update
 
-        def update(step, *a, **k):
-            if step == FAULTS["kill"][1]:
-                _die()
-            return step_update(step, *a, **k)
-        scheduler.step_update = update
-        return scheduler
-    eng_lib.build_scheduler = _scheduler_that_kills
+            def update(step, *a, **k):
+                if step == _step:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os.kill(os.getpid(), _signum)
+                return step_update(step, *a, **k)
+            scheduler.step_update = update
+            return scheduler
+        eng_lib.build_scheduler = _scheduler_that_kills
 
 for key in ("kill_in_save", "write_error"):
     if key in FAULTS and FAULTS[key][0] == RANK:

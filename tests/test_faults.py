@@ -21,6 +21,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -360,7 +361,8 @@ def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch
     # own stall, or the launcher's SIGTERM after rank 1 ended first on its stall)
     run = mlflow_run(out)
     assert run.info.status == "FAILED", run.info
-    assert re.fullmatch(r"stalled: rank 0 made no progress .* over train.stall_timeout_s=10|"
+    assert re.fullmatch(r"stalled: rank 0 made no progress .* over train.stall_timeout_s=10"
+                        r"(; .*)?|"
                         r"SIGTERM received while another rank is gone: no checkpoint can be "
                         r"written", run.data.tags["failure"]), run.data.tags
 
@@ -372,6 +374,41 @@ def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch
     assert mlflow_run(out).info.status == "FINISHED"  # the same run, resumed to its end
     samples_lost, metrics_lost = compare_with(reference, out)
     fault_ledger.record(1, 1, samples_lost, metrics_lost)
+
+
+def test_a_frozen_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, tiny_data):
+    """Rank 1 freezes after step 7 (SIGSTOP: every thread of it stops, as on a frozen node).
+    Rank 0 waits for it in a collective until its own stall watchdog ends it; its stacks show
+    only that it waits. Its error names the frozen rank, its host and pid, and the job's status
+    file says 5 for the batch script. Then the test ends the frozen process (the node is
+    rebooted)."""
+    import psutil
+    out, log, status = tmp_path / "run", tmp_path / "frozen.log", tmp_path / "job-status"
+    named = re.compile(r"rank 1 \(on (\S+), pid (\d+)\) stopped answering \d+\+ s ago: "
+                       r"frozen process or node, look there first")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            deepspeed_cmd(2, *run_args(out, tiny_data, "train.stall_timeout_s=10",
+                                       "tracking.enabled=false"), script=FAULTY),
+            cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "FAULTS": json.dumps({"freeze": [1, 7]}),
+                 "VITSCALE_JOB_STATUS": str(status)})
+        try:
+            wait_until(lambda: named.search(log.read_text()), proc, "rank 0 naming rank 1")
+            host, pid = named.search(log.read_text()).groups()
+            assert psutil.Process(int(pid)).status() == psutil.STATUS_STOPPED
+            os.kill(int(pid), signal.SIGKILL)
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert host == socket.gethostname()
+    assert re.search(r"\[rank0\] stalled: no batch read, step finished or checkpoint written",
+                     text), text[-3000:]
+    assert re.search(r"stalled: rank 0 made no progress .* over train.stall_timeout_s=10; its "
+                     r"stacks are above; rank 1 \(on \S+, pid \d+\) stopped answering",
+                     text), text[-3000:]
+    assert "exit 5" in status.read_text().splitlines(), status.read_text()
 
 
 def _rewrite(shard: Path, change) -> list[str]:

@@ -344,6 +344,22 @@ def test_a_2_another_rank_wrote_wins_over_rank_0s_crash_after_it(standins):
     assert "not requeued: exit code 2 means a person must look" in out, out
 
 
+def test_a_stalled_ranks_5_names_rank_0s_crash_and_a_2_still_wins_over_it(standins):
+    """A rank stalled (5; its node froze, say) and rank 0 ended as a crash after it: the log
+    says 5, and the job is requeued as a crash after a checkpoint; a 2 from any rank wins."""
+    tmp_path, env = standins
+    proc = _start("pretrain", {**env, "RANK_EXIT": "1",
+                               "RANK_WRITES": "checkpoint 40;exit 5;exit 1"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert "the step ended with exit code 1 (the trainer's: 5)" in out, out
+    assert "the step failed (exit code 5) after a checkpoint" in out, out
+    assert proc.returncode == 5 and _requeues(tmp_path) == [["requeue", "4242"]], out
+    proc = _start("pretrain", {**env, "RANK_EXIT": "1",
+                               "RANK_WRITES": "checkpoint 40;exit 5;exit 2;exit 1"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 2 and "(the trainer's: 2)" in out, out
+
+
 def test_a_job_done_when_the_time_limits_sigterm_came_is_not_requeued(standins):
     """The signal came while rank 0 waited for MLflow at the job's end: the work is done and
     rank 0 exits 0, but torchrun, ended by the same signal, reports 1. Rank 0's line decides:
