@@ -25,8 +25,10 @@
 #   REQUEUE_ON_CRASH 1 (default): requeue a step that crashed (1, 5 a stalled rank, 137 the OOM
 #                    killer, ...) after completing a checkpoint in this allocation; one that
 #                    crashed before any is left to a person (it would crash the same way). 0: never
-#   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
-#   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
+#   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8; refused when it is
+#                    not the number of GPUs SLURM gave the node (CUDA_VISIBLE_DEVICES)
+#   MASTER_PORT      rendezvous port on the first node; default 10000 + job id % 20000 (the
+#                    next free one if another process of that node holds it)
 #   ACCELERATE_USE_DEEPSPEED=true  fine-tune under DeepSpeed, as `accelerate launch` with a
 #                    DeepSpeed config would: ACCELERATE_DEEPSPEED_ZERO_STAGE=0|1|2|3 (default 2),
 #                    or ACCELERATE_DEEPSPEED_CONFIG_FILE=FILE (its "auto" values are the run's)

@@ -71,11 +71,54 @@ fi
 
 # shellcheck disable=SC2034  # used by the scripts that source this
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+[[ $GPUS_PER_NODE =~ ^[1-9][0-9]*$ ]] || {
+  echo "error: GPUS_PER_NODE=$GPUS_PER_NODE is not a number of ranks per node" >&2; exit 2; }
+# the GPUs SLURM gave this (the first) node, by index or UUID (not "NoDevFiles": none bound)
+if [[ ${CUDA_VISIBLE_DEVICES:-} =~ ^(([0-9]+|GPU-[^,]+|MIG-[^,]+),?)+$ ]]; then
+  IFS=, read -ra GIVEN <<< "$CUDA_VISIBLE_DEVICES"
+  if (( ${#GIVEN[@]} != GPUS_PER_NODE )); then
+    echo "error: GPUS_PER_NODE=$GPUS_PER_NODE ranks per node, but SLURM gave this node" \
+         "${#GIVEN[@]} GPU(s) (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES): set" \
+         "GPUS_PER_NODE=${#GIVEN[@]}, or submit with --gpus-per-node=$GPUS_PER_NODE" >&2
+    exit 2
+  fi
+fi
 NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")   # one per line
 # shellcheck disable=SC2034
 MASTER_ADDR=${NODES%%$'\n'*}
-# shellcheck disable=SC2034
-MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+# Below Linux's ephemeral ports (32768 on): no connection of the node's holds it by chance.
+PORT_GIVEN=${MASTER_PORT:-}
+MASTER_PORT=${MASTER_PORT:-$((10000 + SLURM_JOB_ID % 20000))}
+[[ $MASTER_PORT =~ ^[0-9]+$ ]] && (( MASTER_PORT >= 1024 && MASTER_PORT <= 65535 )) || {
+  echo "error: MASTER_PORT=$MASTER_PORT is not a port number (1024-65535)" >&2; exit 2; }
+# The batch shell runs on the first node, where rank 0 listens: a port another job of that
+# node holds would fail the rendezvous after minutes; take the next free one, or, when the
+# port was given, say so now.
+port_taken() {
+  python3 - "$1" 2>/dev/null <<'PY'
+import socket, sys
+with socket.socket() as s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store does
+    try:
+        s.bind(("", int(sys.argv[1])))
+    except OSError:
+        sys.exit(0)
+sys.exit(1)
+PY
+}
+if [[ $MASTER_ADDR == "$(hostname)" || $MASTER_ADDR == "$(hostname -s)" ]] \
+    && command -v python3 > /dev/null; then
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    port_taken "$MASTER_PORT" || break
+    if [[ -n $PORT_GIVEN ]]; then
+      echo "error: MASTER_PORT=$MASTER_PORT is in use on $MASTER_ADDR; give another, or unset" \
+           "it for a free one" >&2
+      exit 2
+    fi
+    say "port $MASTER_PORT is in use on $MASTER_ADDR; trying $((MASTER_PORT + 1))"
+    MASTER_PORT=$((MASTER_PORT + 1))
+  done
+fi
 
 for setting in "${NODE_ENV_DEFAULTS[@]}"; do
   name=${setting%%=*}

@@ -25,8 +25,10 @@
 #   REQUEUE_ON_CRASH 1 (default): requeue a step that crashed (1, 5 a stalled rank, 137 the OOM
 #                    killer, ...) after completing a checkpoint in this allocation; one that
 #                    crashed before any is left to a person (it would crash the same way). 0: never
-#   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8
-#   MASTER_PORT      rendezvous port on the first node; default 20000 + job id % 20000
+#   GPUS_PER_NODE    ranks per node; default SLURM_GPUS_ON_NODE, else 8; refused when it is
+#                    not the number of GPUs SLURM gave the node (CUDA_VISIBLE_DEVICES)
+#   MASTER_PORT      rendezvous port on the first node; default 10000 + job id % 20000 (the
+#                    next free one if another process of that node holds it)
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults at the end, passed to every node
 # Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
 # with a checkpoint, 5 a stalled rank; DeepSpeed passes the ranks' code on).
@@ -57,14 +59,35 @@ ROOT=$(cd "$ROOT" && pwd)   # the trainer by its full path: the job runs in the 
 # shellcheck source=launch/slurm_job.sh
 source "$ROOT/launch/slurm_job.sh"   # signal traps first; takes CONFIG off "$@"
 
-# The hostfile DeepSpeed wants, from the nodes SLURM gave this job (on storage every node sees).
-HOSTFILE=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" hostfile.XXXXXX)
-CLEANUP+=("$HOSTFILE")
-while read -r node; do echo "$node slots=$GPUS_PER_NODE"; done <<< "$NODES" > "$HOSTFILE"
-
-# One DeepSpeed launcher per node, no ssh between nodes.
+# One DeepSpeed launcher per node, no ssh between nodes. Each node writes the hostfile DeepSpeed
+# wants (every node, GPUS_PER_NODE slots) to its own disk: nothing shared to write, nothing
+# another node must see. DeepSpeed's launcher gives a node's ranks the hostfile's GPUs 0..N-1,
+# not the ones SLURM gave the node: where those are others (4,5,6,7: a shared node without
+# device cgroups), --include names them for this node.
 # shellcheck disable=SC2016  # expanded on each node, by design
 run_step '
-  exec deepspeed --hostfile "$1" --no_ssh --node_rank "$SLURM_NODEID" \
-    --master_addr "$2" --master_port "$3" "$4" --config "$5" "${@:6}"
-' "$HOSTFILE" "$MASTER_ADDR" "$MASTER_PORT" "$ROOT/launch/pretrain.py" "$CONFIG" "$@"
+  nodes=$1 per_node=$2
+  shift 2
+  all=$(seq -s, 0 $((per_node - 1)))
+  mine=$all slots=$per_node
+  if [[ ${CUDA_VISIBLE_DEVICES:-} =~ ^[0-9]+(,[0-9]+)*$ && $CUDA_VISIBLE_DEVICES != "$all" ]]; then
+    mine=$CUDA_VISIBLE_DEVICES
+    last=$(tr , "\n" <<< "$mine" | sort -n | tail -n 1)
+    (( last < per_node )) || slots=$((last + 1))
+  fi
+  hostfile=$(mktemp "${TMPDIR:-/tmp}/vitscale-hostfile.XXXXXX") || exit 1
+  include="" n=0
+  while read -r node; do
+    if (( n++ == SLURM_NODEID )); then
+      echo "$node slots=$slots" && include+="@$node:$mine"
+    else
+      echo "$node slots=$per_node" && include+="@$node:$all"
+    fi
+  done <<< "$nodes" > "$hostfile"
+  [[ $mine == "$all" ]] && include="" || include="--include=${include#@}"
+  rc=0
+  deepspeed --hostfile "$hostfile" ${include:+"$include"} --no_ssh --node_rank "$SLURM_NODEID" \
+    --master_addr "$1" --master_port "$2" "$3" --config "$4" "${@:5}" || rc=$?
+  rm -f "$hostfile"
+  exit "$rc"
+' "$NODES" "$GPUS_PER_NODE" "$MASTER_ADDR" "$MASTER_PORT" "$ROOT/launch/pretrain.py" "$CONFIG" "$@"

@@ -121,6 +121,15 @@ def gather(obj, world: int) -> list:
     return out
 
 
+def broadcast_from_0(obj):
+    """Rank 0's ``obj`` on every rank (collective)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_sum(values: list, device) -> list[float]:
     """Sums over ranks of a few scalars or vectors (tensors or numbers), in one collective;
     the sums come back flat, in order."""

@@ -33,13 +33,14 @@ from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
 from pretrain.cli import quiet_libraries
 from pretrain.config_files import save_config, to_yaml
-from pretrain.distributed import all_reduce_sum, gather, peer_gone
+from pretrain.distributed import agreed, all_reduce_sum, gather, peer_gone
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
                               release_output_dir, removed_if_left_empty, set_aside_earlier_run)
+from pretrain.same_job import check_same_job
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -65,11 +66,14 @@ def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
     if cfg.train.precision == "fp16" and not on_gpu:
         # DeepSpeed would fail with a traceback, Accelerate train in fp32 without a word
         raise ConfigError("train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
-    micro, accum = cfg.train.batch_layout(world)
+    try:  # the same on every rank (check_same_job): said once, by rank 0
+        micro, accum = cfg.train.batch_layout(world)
+    except ConfigError as e:
+        raise agreed(e)
     if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
-        raise ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
+        raise agreed(ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
                           f"is {micro} here (train.global_batch_size / ranks / accumulation): "
-                          f"make it even")
+                          f"make it even"))
     return micro, accum
 
 
@@ -106,6 +110,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     backend = stage.backend(cfg)  # joins the process group
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)
+    check_same_job(cfg, world)  # every node its own checkout and recipe: one line if they differ
     micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
     make_dir(out, "output_dir")

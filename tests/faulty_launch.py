@@ -19,6 +19,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        (a node with a slow disk or network)
   "bad_input":    [rank, batch]        that rank's ``batch``-th training batch (from 1) raises
                                        the loader's error for a shard it may not read
+  "override":     [rank, key=value]    that rank alone gets this config override too (a node
+                                       whose recipe file was edited)
   "late":         [rank, seconds]      that rank starts this much later (a busy node)
   "node":         [rank, host]         that rank is the first of a second node of that host
                                        name ($LOCAL_RANK 0), on this machine
@@ -173,6 +175,9 @@ if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
         loss = loss_fn(logits, *args, **kwargs)
         return loss + float("nan") if calls[0] in FAULTS.get("nan_loss", []) else loss
     eng_lib.classification_loss = _loss
+
+if "override" in FAULTS and FAULTS["override"][0] == RANK:
+    sys.argv.append(FAULTS["override"][1])
 
 sys.argv[0] = str(REPO / "launch" / os.environ.get("FAULTY_LAUNCHER", "pretrain.py"))
 sys.path.insert(0, str(REPO / "launch"))  # as when the launcher runs it (for its _bootstrap)

@@ -655,6 +655,44 @@ def test_bad_input_one_rank_alone_met_is_told_to_the_batch_script_as_2(tmp_path,
     assert lines.index("exit 2") > lines.index("checkpoint 5"), lines
 
 
+def test_a_rank_whose_node_runs_another_config_stops_the_job_in_one_line(tmp_path, tiny_data):
+    """Rank 1 reads a recipe with another learning rate (its node's copy was edited): it would
+    train its share on its own schedule. Every rank stops before any work, with one line (rank
+    0's) naming the rank, its host and the key; a 2 for the batch script; nothing written."""
+    out = tmp_path / "run"
+    text = faulty(out, tiny_data, "tracking.enabled=false", fails=True,
+                  faults={"override": [1, "optimizer.lr=0.5"]})
+    assert error_lines(text) == [
+        f"error: rank 1 (on {socket.gethostname()}) does not run the same job as rank 0: "
+        f"optimizer.lr 0.5 (rank 0: 0.002); give every node the same checkout, config file "
+        f"and packages (a shared filesystem or one image) and relaunch"], text[-3000:]
+    assert text.count("does not run the same job") == 1, text[-3000:]
+    assert "exits with return code = 2" in text
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_node_with_another_checkout_or_torch_is_named_with_the_file_and_version(tmp_path):
+    """What each rank compares with rank 0's: a node's older copy of one library file is named
+    (a file only one checkout has is not: it is not run), as is another torch, from the real
+    files and installed packages of two checkouts."""
+    from pretrain.config import RunConfig
+    from pretrain.same_job import differences, facts
+    for pkg in ("pretrain", "finetune"):
+        shutil.copytree(REPO / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "pretrain" / "trainer.py", "a") as f:
+        f.write("\n# an edit on one node\n")
+    (tmp_path / "pretrain" / "scratch.py").write_text("")
+    theirs = subprocess.run(
+        [sys.executable, "-c", "import json; from pretrain.config import RunConfig; "
+         "from pretrain.same_job import facts; print(json.dumps(facts(RunConfig())))"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+        text=True, check=True)
+    mine = facts(RunConfig())
+    assert differences(json.loads(theirs.stdout), mine) == ["pretrain/trainer.py differs"]
+    older = {**mine, "package torch": "2.13.0"}
+    assert differences(older, mine) == [f"torch 2.13.0 (rank 0: {torch.__version__})"]
+
+
 # --------------------------------------------------------------------------------------------
 # 6. Non-finite losses
 # --------------------------------------------------------------------------------------------

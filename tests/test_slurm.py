@@ -150,7 +150,10 @@ def standins(tmp_path):
                STANDIN_RANK=str(rank),
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-a,node-b",
                SLURM_JOB_NUM_NODES="2", SLURM_SUBMIT_DIR=str(tmp_path),
-               SLURM_NODEID="set-in-the-batch-shell-not-on-the-node")
+               SLURM_NODEID="set-in-the-batch-shell-not-on-the-node",
+               TMPDIR=str(tmp_path / "node-tmp"))
+    (tmp_path / "node-tmp").mkdir()
+    env.pop("CUDA_VISIBLE_DEVICES", None)
     return tmp_path, env
 
 
@@ -207,17 +210,80 @@ def test_overrides_arrive_intact_and_a_finished_run_is_not_requeued(stage, stand
     # SLURM_NODEID read on the node (the srun stand-in sets 0), not in the batch shell
     assert argv[argv.index("--node_rank") + 1] == "0"
     assert argv[argv.index("--master_addr") + 1] == "node-a"
-    assert argv[argv.index("--master_port") + 1] == str(20000 + 4242 % 20000)
+    assert argv[argv.index("--master_port") + 1] == str(10000 + 4242 % 20000)
     if stage == "pretrain":
-        assert "--no_ssh" in argv
+        assert "--no_ssh" in argv and not [a for a in argv if a.startswith("--include")]
         assert launcher["hostfile"] == "node-a slots=8\nnode-b slots=8\n"
-        assert not list(tmp_path.glob("hostfile.*")), "the hostfile is left behind"
+        # written on the node's own disk, and gone
+        assert argv[argv.index("--hostfile") + 1].startswith(env["TMPDIR"])
+        assert not os.listdir(env["TMPDIR"]), "the hostfile is left behind"
     else:
         assert argv[argv.index("--nnodes") + 1] == "2"
         assert argv[argv.index("--nproc_per_node") + 1] == "8"
     assert launcher["usr1_ignored"] and launcher["term_ignored"]
     assert _requeues(tmp_path) == []
     assert "SLURM_RESTART_COUNT=0" in out and "finished" in out
+
+
+def test_the_gpus_slurm_gave_a_shared_node_are_the_ones_its_ranks_use(standins):
+    """SLURM gave the node GPUs 4-7 of 8 (no device cgroup): DeepSpeed's launcher, given a
+    hostfile, hands a node's ranks GPUs 0-3, another job's. --include names this node's."""
+    tmp_path, env = standins
+    proc = _start("pretrain", {**env, "RANK_EXIT": "0", "GPUS_PER_NODE": "4",
+                               "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out
+    (launcher,) = _records(tmp_path, "launcher")
+    assert "--include=node-a:4,5,6,7@node-b:0,1,2,3" in launcher["argv"], launcher["argv"]
+    assert launcher["hostfile"] == "node-a slots=8\nnode-b slots=4\n"
+
+
+@pytest.mark.parametrize("stage", ["pretrain", "finetune"])
+def test_more_ranks_per_node_than_gpus_slurm_gave_is_refused_before_the_step(stage, standins):
+    tmp_path, env = standins
+    proc = _start(stage, {**env, "GPUS_PER_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 2, out
+    assert "error: GPUS_PER_NODE=8 ranks per node, but SLURM gave this node 2 GPU(s) " \
+           "(CUDA_VISIBLE_DEVICES=0,1): set GPUS_PER_NODE=2, or submit with " \
+           "--gpus-per-node=8" in out, out
+    assert _records(tmp_path, "srun") == []
+
+
+def test_a_rendezvous_port_in_use_on_the_first_node_is_skipped_or_refused(standins):
+    """The batch shell runs on the first node, where rank 0 listens: a port another process
+    holds there is passed over when it was the default, refused in one line when given."""
+    import socket
+    tmp_path, env = standins
+    env = {**env, "SLURM_JOB_NODELIST": f"{socket.gethostname()},node-b", "RANK_EXIT": "0"}
+    with socket.socket() as held:  # a default port (10000 + job id % 20000), and the next free
+        port = next(p for p in range(20000, 29999) if _bound(held, p) and _free(p + 1))
+        held.listen()
+        job = str(port - 10000 + 20000)
+        proc = _start("pretrain", {**env, "SLURM_JOB_ID": job}, tmp_path)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+        assert f"port {port} is in use on {socket.gethostname()}; trying {port + 1}" in out, out
+        (launcher,) = _records(tmp_path, "launcher")
+        assert launcher["argv"][launcher["argv"].index("--master_port") + 1] == str(port + 1)
+        proc = _start("pretrain", {**env, "MASTER_PORT": str(port)}, tmp_path)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 2 and f"error: MASTER_PORT={port} is in use on " \
+            f"{socket.gethostname()}; give another, or unset it for a free one" in out, out
+
+
+def _bound(sock, port: int) -> bool:
+    try:
+        sock.bind(("", port))
+        return True
+    except OSError:
+        return False
+
+
+def _free(port: int) -> bool:
+    import socket
+    with socket.socket() as probe:
+        return _bound(probe, port)
 
 
 @pytest.mark.parametrize("stage", ["pretrain", "finetune"])
