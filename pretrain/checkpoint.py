@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ from pretrain import job_status
 from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.checkpoint_layout import momentum_as_adam, momentum_back
 from pretrain.config import ConfigError
+from pretrain.data.info import StorageUnreachable
 from pretrain.distributed import barrier, first_of_node, rank
 from pretrain.guard import TrainingStopped
 from pretrain.helper_processes import ignore_stop_signals
@@ -76,6 +78,10 @@ class Checkpoint:
     @property
     def tag(self) -> str:
         return self.path.name
+
+
+class StaleView(ConfigError, StorageUnreachable):
+    """A rank's view of output_dir lags rank 0's: exit code 1, as storage that may come back."""
 
 
 class CheckpointStore:
@@ -199,6 +205,28 @@ class CheckpointStore:
     def latest(self) -> Optional[Checkpoint]:
         valid = self.complete(warn=True)
         return valid[0] if valid else None
+
+    def latest_agreed(self) -> Optional[Checkpoint]:
+        """Collective: the newest complete checkpoint as rank 0 sees it, the one every rank
+        loads. Each rank choosing for itself could pick different steps where the filesystem
+        shows some nodes a late view (an NFS attribute cache): a checkpoint fewer, or the one
+        being written. A rank that does not see rank 0's choice complete stops the job, on every
+        rank alike, as a crash (exit code 1): a late view catches up."""
+        from pretrain.distributed import agreed, broadcast_from_0, gather, rank_world
+        valid = self.complete(warn=True)
+        chosen = broadcast_from_0(valid[0].tag if valid else None)
+        mine = next((c for c in valid if c.tag == chosen), None)
+        hosts = gather(None if mine is not None or chosen is None else socket.gethostname(),
+                       rank_world()[1])
+        blind = [(r, host) for r, host in enumerate(hosts) if host is not None]
+        if blind:
+            (r, host), more = blind[0], len(blind) - 1
+            raise agreed(StaleView(
+                f"rank {r} (on {host}){f' and {more} more' if more else ''} cannot see checkpoint "
+                f"{self.root / chosen} complete, which rank 0 resumes from: output_dir's storage "
+                f"shows that node an older view; relaunch (or mount it without attribute "
+                f"caching)"))
+        return mine
 
     def load(self, backend, ckpt: Checkpoint) -> dict:
         """Load model/optimizer state into ``backend``; returns the client state (step, loader

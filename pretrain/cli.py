@@ -197,7 +197,10 @@ def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
 
 def _said_by_rank_0(exc: BaseException) -> bool:
     """An error the ranks agreed on (:func:`pretrain.distributed.agreed`), on a rank other than
-    0: every rank raised the same, and rank 0 prints it."""
+    0: every rank raised the same, and rank 0 prints it. One each rank of a node meets alike
+    (``per_node``: the ranks did not meet, so none can agree) is printed by the node's first."""
+    if getattr(exc, "per_node", False):
+        return _said_by_local_rank_0()
     return getattr(exc, "agreed", False) and os.environ.get("RANK", "0") != "0"
 
 

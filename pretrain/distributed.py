@@ -6,9 +6,24 @@ import contextlib
 import os
 import re
 import socket
+import sys
+import threading
 from typing import Optional
 
 import torch.distributed as dist
+
+from pretrain.config import ConfigError
+from pretrain.data.info import StorageUnreachable
+
+
+class RendezvousFailed(ConfigError, StorageUnreachable):
+    """The ranks did not all meet at the start: exit code 1, as a crash (the node may come
+    back), in one line instead of a store's traceback on every rank that came; by the first
+    rank of each node that came (pretrain/cli.py)."""
+    per_node = True
+
+
+WAITING_NOTE_S = 30.0
 
 
 def init_distributed() -> tuple[int, int]:
@@ -16,9 +31,44 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
 
     world_of_one_unless_launched()
-    deepspeed.init_distributed(verbose=False)
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    world = os.environ.get("WORLD_SIZE", "1")
+    with _noted_while_waiting(where, world):
+        try:
+            deepspeed.init_distributed(verbose=False)
+        except dist.DistError as e:  # (DistStoreError: a timeout; DistNetworkError)
+            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RendezvousFailed(
+                f"rank {os.environ.get('RANK')} (on {socket.gethostname()}) could not meet the "
+                f"other ranks of a world of {world} at {where} ({cause}): a node did not start, "
+                f"or cannot reach that address (a firewall, NCCL_SOCKET_IFNAME naming another "
+                f"network); the wait is DEEPSPEED_TIMEOUT minutes (10)") from None
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def _noted_while_waiting(where: str, world: str):
+    """While the ranks meet, the first rank of each node says every WAITING_NOTE_S seconds
+    that it is still waiting: a node that never comes otherwise leaves the log silent for the
+    whole timeout."""
+    done = threading.Event()
+
+    def note() -> None:
+        waited = 0.0
+        while not done.wait(WAITING_NOTE_S):
+            waited += WAITING_NOTE_S
+            sys.stderr.write(f"[rank{os.environ.get('RANK')}] still waiting at {where} for the "
+                             f"other ranks of a world of {world} ({waited:.0f} s)\n")
+            sys.stderr.flush()
+
+    noter = threading.Thread(target=note, name="rendezvous-note", daemon=True)
+    if os.environ.get("LOCAL_RANK", "0") == "0" and world != "1":
+        noter.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def world_of_one_unless_launched() -> None:

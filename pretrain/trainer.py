@@ -132,7 +132,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                                 pin_memory=backend.on_gpu)
 
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
-    resume = store.latest() if cfg.checkpoint.resume else None
+    resume = store.latest_agreed() if cfg.checkpoint.resume else None
     if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
         set_aside_earlier_run(out, stage.inputs(cfg))
     changed = check_same_run(out, cfg, resume)
@@ -395,7 +395,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
 def roll_back(store: CheckpointStore, backend, guard: NonFiniteGuard, step: int) -> int:
     """Reload weights and optimizer from the newest complete checkpoint; returns its step. The
     loader is not rewound: the batches since the checkpoint are not replayed (they may be why)."""
-    ckpt = store.latest()
+    ckpt = store.latest_agreed()
     if ckpt is None:
         raise guard.stop(step, "there is no complete checkpoint to roll back to yet")
     store.load(backend, ckpt)

@@ -21,6 +21,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        the loader's error for a shard it may not read
   "override":     [rank, key=value]    that rank alone gets this config override too (a node
                                        whose recipe file was edited)
+  "stale_view":   rank                 that rank's listing of the checkpoints lacks the newest
+                                       (a node whose NFS attribute cache lags)
   "late":         [rank, seconds]      that rank starts this much later (a busy node)
   "node":         [rank, host]         that rank is the first of a second node of that host
                                        name ($LOCAL_RANK 0), on this machine
@@ -175,6 +177,11 @@ if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
         loss = loss_fn(logits, *args, **kwargs)
         return loss + float("nan") if calls[0] in FAULTS.get("nan_loss", []) else loss
     eng_lib.classification_loss = _loss
+
+if FAULTS.get("stale_view", -1) == RANK:
+    import pretrain.checkpoint as ckpt_lib
+    tag_dirs = ckpt_lib.CheckpointStore._tag_dirs
+    ckpt_lib.CheckpointStore._tag_dirs = lambda self: tag_dirs(self)[1:]
 
 if "override" in FAULTS and FAULTS["override"][0] == RANK:
     sys.argv.append(FAULTS["override"][1])

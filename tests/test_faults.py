@@ -671,6 +671,23 @@ def test_a_rank_whose_node_runs_another_config_stops_the_job_in_one_line(tmp_pat
     assert not (out / "checkpoints").exists()
 
 
+def test_a_rank_whose_storage_view_lags_stops_the_resume_instead_of_loading_another_step(
+        reference, tmp_path, tiny_data):
+    """Rank 1's listing of the checkpoints lacks the newest (its node's NFS view lags): each
+    rank chose for itself, so rank 1 loaded an older step than rank 0. Rank 0 chooses now;
+    rank 1 cannot see its choice, and every rank stops before loading, in one line, exit 1
+    (a crash: the view catches up)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newest = CheckpointStore(out / "checkpoints").latest()
+    text = faulty(out, tiny_data, "tracking.enabled=false", faults={"stale_view": 1}, fails=True)
+    assert error_lines(text) == [
+        f"error: rank 1 (on {socket.gethostname()}) cannot see checkpoint {newest.path} "
+        f"complete, which rank 0 resumes from: output_dir's storage shows that node an older "
+        f"view; relaunch (or mount it without attribute caching)"], text[-3000:]
+    assert "exits with return code = 1" in text
+
+
 def test_a_node_with_another_checkout_or_torch_is_named_with_the_file_and_version(tmp_path):
     """What each rank compares with rank 0's: a node's older copy of one library file is named
     (a file only one checkout has is not: it is not run), as is another torch, from the real

@@ -224,6 +224,40 @@ def test_two_nodes_through_the_deepspeed_launcher(tmp_path, tiny_data):
     assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.slow
+def test_a_node_that_never_comes_is_waited_for_aloud_then_named_in_one_line(tmp_path, tiny_data):
+    """Node 1 of 2 never starts. Node 0 says every 30 s that it is still waiting, and at the end
+    of the rendezvous timeout (DEEPSPEED_TIMEOUT, 1 minute here) its ranks stop with one line
+    from the node's first (not a store's traceback per rank), exit code 1. Slow: it waits."""
+    import socket
+    import sys
+
+    from conftest import free_port
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
+    port = str(free_port())
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile),
+         "--no_ssh", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", port,
+         str(REPO / "launch/pretrain.py"),
+         *tiny_run_args(tmp_path / "run", tiny_data, "tracking.enabled=false")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DEEPSPEED_TIMEOUT": "1"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert f"[rank0] still waiting at 127.0.0.1:{port} for the other ranks of a world of 4 " \
+           f"(30 s)" in text, text[-3000:]
+    errors = [x for x in text.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: rank 0 (on {socket.gethostname()}) could not meet the other ranks of a world "
+        f"of 4 at 127.0.0.1:{port} ("), errors
+    assert errors[0].endswith("): a node did not start, or cannot reach that address (a "
+                              "firewall, NCCL_SOCKET_IFNAME naming another network); the wait "
+                              "is DEEPSPEED_TIMEOUT minutes (10)"), errors
+    assert "Traceback" not in text, text[-3000:]
+
+
 def test_two_nodes_that_do_not_share_the_output_dir_are_refused_before_training(
         tmp_path, tiny_data):
     """The same two 'nodes', each resolving a relative output_dir in its own working directory,
