@@ -50,7 +50,7 @@ from pretrain.atomic_write import fsync_fd, fsync_path
 from pretrain.checkpoint_layout import momentum_as_adam, momentum_back
 from pretrain.config import ConfigError
 from pretrain.data.info import StorageUnreachable
-from pretrain.distributed import barrier, first_of_node, rank
+from pretrain.distributed import barrier, first_of_node, rank, rank_0_does
 from pretrain.guard import TrainingStopped
 from pretrain.helper_processes import ignore_stop_signals
 
@@ -78,6 +78,9 @@ class Checkpoint:
     @property
     def tag(self) -> str:
         return self.path.name
+
+
+UNIVERSAL_WITHIN_S = 4 * 3600.0  # the other ranks' wait for rank 0's conversion
 
 
 class StaleView(ConfigError, StorageUnreachable):
@@ -257,7 +260,10 @@ class CheckpointStore:
         converted into the same folder of the copy, where the checkpoint's other files (RNG
         states, the EMA, the client state) are linked."""
         out = ckpt.path.with_name(ckpt.tag + "_universal")
-        if rank() == 0 and not (out / MANIFEST).exists():
+
+        def convert() -> None:
+            if (out / MANIFEST).exists():  # converted by an earlier launch
+                return
             from pretrain.pickle_screen import check_pickles_are_inert  # (imports this module)
             check_pickles_are_inert(ckpt.path)  # the conversion unpickles it
             log.warning("%s: converting %s to DeepSpeed's universal checkpoint", why, ckpt.path)
@@ -291,7 +297,8 @@ class CheckpointStore:
             fsync_path(out.parent)
             _write_durably(out / MANIFEST, (ckpt.path / MANIFEST).read_text())
             log.info("converted to %s in %.1f s", out, time.monotonic() - started)
-        barrier()
+        # hours for the largest models' optimizer states: more than a barrier's 10 minutes
+        rank_0_does(convert, f"universal/{ckpt.tag}", within_s=UNIVERSAL_WITHIN_S)
 
 
 def resume_point(cfg) -> Optional[Checkpoint]:

@@ -304,7 +304,9 @@ def main(schema: Type[Section], prog: str, description: str, run: Callable[[Sect
                                  "from the newest complete checkpoint if there is one\n")
             raise SystemExit(128 + signal.SIGINT) from None
         except Exception as e:  # noqa: BLE001 -- one kind is said in a line, not a traceback
-            from pretrain.distributed import peer_gone
+            from pretrain.distributed import RankZeroFailed, peer_gone
+            if isinstance(e, RankZeroFailed):  # rank 0 says why, with its traceback
+                fail(str(e), code=1, quiet=True)
             why = peer_gone(e)
             if why is None:
                 raise

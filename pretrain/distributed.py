@@ -171,6 +171,41 @@ def gather(obj, world: int) -> list:
     return out
 
 
+def job_store(timeout_s: float) -> dist.TCPStore:
+    """A connection of our own to the job's rendezvous store (``$MASTER_ADDR:$MASTER_PORT``,
+    which every launcher starts), with our own timeout: the process group's own store waits up
+    to the group's timeout (10 min) for a frozen host, and no longer for slow work."""
+    import datetime
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def rank_0_does(work, key: str, within_s: float) -> None:
+    """``work()`` on rank 0 while the other ranks wait up to ``within_s`` seconds, longer than a
+    barrier may (the process group's timeout); rank 0's failure ends every rank alike, the
+    others with :class:`RankZeroFailed`. Collective; ``key`` is new for each call of a job."""
+    if not is_distributed():
+        work()
+        return
+    store, key = job_store(within_s), f"vitscale/rank0/{key}"
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except BaseException as e:
+            store.set(key, f"failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            raise
+        store.set(key, "done")
+        return
+    said = store.get(key).decode()  # (waits for the key, up to within_s)
+    if said != "done":
+        raise agreed(RankZeroFailed(f"rank 0 {said}; its line above says more"))
+
+
+class RankZeroFailed(RuntimeError):
+    """What the other ranks raise when rank 0 failed work they waited for; rank 0 says why."""
+
+
 def broadcast_from_0(obj):
     """Rank 0's ``obj`` on every rank (collective)."""
     if not is_distributed():

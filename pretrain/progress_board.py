@@ -14,7 +14,6 @@ and every threshold here is seconds.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -23,21 +22,13 @@ import threading
 import time
 from typing import Callable, Optional
 
-import torch.distributed as dist
+from pretrain.distributed import job_store
 
 log = logging.getLogger(__name__)
 
 KEY = "vitscale/progress/{}"
 READ_WITHIN_S = 15.0  # a stalled rank waits this long for the lines before it ends anyway
 SHOWN = 8  # ranks named in a line; the rest are counted
-
-
-def _client(timeout_s: float) -> dist.TCPStore:
-    """A connection of our own to the job's rendezvous store, with our own timeout: the default
-    group's store waits up to the process group's timeout (30 min) for a frozen host."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -75,7 +66,7 @@ class ProgressBoard:
         while True:
             try:
                 if store is None:
-                    store = _client(max(30.0, 3 * self.every_s))
+                    store = job_store(max(30.0, 3 * self.every_s))
                 store.set(KEY.format(self.rank), json.dumps(
                     [self.last_progress(), time.time(), self.host, os.getpid()]))
             except Exception as e:  # (RuntimeError, DistError...) the store's host is gone or
@@ -100,7 +91,7 @@ class ProgressBoard:
 
     def _read(self) -> Optional[str]:
         try:
-            store = _client(READ_WITHIN_S / 3)
+            store = job_store(READ_WITHIN_S / 3)
             keys = [KEY.format(r) for r in range(self.world)]
             present = [r for r, k in enumerate(keys) if store.check([k])]
             lines = dict(zip(present, store.multi_get([keys[r] for r in present])))

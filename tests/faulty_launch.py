@@ -13,6 +13,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        inside a loss would), counted with "nan"'s passes
   "slow_save":    seconds              every file of every checkpoint takes this much longer to
                                        write; while one is written, OUTPUT_DIR/saving names it
+  "slow_convert": seconds              rank 0's conversion of a checkpoint to DeepSpeed's
+                                       universal one takes this much longer
   "slow_start":   seconds              the start-up (pretraining's engine build) takes this much
                                        longer; meanwhile OUTPUT_DIR/starting exists
   "slow_data":    [rank, seconds]      that rank waits this much longer for each training batch
@@ -87,6 +89,15 @@ for key in ("kill_in_save", "write_error"):
                 raise OSError(code, os.strerror(code), str(f))
             return _save(obj, f, *args, **kwargs)
         torch.save = _save
+
+if "slow_convert" in FAULTS:
+    import pretrain.checkpoint as ckpt_lib
+    as_adam = ckpt_lib.momentum_as_adam
+
+    def _slow_as_adam(*args, **kwargs):
+        time.sleep(FAULTS["slow_convert"])
+        return as_adam(*args, **kwargs)
+    ckpt_lib.momentum_as_adam = _slow_as_adam
 
 if "slow_save" in FAULTS:
     _torch_save = torch.save

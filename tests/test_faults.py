@@ -166,6 +166,39 @@ def test_a_checkpoint_two_ranks_cannot_resume_is_refused_in_one_line(reference, 
     assert text.count("cannot be resumed by this job") == 1, text[-3000:]
 
 
+def test_a_conversion_rank_0_fails_ends_the_others_at_once_not_after_the_barriers_timeout(
+        reference, tmp_path, tiny_data):
+    """A resume in bf16 needs the fp32 checkpoint converted; rank 0 converts while rank 1
+    waits, and a file where the converted copy goes fails the conversion. Rank 1 leaves at
+    once and quietly (it said "a collective failed ... another rank's process is gone ... the
+    OOM killer say", wrong); rank 0 says why."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / f"checkpoints/step_{STEPS:08d}_universal").write_text("in the way")
+    started = time.monotonic()
+    proc = run_deepspeed(2, *run_args(out, tiny_data, "train.precision=bf16",
+                                      f"train.total_steps={STEPS + 2}"), fails=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert time.monotonic() - started < 200, "rank 1 waited out a timeout"
+    assert f"to a universal checkpoint failed" in text, text[-3000:]
+    assert "rank 0 failed" not in text and text.count("Traceback") == 1, text[-3000:]
+    assert "another rank's process is gone" not in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_a_conversion_longer_than_the_process_groups_timeout_is_waited_for(
+        reference, tmp_path, tiny_data):
+    """Rank 0's conversion takes longer than the process group's timeout (1 minute here, 10 by
+    default: a ViT-H's optimizer state takes longer): rank 1 waited in a barrier and crashed at
+    the timeout; it waits for the conversion now, and the run resumes. Slow: it waits."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    text = faulty(out, tiny_data, "train.precision=bf16", f"train.total_steps={STEPS + 2}",
+                  faults={"slow_convert": 75}, env={"DEEPSPEED_TIMEOUT": "1"})
+    assert f"converted to {out}/checkpoints/step_{STEPS:08d}_universal in " in text, text[-3000:]
+    assert f"step {STEPS + 2}/{STEPS + 2}" in text, text[-3000:]
+
+
 # --------------------------------------------------------------------------------------------
 # 1 + 2. SIGKILL of one rank at random steps, and in the middle of writing a checkpoint
 # --------------------------------------------------------------------------------------------
