@@ -523,6 +523,34 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
     assert read_info(tmp_path / "whole").splits["train"].num_samples == 12
 
 
+def test_a_folder_the_layout_does_not_read_may_change_before_a_lost_shard_is_rewritten(
+        tmp_path):
+    """train/ and val/ are read; test/ (unlabelled images) and extras/ are left out. Images
+    added to those after the output lost a shard blocked its rewrite as a changed source; now
+    the shard comes back as it was. An image added to train/ still blocks it."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write_images(raw, [f"{split}/{c}/{i:04d}.jpg" for split in ("train", "val")
+                       for c in ("cat", "dog") for i in range(3)]
+                 + ["test/0000.jpg", "extras/cat/0000.jpg"])
+
+    def prepared():
+        return run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
+                            str(out), "--shard-size", "2", "--workers", "1")
+    assert prepared().returncode == 0
+    lost = sorted(out.glob("*-train-*.tar"))[1]
+    kept = lost.read_bytes()
+    lost.unlink()
+    write_images(raw, ["test/0001.jpg", "extras/dog/0000.jpg"])
+    proc = prepared()
+    assert proc.returncode == 0, proc.stderr
+    assert lost.read_bytes() == kept
+    lost.unlink()
+    write_images(raw, ["train/dog/0009.jpg"])
+    proc = prepared()
+    assert proc.returncode == 2 and "changed (files added, removed or rewritten in " \
+        "'train/dog' since this run listed it)" in proc.stderr, proc.stderr
+
+
 def test_macos_leftovers_cleared_away_between_runs_are_no_change(tmp_path):
     """Deleting the __MACOSX folder (never read) before the rerun of an interrupted run blocked
     its resume as a changed source, under fingerprints kept by earlier versions too."""

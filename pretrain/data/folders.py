@@ -14,7 +14,7 @@ import logging
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Set
 
 from pretrain.data.sources import (IMAGE_EXTENSIONS, Entry, PrepareError, Source, as_text, is_image,
                                    sample_key, timm_info_file, visible as _visible)
@@ -73,6 +73,12 @@ class ImageFolder(Source):
         self.not_images: List[str] = []
         self.broken_links: List[str] = []  # symbolic links to nothing (a moved or unmounted target)
         self.empty_classes: List[str] = []
+
+    def top_folders(self) -> Optional[Set[str]]:
+        # the split folders; a single split is the source itself, whose folders are classes
+        if self.split_dirs == {"train": Path(self.src)}:
+            return None
+        return {p.name for p in self.split_dirs.values()}
 
     @staticmethod
     def _split_dirs(root: Path) -> dict:

@@ -84,13 +84,14 @@ def load_or_build_index(source: Source, src: str, work: Path, progress: bool,
     written; after, it is refused: the shards written follow the old index, and the rest
     would leave out what was added (and fail on what was removed)."""
     cache, scan = work / "index.npz", work / "scan.json"
-    stamp = source_fingerprint(src, source.reads)
+    tops = source.top_folders()
+    stamp = source_fingerprint(src, source.reads, tops)
     # scan.json outlives a finished run's index: a shard lost since is written again only
     # from the source the others were written from
     if scan.is_file():
         state = json.loads(scan.read_text())
         was = state.get("src_fingerprint")
-        if was is None or same_source(was, stamp, src):  # (not kept by the oldest versions)
+        if was is None or same_source(was, stamp, src, tops):  # (not kept by the oldest versions)
             if cache.is_file():
                 source.parts, source.unknown = state["parts"], state["unknown"]
                 with np.load(cache) as z:

@@ -23,7 +23,8 @@ import logging
 import os
 import unicodedata
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import (TYPE_CHECKING, Callable, Collection, Dict, Iterator, List, NamedTuple,
+                    Optional, Set, Tuple)
 
 if TYPE_CHECKING:
     from .scan_journal import ScanJournal
@@ -111,16 +112,23 @@ def _not_hidden(name: str) -> bool:  # what versions before IGNORED_FOLDERS left
     return not name.startswith(".")
 
 
-def _walk(src: str, shown: Callable[[str], bool] = visible) -> Iterator[Tuple[str, List[str]]]:
+def _walk(src: str, shown: Callable[[str], bool] = visible,
+          tops: Optional[Collection[str]] = None) -> Iterator[Tuple[str, List[str]]]:
     """(folder, its file names sorted) below the folder ``src`` as the sources read it: what is
-    not ``shown`` left out, links followed down to the deepest level a source reads
-    (``ROOT/split/class/image``), so a link loop ends."""
+    not ``shown`` left out, and of the folders of ``src`` itself those not in ``tops`` (None:
+    all), links followed down to the deepest level a source reads (``ROOT/split/class/image``),
+    so a link loop ends."""
     top = src.rstrip(os.sep).count(os.sep)
     for folder, dirs, files in os.walk(src, followlinks=True):
-        if folder.count(os.sep) - top >= 3:
+        depth = folder.count(os.sep) - top
+        if depth >= 3:
             dirs[:] = []
-        dirs[:] = sorted(d for d in dirs if shown(d))
+        dirs[:] = sorted(d for d in dirs if shown(d) and (depth or _in(d, tops)))
         yield folder, sorted(f for f in files if shown(f))
+
+
+def _in(top_folder: str, tops: Optional[Collection[str]]) -> bool:
+    return tops is None or top_folder in tops
 
 
 def _stat_line(path: str) -> Optional[str]:
@@ -131,7 +139,8 @@ def _stat_line(path: str) -> Optional[str]:
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
-def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]:
+def source_fingerprint(src: str, reads: Callable[[str], bool],
+                       tops: Optional[Collection[str]] = None) -> Dict[str, str]:
     """What says that ``src`` changed, folder by folder (its path below ``src`` -> a digest),
     so that a change can be named. A file (an outer tar, rewritten in place by
     ``rsync --inplace`` say): its size and modification time, under "". In a folder: each image
@@ -140,11 +149,13 @@ def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]
     no stat, which over millions of images on a network file system would be hours); each other
     file the layout ``reads`` (a tar or a pickle whose byte ranges the index holds, a label
     file) by its size and modification time; others (notes, thumbnails) not at all. Every
-    folder counts, an empty one too (a class), as :func:`_walk` lists them."""
+    folder counts, an empty one too (a class), as :func:`_walk` lists them; of the folders of
+    ``src`` itself only those in ``tops``, the ones the layout reads (:meth:`Source.top_folders`:
+    a test/ folder of unlabelled images, say, may change)."""
     if not os.path.isdir(src):
         return {"": _stat_line(src) or ""}
     folders = {}
-    for folder, files in _walk(src):
+    for folder, files in _walk(src, tops=tops):
         digest = hashlib.sha256()
         for name in files:
             line = name
@@ -158,14 +169,18 @@ def source_fingerprint(src: str, reads: Callable[[str], bool]) -> Dict[str, str]
     return folders
 
 
-def same_source(was, now: Dict[str, str], src: str) -> bool:
-    """Whether a fingerprint kept by a run (``was``) is the source's ``now``. Versions before
-    the fingerprint was kept by folder kept one digest of every file (a string): compared in
-    their way, so that an interrupted run of theirs resumes."""
+def same_source(was, now: Dict[str, str], src: str,
+                tops: Optional[Collection[str]] = None) -> bool:
+    """Whether a fingerprint kept by a run (``was``) is the source's ``now`` (both of the
+    ``tops`` the layout reads). Versions before the fingerprint was kept by folder kept one
+    digest of every file (a string): compared in their way, so that an interrupted run of
+    theirs resumes."""
     if isinstance(was, str):
         return was == _fingerprint_before_folders(src)
-    # kept before __MACOSX was left out: it may have been cleared away since, which is no change
-    return {k: v for k, v in was.items() if all(map(visible, Path(k).parts))} == now
+    # kept before __MACOSX, or folders the layout does not read, were left out: they may have
+    # changed since, which is no change
+    return {k: v for k, v in was.items() if all(map(visible, Path(k).parts))
+            and (k == "." or _in(Path(k).parts[0], tops))} == now
 
 
 def _fingerprint_before_folders(src: str) -> str:
@@ -228,6 +243,10 @@ class Source:
         """Whether a file of this name below ``--src`` that is no image is read by this layout
         (then its size and time say whether the source changed: :func:`source_fingerprint`)."""
         return False
+
+    def top_folders(self) -> Optional[Set[str]]:
+        """The folders of ``--src`` itself this layout reads; None: all of them."""
+        return None
 
     def describe(self, entry: Entry) -> str:
         """Where a sample came from, for the report of unreadable files."""
