@@ -264,7 +264,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     import platform
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return (f"CPU ({platform.processor() or platform.machine()}, {threads} "
+            f"thread{'s' if threads != 1 else ''})")
 
 
 def _rank_main(rank: int, world: int, port: int, kwargs: dict, queue) -> None:

@@ -180,7 +180,7 @@ def same_source(was, now: Dict[str, str], src: str,
     # kept before __MACOSX, or folders the layout does not read, were left out: they may have
     # changed since, which is no change
     return {k: v for k, v in was.items() if all(map(visible, Path(k).parts))
-            and (k == "." or _in(Path(k).parts[0], tops))} == now
+            and (k in ("", ".") or _in(Path(k).parts[0], tops))} == now
 
 
 def _fingerprint_before_folders(src: str) -> str:
