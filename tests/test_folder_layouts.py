@@ -525,18 +525,23 @@ def test_a_source_changed_under_an_interrupted_run_is_listed_again_or_refused(tm
 
 def test_a_folder_the_layout_does_not_read_may_change_before_a_lost_shard_is_rewritten(
         tmp_path):
-    """train/ and val/ are read; test/ (unlabelled images) and extras/ are left out. Images
-    added to those after the output lost a shard blocked its rewrite as a changed source; now
-    the shard comes back as it was. An image added to train/ still blocks it."""
+    """train/ and val/ are read; test/ (unlabelled images), extras/ and an image loose beside
+    them are left out, the last now with a warning. Images added to those folders after the
+    output lost a shard blocked its rewrite as a changed source; now the shard comes back as it
+    was. An image added to train/ still blocks it."""
     raw, out = tmp_path / "raw", tmp_path / "out"
     write_images(raw, [f"{split}/{c}/{i:04d}.jpg" for split in ("train", "val")
                        for c in ("cat", "dog") for i in range(3)]
-                 + ["test/0000.jpg", "extras/cat/0000.jpg"])
+                 + ["test/0000.jpg", "extras/cat/0000.jpg", "IMG_0001.jpg"])
 
     def prepared():
         return run_launcher("prepare_data.py", "imagefolder", "--src", str(raw), "--out",
                             str(out), "--shard-size", "2", "--workers", "1")
-    assert prepared().returncode == 0
+    first = prepared()
+    assert first.returncode == 0, first.stderr
+    # an image loose beside the splits has no label: said, not dropped unseen
+    assert f"left out 1 image loose in {raw}, beside its split folders (e.g. IMG_0001.jpg): " \
+           f"move them into a class folder of a split to have them" in first.stderr
     lost = sorted(out.glob("*-train-*.tar"))[1]
     kept = lost.read_bytes()
     lost.unlink()

@@ -103,6 +103,12 @@ class ImageFolder(Source):
         if others:
             log.warning("left out the folders %s of %s: the splits are read from %s",
                         ", ".join(others), root, ", ".join(p.name for p in dirs.values()))
+        loose = sorted(p.name for p in root.iterdir()
+                       if _visible(p.name) and is_image(p.name) and p.is_file())
+        if loose:  # no split and no class: nothing to label them with
+            log.warning("left out %d image%s loose in %s, beside its split folders (e.g. %s): "
+                        "move them into a class folder of a split to have them", len(loose),
+                        "s" if len(loose) > 1 else "", root, as_text(loose[0]))
         return dirs
 
     def _folder_classes(self) -> List[str]:
