@@ -33,6 +33,7 @@ from pretrain.checkpoint_layout import (allow_universal, as_written, conversion,
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
                              compile_options, input_dtype)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
+from pretrain.same_job import check_same_job
 
 log = logging.getLogger("finetune")
 
@@ -68,6 +69,7 @@ class AccelerateBackend:
             self.on_gpu, mixed_precision={"bf16": "bf16", "fp16": "fp16"}.get(precision, "no"))
         self.rank = self.accelerator.process_index
         self.world_size = self.accelerator.num_processes
+        check_same_job(cfg, self.world_size)  # each node its own checkout and recipe file
         self.device = self.accelerator.device
         from accelerate.utils import DistributedType
         self.deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED

@@ -40,7 +40,6 @@ from pretrain.model import resolve_spec
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
                               release_output_dir, removed_if_left_empty, set_aside_earlier_run)
-from pretrain.same_job import check_same_job
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -107,10 +106,9 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
 
     check_store(cfg.tracking)  # a store MLflow refuses: one line now, not metrics lost later
     stage = stage or PretrainStage(cfg)
-    backend = stage.backend(cfg)  # joins the process group
+    backend = stage.backend(cfg)  # joins the process group, checks every rank runs this job
     rank, world = backend.rank, backend.world_size
     setup_logging(rank)
-    check_same_job(cfg, world)  # every node its own checkout and recipe: one line if they differ
     micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
     make_dir(out, "output_dir")

@@ -691,7 +691,8 @@ def test_bad_input_one_rank_alone_met_is_told_to_the_batch_script_as_2(tmp_path,
 def test_a_rank_whose_node_runs_another_config_stops_the_job_in_one_line(tmp_path, tiny_data):
     """Rank 1 reads a recipe with another learning rate (its node's copy was edited): it would
     train its share on its own schedule. Every rank stops before any work, with one line (rank
-    0's) naming the rank, its host and the key; a 2 for the batch script; nothing written."""
+    0's) naming the rank, its host and the key; a 2 for the batch script; nothing written. Then
+    errors of the config alone are said by rank 0 only."""
     out = tmp_path / "run"
     text = faulty(out, tiny_data, "tracking.enabled=false", fails=True,
                   faults={"override": [1, "optimizer.lr=0.5"]})
@@ -702,6 +703,12 @@ def test_a_rank_whose_node_runs_another_config_stops_the_job_in_one_line(tmp_pat
     assert text.count("does not run the same job") == 1, text[-3000:]
     assert "exits with return code = 2" in text
     assert not (out / "checkpoints").exists()
+    # a batch that does not fit the world, checked once the ranks are known to share the
+    # config: said once, not once per rank
+    text = faulty(out, tiny_data, "tracking.enabled=false", "train.global_batch_size=15",
+                  fails=True)
+    assert [x for x in error_lines(text) if "global_batch_size=15" in x] == error_lines(text)
+    assert len(error_lines(text)) == 1 and text.count("is not divisible") == 1, text[-3000:]
 
 
 def test_a_rank_whose_storage_view_lags_stops_the_resume_instead_of_loading_another_step(
