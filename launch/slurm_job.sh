@@ -161,8 +161,9 @@ run_step() {
     requeue || true
     exit 4
   fi
-  # The trainer's rank 0 writes a line here per complete checkpoint and the exit code it chose
-  # (pretrain/job_status.py): torchrun turns every code into 1. On storage every node sees.
+  # The trainer's rank 0 writes a line here per complete checkpoint and the exit code it chose,
+  # any other rank its 2, 3 or 5 (pretrain/job_status.py): torchrun turns every code into 1.
+  # On storage every node sees.
   if VITSCALE_JOB_STATUS=$(mktemp -p "${SLURM_SUBMIT_DIR:-.}" ".job-status-$SLURM_JOB_ID.XXXXXX")
   then
     CLEANUP+=("$VITSCALE_JOB_STATUS")
