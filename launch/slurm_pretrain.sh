@@ -72,10 +72,19 @@ run_step '
   mine=$all slots=$per_node
   if [[ ${CUDA_VISIBLE_DEVICES:-} =~ ^[0-9]+(,[0-9]+)*$ && $CUDA_VISIBLE_DEVICES != "$all" ]]; then
     mine=$CUDA_VISIBLE_DEVICES
+    given=$(tr , "\n" <<< "$mine" | wc -l)
+    if (( given != per_node )); then  # (the batch shell checked only the first node)
+      echo "error: GPUS_PER_NODE=$per_node ranks per node, but SLURM gave $(hostname) $given" \
+           "GPU(s) (CUDA_VISIBLE_DEVICES=$mine): set GPUS_PER_NODE=$given, or submit with" \
+           "--gpus-per-node=$per_node" >&2
+      exit 2
+    fi
     last=$(tr , "\n" <<< "$mine" | sort -n | tail -n 1)
     (( last < per_node )) || slots=$((last + 1))
   fi
-  hostfile=$(mktemp "${TMPDIR:-/tmp}/vitscale-hostfile.XXXXXX") || exit 1
+  # (a $TMPDIR passed on from the submitting machine may not exist here)
+  hostfile=$(mktemp "${TMPDIR:-/tmp}/vitscale-hostfile.XXXXXX" 2>/dev/null \
+             || mktemp /tmp/vitscale-hostfile.XXXXXX) || exit 1
   include="" n=0
   while read -r node; do
     if (( n++ == SLURM_NODEID )); then

@@ -198,12 +198,16 @@ class CheckpointStore:
         for d in self._tag_dirs():
             problem = _problem(d)
             if problem is None:
-                m = json.loads((d / MANIFEST).read_text())
-                out.append(Checkpoint(d, int(m["step"]), int(m["world_size"]),
-                                      int(m["zero_stage"]), m.get("precision")))
+                out.append(self._read(d))
             elif warn and rank() == 0:
                 log.warning("skipping checkpoint %s: %s", d, problem)
         return out
+
+    @staticmethod
+    def _read(d: Path) -> Checkpoint:
+        m = json.loads((d / MANIFEST).read_text())
+        return Checkpoint(d, int(m["step"]), int(m["world_size"]), int(m["zero_stage"]),
+                          m.get("precision"))
 
     def latest(self) -> Optional[Checkpoint]:
         valid = self.complete(warn=True)
@@ -216,9 +220,15 @@ class CheckpointStore:
         being written. A rank that does not see rank 0's choice complete stops the job, on every
         rank alike, as a crash (exit code 1): a late view catches up."""
         from pretrain.distributed import agreed, broadcast_from_0, gather, rank_world
-        valid = self.complete(warn=True)
+        first = rank() == 0
+        valid = self.complete(warn=True) if first else []
         chosen = broadcast_from_0(valid[0].tag if valid else None)
-        mine = next((c for c in valid if c.tag == chosen), None)
+        mine = valid[0] if valid else None
+        if not first and chosen is not None:  # only rank 0's choice is looked at here: a late
+            try:  # view may list a folder rank 0 has removed, whose files are then gone
+                mine = None if _problem(self.root / chosen) else self._read(self.root / chosen)
+            except OSError:  # (a stale file handle)
+                mine = None
         hosts = gather(None if mine is not None or chosen is None else socket.gethostname(),
                        rank_world()[1])
         blind = [(r, host) for r, host in enumerate(hosts) if host is not None]

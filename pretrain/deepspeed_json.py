@@ -27,6 +27,14 @@ def refuse_gc_setting(ds: dict, where: str, holder: str) -> None:
                           f"key from {holder}")
 
 
+def json_path(name: str) -> Optional[Path]:
+    """Where the file ``deepspeed.config`` names is: as given, else in configs/deepspeed/."""
+    for path in (Path(name), DEEPSPEED_CONFIGS / name):
+        if path.is_file():
+            return path
+    return None
+
+
 def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
     """The file ``deepspeed.config`` names (from configs/deepspeed/ when not found as given),
     or None; refused when it sets what our config owns. Read when the backend is made, so a
@@ -34,10 +42,8 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
     name = cfg.deepspeed.config
     if not name:
         return None
-    path = Path(name)
-    if not path.is_file():
-        path = DEEPSPEED_CONFIGS / name
-    if not path.is_file():
+    path = json_path(name)
+    if path is None:
         raise ConfigError(f"config key 'deepspeed.config': file '{name}' not found "
                           f"(looked in . and {DEEPSPEED_CONFIGS})")
     try:

@@ -42,7 +42,8 @@ def init_distributed() -> tuple[int, int]:
                 f"rank {os.environ.get('RANK')} (on {socket.gethostname()}) could not meet the "
                 f"other ranks of a world of {world} at {where} ({cause}): a node did not start, "
                 f"or cannot reach that address (a firewall, NCCL_SOCKET_IFNAME naming another "
-                f"network); the wait is DEEPSPEED_TIMEOUT minutes (10)") from None
+                f"network); the wait is DEEPSPEED_TIMEOUT="
+                f"{os.environ.get('DEEPSPEED_TIMEOUT', '10')} (minutes)") from None
     release_shm_buffers()
     return dist.get_rank(), dist.get_world_size()
 
@@ -176,9 +177,17 @@ def job_store(timeout_s: float) -> dist.TCPStore:
     which every launcher starts), with our own timeout: the process group's own store waits up
     to the group's timeout (10 min) for a frozen host, and no longer for slow work."""
     import datetime
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=min(timeout_s, 60)),
+                          wait_for_workers=False)  # (a store already gone: a minute, not hours)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
+def job_key(name: str) -> str:
+    """A key of ours on the job's store, new for each start of the ranks: torchrun's store
+    outlives its restarts of them (--max-restarts), and an earlier try's keys with it."""
+    return f"vitscale/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
 
 
 def rank_0_does(work, key: str, within_s: float) -> None:
@@ -188,7 +197,7 @@ def rank_0_does(work, key: str, within_s: float) -> None:
     if not is_distributed():
         work()
         return
-    store, key = job_store(within_s), f"vitscale/rank0/{key}"
+    store, key = job_store(within_s), job_key(f"rank0/{key}")
     if dist.get_rank() == 0:
         try:
             work()

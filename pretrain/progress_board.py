@@ -22,13 +22,16 @@ import threading
 import time
 from typing import Callable, Optional
 
-from pretrain.distributed import job_store
+from pretrain.distributed import job_key, job_store
 
 log = logging.getLogger(__name__)
 
-KEY = "vitscale/progress/{}"
 READ_WITHIN_S = 15.0  # a stalled rank waits this long for the lines before it ends anyway
 SHOWN = 8  # ranks named in a line; the rest are counted
+
+
+def _key(rank: int) -> str:
+    return job_key(f"progress/{rank}")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -67,7 +70,7 @@ class ProgressBoard:
             try:
                 if store is None:
                     store = job_store(max(30.0, 3 * self.every_s))
-                store.set(KEY.format(self.rank), json.dumps(
+                store.set(_key(self.rank), json.dumps(
                     [self.last_progress(), time.time(), self.host, os.getpid()]))
             except Exception as e:  # (RuntimeError, DistError...) the store's host is gone or
                 # frozen; a stall, if it comes, says so
@@ -92,7 +95,7 @@ class ProgressBoard:
     def _read(self) -> Optional[str]:
         try:
             store = job_store(READ_WITHIN_S / 3)
-            keys = [KEY.format(r) for r in range(self.world)]
+            keys = [_key(r) for r in range(self.world)]
             present = [r for r, k in enumerate(keys) if store.check([k])]
             lines = dict(zip(present, store.multi_get([keys[r] for r in present])))
         except Exception as e:
@@ -109,8 +112,8 @@ class ProgressBoard:
             since = min(now - board[r][1] for r in silent)
             pid = f", pid {board[silent[0]][3]}" if len(silent) == 1 else ""
             parts.append(f"{_ranks(silent)} (on {', '.join(hosts[:SHOWN])}{pid}) stopped "
-                         f"answering {since:.0f}+ s ago: frozen process or node, look there "
-                         f"first")
+                         f"answering {since:.0f}+ s ago: its process is frozen or gone (a "
+                         f"hung node, a kill), look there first")
         if missing:
             parts.append(f"{_ranks(missing)} never reported progress")
         own = self.last_progress()

@@ -44,16 +44,27 @@ def _code() -> dict:
     script = Path(sys.argv[0])
     if script.suffix == ".py" and script.is_file():
         files[f"{script.parent.name}/{script.name}"] = script
-    return {name: hashlib.sha256(f.read_bytes()).hexdigest()[:16] for name, f in files.items()}
+    return {name: _digest(f.read_bytes()) for name, f in files.items()}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def facts(cfg) -> dict:
-    """What must be the same on every rank: ``config <key>``, ``code <file>``, ``package
-    <name>`` (and Python's version) to a value."""
+    """What must be the same on every rank: ``config <key>`` (and the DeepSpeed JSON file's
+    contents), ``code <file>``, ``package <name>`` (and Python's major.minor) to a value."""
     import importlib.metadata as md
+
+    from pretrain.deepspeed_json import json_path
     out = {f"config {k}": json.dumps(v) for k, v in _flat(cfg.model_dump(mode="json")).items()}
+    name = getattr(getattr(cfg, "deepspeed", None), "config", None)
+    if name:  # its keys are the run's too; a node's own copy of the file may differ
+        path = json_path(name)
+        out["config deepspeed.config's contents"] = \
+            _digest(path.read_bytes()) if path is not None else "not found"
     out.update({f"code {name}": digest for name, digest in _code().items()})
-    out["package python"] = sys.version.split()[0]
+    out["package python"] = ".".join(map(str, sys.version_info[:2]))
     for name in PACKAGES[1:]:
         try:
             out[f"package {name}"] = md.version(name)
@@ -86,7 +97,10 @@ def check_same_job(cfg, world: int) -> None:
     from pretrain.distributed import agreed, broadcast_from_0, gather, is_distributed
     if not is_distributed():
         return
-    mine = facts(cfg)
+    try:
+        mine = facts(cfg)
+    except (OSError, ImportError) as e:  # every rank must reach the collectives below
+        mine = {"package files": f"unreadable here ({e})"}
     first = broadcast_from_0(mine)
     said = differences(mine, first)
     told = gather((socket.gethostname(), said) if said else None, world)

@@ -93,14 +93,15 @@ def exit_now(code: int, why: str, last_words: Optional[Callable[[str], None]] = 
             time.sleep(60)  # ends this thread too, and its last words are not cut short
     from pretrain import job_status
 
-    def say_all() -> None:
-        job_status.note("exit", code)  # (its file may be on the filesystem that hangs)
-        if last_words is not None:
-            last_words(why)
-
-    words = threading.Thread(target=say_all, name="last-words", daemon=True)
-    words.start()
-    words.join(within_s)
+    # each on its own: the status file's storage may hang, and so may the tracking server
+    sayers = [threading.Thread(target=job_status.note, args=("exit", code), daemon=True)]
+    if last_words is not None:
+        sayers.append(threading.Thread(target=last_words, args=(why,), daemon=True))
+    deadline = time.monotonic() + within_s
+    for sayer in sayers:
+        sayer.start()
+    for sayer in sayers:
+        sayer.join(max(0.0, deadline - time.monotonic()))
     os._exit(code)
 
 

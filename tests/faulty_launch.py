@@ -23,7 +23,7 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
                                        the loader's error for a shard it may not read
   "override":     [rank, key=value]    that rank alone gets this config override too (a node
                                        whose recipe file was edited)
-  "stale_view":   rank                 that rank's listing of the checkpoints lacks the newest
+  "stale_view":   rank                 that rank sees the newest checkpoint without its manifest
                                        (a node whose NFS attribute cache lags)
   "late":         [rank, seconds]      that rank starts this much later (a busy node)
   "node":         [rank, host]         that rank is the first of a second node of that host
@@ -191,8 +191,12 @@ if ("nan" in FAULTS or "nan_loss" in FAULTS) and RANK == 0:
 
 if FAULTS.get("stale_view", -1) == RANK:
     import pretrain.checkpoint as ckpt_lib
-    tag_dirs = ckpt_lib.CheckpointStore._tag_dirs
-    ckpt_lib.CheckpointStore._tag_dirs = lambda self: tag_dirs(self)[1:]
+    problem = ckpt_lib._problem
+
+    def _late_view(d):
+        newest = ckpt_lib.CheckpointStore(d.parent)._tag_dirs()[0]
+        return "no COMPLETE.json (a save was interrupted)" if d == newest else problem(d)
+    ckpt_lib._problem = _late_view
 
 if "override" in FAULTS and FAULTS["override"][0] == RANK:
     sys.argv.append(FAULTS["override"][1])

@@ -418,7 +418,7 @@ def test_a_frozen_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, tiny_da
     import psutil
     out, log, status = tmp_path / "run", tmp_path / "frozen.log", tmp_path / "job-status"
     named = re.compile(r"rank 1 \(on (\S+), pid (\d+)\) stopped answering \d+\+ s ago: "
-                       r"frozen process or node, look there first")
+                       r"its process is frozen or gone \(a hung node, a kill\), look there first")
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             deepspeed_cmd(2, *run_args(out, tiny_data, "train.stall_timeout_s=10",
@@ -713,7 +713,7 @@ def test_a_rank_whose_node_runs_another_config_stops_the_job_in_one_line(tmp_pat
 
 def test_a_rank_whose_storage_view_lags_stops_the_resume_instead_of_loading_another_step(
         reference, tmp_path, tiny_data):
-    """Rank 1's listing of the checkpoints lacks the newest (its node's NFS view lags): each
+    """Rank 1 sees the newest checkpoint without its manifest (its node's NFS view lags): each
     rank chose for itself, so rank 1 loaded an older step than rank 0. Rank 0 chooses now;
     rank 1 cannot see its choice, and every rank stops before loading, in one line, exit 1
     (a crash: the view catches up)."""

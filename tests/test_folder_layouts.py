@@ -545,7 +545,7 @@ def test_a_folder_the_layout_does_not_read_may_change_before_a_lost_shard_is_rew
     lost = sorted(out.glob("*-train-*.tar"))[1]
     kept = lost.read_bytes()
     lost.unlink()
-    write_images(raw, ["test/0001.jpg", "extras/dog/0000.jpg"])
+    write_images(raw, ["test/0001.jpg", "extras/dog/0000.jpg", "IMG_0002.jpg"])
     proc = prepared()
     assert proc.returncode == 0, proc.stderr
     assert lost.read_bytes() == kept

@@ -3,7 +3,8 @@ the time limit reaches the ranks, and the job requeues itself only when it shoul
 
 The default tests run the batch scripts with plain ``bash`` and stand-ins first on PATH: ``srun``,
 ``scontrol`` and ``scancel`` stand in for the SLURM daemons, which this machine does not run.
-The srun stand-in runs its command locally with ``SLURM_NODEID=0`` and, like slurmstepd, passes a
+The srun stand-in runs its command locally with ``SLURM_NODEID=0`` (and ``$NODE_GPUS`` as the
+node's ``CUDA_VISIBLE_DEVICES``, where set) and, like slurmstepd, passes a
 signal it receives to every process of its step (its process group); ``scontrol show hostnames``
 splits the node list; ``scontrol requeue`` only records. ``deepspeed`` and ``torchrun`` are
 stand-ins too: a launcher that records its argv and signal dispositions and waits for one "rank"
@@ -54,7 +55,8 @@ record("srun", argv=argv)
 i = 0
 while i < len(argv) and argv[i].startswith("-"):   # the scripts give options as --name=value
     i += 1
-proc = subprocess.Popen(argv[i:], env={**os.environ, "SLURM_NODEID": "0"},
+node_env = {"CUDA_VISIBLE_DEVICES": os.environ["NODE_GPUS"]} if "NODE_GPUS" in os.environ else {}
+proc = subprocess.Popen(argv[i:], env={**os.environ, "SLURM_NODEID": "0", **node_env},
                         start_new_session=True)
 def forward(sig, frame):   # slurmstepd signals every process of the step
     record("srun-forward", signal=signal.Signals(sig).name)
@@ -248,6 +250,21 @@ def test_more_ranks_per_node_than_gpus_slurm_gave_is_refused_before_the_step(sta
            "(CUDA_VISIBLE_DEVICES=0,1): set GPUS_PER_NODE=2, or submit with " \
            "--gpus-per-node=8" in out, out
     assert _records(tmp_path, "srun") == []
+
+
+def test_a_node_given_fewer_gpus_than_the_first_refuses_to_start_its_ranks(standins):
+    """The batch shell sees only the first node's GPUs; a node given fewer would build another
+    world size and leave the rendezvous waiting. Its program refuses, in one line, with 2."""
+    tmp_path, env = standins
+    proc = _start("pretrain", {**env, "GPUS_PER_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+                               "NODE_GPUS": "6,7"}, tmp_path)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 2, out
+    assert "error: GPUS_PER_NODE=4 ranks per node, but SLURM gave " in out
+    assert "2 GPU(s) (CUDA_VISIBLE_DEVICES=6,7): set GPUS_PER_NODE=2, or submit with " \
+           "--gpus-per-node=4" in out, out
+    assert _records(tmp_path, "launcher") == []
+    assert "not requeued: exit code 2 means a person must look" in out, out
 
 
 def test_a_rendezvous_port_in_use_on_the_first_node_is_skipped_or_refused(standins):

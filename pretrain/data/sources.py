@@ -157,8 +157,11 @@ def source_fingerprint(src: str, reads: Callable[[str], bool],
     folders = {}
     for folder, files in _walk(src, tops=tops):
         digest = hashlib.sha256()
+        beside_splits = tops is not None and os.path.samefile(folder, src)
         for name in files:
             line = name
+            if is_image(name) and beside_splits:  # no split, no class: left out
+                continue
             if not is_image(name):
                 stat = _stat_line(os.path.join(folder, name)) if reads(name) else None
                 if stat is None:
