@@ -285,6 +285,30 @@ def test_a_worker_killed_mid_task_is_an_error_not_a_hang(i21k, tmp_path, stage, 
     fault_ledger.record(1, 0)
 
 
+def test_a_spill_file_that_cannot_be_written_is_named_not_blamed_on_the_source(i21k, tmp_path):
+    """The disk the output is prepared on takes no file over 100 kB (a real limit of the
+    kernel's, RLIMIT_FSIZE: any write error of that disk will do), so the first spill file
+    fails to grow. That was reported as "cannot read SRC as a tar ...; check the download is
+    complete"; it names the spill file now, exit 1 (rerun to resume)."""
+    import resource
+    raw, _, _ = i21k
+    src = synthetic.write_outer_tar(tmp_path / "fall11_whole.tar", sorted(raw.root.glob("*.tar")))
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal's end
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch/prepare_data.py"), "imagenet21k", "--src", str(src),
+         "--out", str(tmp_path / "out"), "--shard-size", "16", "--val-count", "20"],
+        capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr
+    spill = tmp_path / "out/.prepare/spill/spill-00000.bin"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: [Errno 27] File too large: '{spill}'; fix it and rerun the same command to "
+        f"resume"), proc.stderr
+    assert "download is complete" not in proc.stderr
+
+
 def test_a_source_or_spill_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
     raw, out, _ = i21k
     src = synthetic.write_outer_tar(tmp_path / "fall11_whole.tar", sorted(raw.root.glob("*.tar")))

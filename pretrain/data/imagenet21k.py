@@ -11,6 +11,7 @@ that is cut off goes on where it stopped (:mod:`pretrain.data.scan_journal`).
 from __future__ import annotations
 
 import bz2
+import contextlib
 import errno
 import gzip
 import logging
@@ -178,6 +179,11 @@ class SynsetTars(_SynsetLabels):
         return f"{self.parts[entry.part]}:{entry.key}"
 
 
+class SpillWriteError(OSError):
+    """Writing a spill file failed (a full or failing disk where the output is prepared), not
+    reading the source: said as such an error is (launch/prepare_data.py), naming the file."""
+
+
 def _spilled(state: dict) -> bool:
     """Whether the spill files a journal's ``state`` names are all there, the last one at
     least as long as it says (someone may have cleaned the work folder)."""
@@ -228,8 +234,9 @@ class OuterTarStream(_SynsetLabels):
                 for inner_info in outer:
                     if journal is not None and journal.due():  # every earlier member is done
                         if spill is not None:
-                            spill.flush()
-                            os.fsync(spill.fileno())
+                            with self._writing_spill():
+                                spill.flush()
+                                os.fsync(spill.fileno())
                         journal.save(position=start + inner_info.offset, read=self.scan_done,
                                      parts=self.parts, unknown=self.unknown,
                                      spill_bytes=spill.tell() if spill is not None else 0)
@@ -244,24 +251,41 @@ class OuterTarStream(_SynsetLabels):
                         for member in inner:
                             if not (member.isfile() and is_image(member.name)):
                                 continue
-                            if spill is None or spill.tell() >= SPILL_FILE_BYTES:
-                                spill = self._next_spill(spill)
-                            offset = spill.tell()
-                            spill.write(inner.extractfile(member).read())
+                            data = inner.extractfile(member).read()
+                            with self._writing_spill():
+                                if spill is None or spill.tell() >= SPILL_FILE_BYTES:
+                                    spill = self._next_spill(spill)
+                                offset = spill.tell()
+                                spill.write(data)
                             stem = os.path.splitext(os.path.basename(member.name))[0]
                             entry = Entry("train", sample_key(stem), label, len(self.parts) - 1,
                                           "", offset, member.size)
                             yield journal.note(entry) if journal is not None else entry
             self.scan_done = raw.tell()
+            if spill is not None:
+                with self._writing_spill():
+                    spill.close()  # (its last bytes go to disk now)
+        except SpillWriteError:
+            raise
         except (tarfile.ReadError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise  # writing the spill files, not reading the tar
+                raise  # writing the journal, not reading the tar
             raise PrepareError(f"cannot read {self.src} as a tar of per-synset tars ({e}); check the "
                                f"download is complete") from None
         finally:
-            for f in (spill, stream, raw):
+            for f in (spill, stream, raw):  # (the spill is closed above when all went well)
                 if f is not None:
-                    f.close()
+                    with contextlib.suppress(OSError):  # not instead of the error that ends it
+                        f.close()
+
+    @contextlib.contextmanager
+    def _writing_spill(self):
+        """A write error here is this machine's disk, not the source: said naming the file."""
+        try:
+            yield
+        except OSError as e:
+            raise SpillWriteError(e.errno, e.strerror,
+                                  self.parts[-1] if self.parts else self.spill_dir) from None
 
     def _next_spill(self, spill):
         if spill is not None:  # on disk before a journal's state counts on it
