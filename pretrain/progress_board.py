@@ -111,9 +111,10 @@ class ProgressBoard:
             hosts = sorted({board[r][2] for r in silent})
             since = min(now - board[r][1] for r in silent)
             pid = f", pid {board[silent[0]][3]}" if len(silent) == 1 else ""
+            whose = "its process is" if len(silent) == 1 else "their processes are"
             parts.append(f"{_ranks(silent)} (on {', '.join(hosts[:SHOWN])}{pid}) stopped "
-                         f"answering {since:.0f}+ s ago: its process is frozen or gone (a "
-                         f"hung node, a kill), look there first")
+                         f"answering {since:.0f}+ s ago: {whose} frozen or gone (a hung node, "
+                         f"a kill), look there first")
         if missing:
             parts.append(f"{_ranks(missing)} never reported progress")
         own = self.last_progress()
