@@ -377,10 +377,26 @@ def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_confi
     if left:  # a buffer the state dict does not carry: would be garbage, not a figure
         raise ModelFileError(f"MODEL '{path}': {left[0]} is not in the file")
     spec = model.spec
+    data = run_config.get("data") or {}
     return ModelFile(model=model.eval(), kind=kind, path=path, name=spec.name,
                      img_size=spec.img_size, num_classes=spec.num_classes,
-                     normalize=(run_config.get("data") or {}).get("normalize", "minus_one_one"),
-                     step=step, run_config=run_config)
+                     normalize=data.get("normalize", "minus_one_one"),
+                     step=step, run_config=run_config,
+                     label_names=_trained_classes(data.get("root"), spec.num_classes))
+
+
+def _trained_classes(root, num_classes: int) -> Optional[list]:
+    """The class names of the dataset a run trained on, where its folder is still here: what
+    an evaluation on another dataset with as many classes is told apart by (a checkpoint keeps
+    no names of its own). A URL or a folder gone since: None (nothing is fetched for it)."""
+    from pretrain.data.info import read_info
+    if not root or "://" in str(root) or not Path(root).is_dir():
+        return None
+    try:
+        classes = read_info(str(root)).classes
+    except Exception:  # noqa: BLE001 -- an unreadable info file only loses the note
+        return None
+    return list(classes[:num_classes]) if classes and len(classes) >= num_classes else None
 
 
 def _from_sibling_folder(p: Path, card: dict) -> tuple[ModelConfig, Optional[str]]:

@@ -131,6 +131,28 @@ def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
     assert not torch.equal(trained["head.weight"], final["head.weight"])
 
 
+def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_note(ft, tmp_path):
+    """A checkpoint keeps no class names: evaluated on another 10-class dataset, its figure
+    came with no word that the labels may mean other classes. The names of the dataset its
+    run trained on (still here) are compared now."""
+    import shutil
+
+    from pretrain import evaluate_model, model_files
+
+    mf = model_files.load_model(ft.out)
+    assert evaluate_model.evaluate(mf, str(ft.data), "test", workers=0).notes == []
+    other = tmp_path / "other"
+    shutil.copytree(ft.data, other)
+    info = json.loads((other / "_info.json").read_text())
+    info["classes"] = [f"kind{i}" for i in range(len(info["classes"]))]
+    (other / "_info.json").write_text(json.dumps(info))
+    notes = evaluate_model.evaluate(mf, str(other), "test", workers=0).notes
+    assert [n for n in notes if "label names differ" in n] == [
+        f"the model's label names differ from {other}'s classes (class 0: "
+        f"'{json.loads((ft.data / '_info.json').read_text())['classes'][0]}' vs 'kind0'); is it "
+        f"the same dataset?"], notes
+
+
 def test_export_writes_a_fine_tunes_checkpoint_as_the_fine_tune_exports_it(ft, tmp_path):
     """launch/export.py of one of a fine-tune's checkpoints (it refused them before): the
     weights the run exported for that step (the EMA's), its head, its eval preprocessing."""
