@@ -70,9 +70,9 @@ def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
     except ConfigError as e:
         raise agreed(e)
     if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
-        raise agreed(ConfigError(f"mixup/cutmix pair each image with another of its micro-batch, which "
-                          f"is {micro} here (train.global_batch_size / ranks / accumulation): "
-                          f"make it even"))
+        raise agreed(ConfigError(
+            f"mixup/cutmix pair each image with another of its micro-batch, which is {micro} "
+            f"here (train.global_batch_size / ranks / accumulation): make it even"))
     return micro, accum
 
 
