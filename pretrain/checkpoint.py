@@ -83,7 +83,7 @@ class Checkpoint:
 UNIVERSAL_WITHIN_S = 4 * 3600.0  # the other ranks' wait for rank 0's conversion
 
 
-class StaleView(ConfigError, StorageUnreachable):
+class StaleView(StorageUnreachable):
     """A rank's view of output_dir lags rank 0's: exit code 1, as storage that may come back."""
 
 

@@ -28,12 +28,14 @@ def quiet_libraries() -> None:
 
 
 def user_errors() -> tuple:
-    """Exceptions that mean "bad input" (config, data, checkpoint): one line, no traceback."""
-    from pretrain.data.info import DatasetInfoError
+    """Exceptions that mean "bad input" (config, data, checkpoint), or an outage that may end
+    by itself (:func:`input_exit_code`): one line, no traceback."""
+    from pretrain.data.info import DatasetInfoError, StorageUnreachable
     from pretrain.data.shards import LoaderError
     from pretrain.data.sources import PrepareError
     from pretrain.spool import TrackingError  # e.g. the tracking dir held by upload_spool.py
-    return ConfigError, DatasetInfoError, LoaderError, PrepareError, TrackingError
+    return (ConfigError, DatasetInfoError, LoaderError, PrepareError, TrackingError,
+            StorageUnreachable)
 
 
 def input_exit_code(exc: BaseException) -> int:

@@ -12,11 +12,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from pretrain.config import ConfigError
 from pretrain.data.info import StorageUnreachable
 
 
-class RendezvousFailed(ConfigError, StorageUnreachable):
+class RendezvousFailed(StorageUnreachable):
     """The ranks did not all meet at the start: exit code 1, as a crash (the node may come
     back), in one line instead of a store's traceback on every rank that came; by the first
     rank of each node that came (pretrain/cli.py)."""

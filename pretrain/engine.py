@@ -268,14 +268,11 @@ class DeepSpeedBackend:
     def __init__(self, cfg: PretrainConfig):
         from deepspeed.accelerator import get_accelerator
 
-        from pretrain.distributed import agreed, init_distributed
-        from pretrain.same_job import check_same_job
+        from pretrain.distributed import init_distributed
+        from pretrain.same_job import batch_layout, check_same_job
         self.rank, self.world_size = init_distributed()
         check_same_job(cfg, self.world_size)  # each node its own checkout and recipe file
-        try:  # from the config alone, the same on every rank now: said once, by rank 0
-            layout = cfg.train.batch_layout(self.world_size)
-        except ConfigError as e:
-            raise agreed(e)
+        layout = batch_layout(cfg, self.world_size)
         # a bad deepspeed.config file, or what DeepSpeed cannot run with this world's batch
         # layout (pretrain.grad_accum), fails now, before any work
         deepspeed_config(cfg, *layout, self.world_size)

@@ -91,6 +91,16 @@ def differences(mine: dict, first: dict) -> list[str]:
     return said
 
 
+def batch_layout(cfg, world: int) -> tuple[int, int]:
+    """``cfg.train.batch_layout(world)``, whose error every rank meets alike once
+    :func:`check_same_job` passed: said once, by rank 0."""
+    from pretrain.distributed import agreed
+    try:
+        return cfg.train.batch_layout(world)
+    except ConfigError as e:
+        raise agreed(e)
+
+
 def check_same_job(cfg, world: int) -> None:
     """Collective: refuse, on every rank alike, a job whose ranks do not run the same config,
     code and packages as rank 0."""

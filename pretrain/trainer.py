@@ -37,6 +37,7 @@ from pretrain.distributed import agreed, all_reduce_sum, gather, peer_gone
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
+from pretrain import same_job
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
                               release_output_dir, removed_if_left_empty, set_aside_earlier_run)
@@ -65,10 +66,7 @@ def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:
     if cfg.train.precision == "fp16" and not on_gpu:
         # DeepSpeed would fail with a traceback, Accelerate train in fp32 without a word
         raise ConfigError("train.precision=fp16 needs a GPU; use bf16 or fp32 on the CPU")
-    try:  # the same on every rank (check_same_job): said once, by rank 0
-        micro, accum = cfg.train.batch_layout(world)
-    except ConfigError as e:
-        raise agreed(e)
+    micro, accum = same_job.batch_layout(cfg, world)
     if micro % 2 and (cfg.data.mixup_alpha or cfg.data.cutmix_alpha):
         raise agreed(ConfigError(
             f"mixup/cutmix pair each image with another of its micro-batch, which is {micro} "

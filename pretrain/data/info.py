@@ -36,7 +36,9 @@ class StorageUnreachable(Exception):
     bad input it may end by itself, so the launchers exit with code 1, as a crash does (the
     relaunch resumes from the newest complete checkpoint), not 2. Storage that never answered
     (a mistyped host, a wrong endpoint, a missing ``pipe:`` command) fails the info file's read
-    at the start: bad input, code 2."""
+    at the start: bad input, code 2. The job's own outages of that kind are said the same way:
+    a node that never came to the rendezvous (pretrain/distributed.py), a node's late view of
+    output_dir (pretrain/checkpoint.py)."""
 
 
 PREPARE_WORK_DIR = ".prepare"  # prepare_data.py's bookkeeping in its output folder
