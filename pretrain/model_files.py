@@ -390,7 +390,8 @@ def _trained_classes(root, num_classes: int) -> Optional[list]:
     an evaluation on another dataset with as many classes is told apart by (a checkpoint keeps
     no names of its own). A URL or a folder gone since: None (nothing is fetched for it)."""
     from pretrain.data.info import read_info
-    if not root or "://" in str(root) or not Path(root).is_dir():
+    from pretrain.data.remote import is_remote
+    if not root or is_remote(str(root)) or not Path(root).is_dir():
         return None
     try:
         classes = read_info(str(root)).classes

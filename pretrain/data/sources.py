@@ -157,7 +157,7 @@ def source_fingerprint(src: str, reads: Callable[[str], bool],
     folders = {}
     for folder, files in _walk(src, tops=tops):
         digest = hashlib.sha256()
-        beside_splits = tops is not None and os.path.samefile(folder, src)
+        beside_splits = tops is not None and folder == src  # (os.walk's first: src itself)
         for name in files:
             line = name
             if is_image(name) and beside_splits:  # no split, no class: left out
