@@ -39,7 +39,8 @@ from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain import same_job
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
-from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
+from pretrain.run_dir import (check_every_rank_sees, check_same_run, finished_line,
+                              hold_output_dir, make_dir, mark_finished, read_finished,
                               release_output_dir, removed_if_left_empty, set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
@@ -134,6 +135,11 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     changed = check_same_run(out, cfg, resume)
 
     steps = total_steps(cfg, loader.num_samples)
+    finished = read_finished(out, resume.step, cfg) if resume and resume.step >= steps else None
+    if finished is not None:  # nothing to train and its end done: MLflow's run stays as it is
+        if rank == 0:
+            log.info("%s", finished_line(out, finished))
+        return finished.get("metrics", {})
     # a run relaunched after its last step trains nothing: its weights are loaded only when
     # the stage's finish reads them
     weights_from = None if (resume is not None and resume.step >= steps
@@ -368,6 +374,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
         stop.drain()
         tracker.stop_sampling()  # every node's last system sample on disk before rank 0's
         peaks = gather(peak_memory_gib(backend.device), world)  # tracker delivers the last
+        if rank == 0:
+            mark_finished(out, step, metrics, cfg)
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
         watchdog.stop()  # closing waits for an unreachable MLflow server, and that is no stall
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})

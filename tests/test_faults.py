@@ -122,23 +122,42 @@ def test_only_the_newest_keep_last_checkpoints_are_kept(reference):
         "step_00000010", "step_00000015", "step_00000020"]
 
 
-def test_a_finished_run_relaunched_on_fewer_ranks_trains_and_converts_nothing(
+def test_a_finished_run_relaunched_on_fewer_ranks_does_nothing_or_only_its_end(
         reference, tmp_path, tiny_data):
-    """A run relaunched after its last step (a requeue after the finish, say) on another world
-    size: nothing to train, so its checkpoint is not converted to DeepSpeed's universal layout
-    first (a checkpoint-sized copy left behind, minutes at ViT-H) and the MLflow run it wrote
-    to is the one it reopens."""
+    """A run relaunched after its last step and its end (a requeue after the finish, the same
+    command again) does nothing: its MLflow run is left as it ended, not reopened. With other
+    settings (as without its finished.json: an end cut short) the relaunch trains nothing and
+    does the end again; on another world size its checkpoint is not converted to DeepSpeed's universal layout first
+    (a checkpoint-sized copy left behind, minutes at ViT-H), and the MLflow run it wrote to is
+    the one it reopens."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     losses = last_values(out)
     run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    ended = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    finished = json.loads((out / "finished.json").read_text())
+    assert finished["step"] == STEPS and finished["metrics"]["train/loss"] == losses[STEPS]
     plan = run_launcher("pretrain.py", "--dry-run", "--world-size", "1",
                         *run_args(out, tiny_data))
     assert plan.returncode == 0, plan.stderr[-3000:]
-    assert f"resume: from {out}/checkpoints/step_{STEPS:08d} at step {STEPS}: the run has " \
-           f"trained its {STEPS} steps, nothing to train" in plan.stdout, plan.stdout[-2000:]
+    assert f"resume: nothing to do, the run in {out} finished at step {STEPS} on " \
+           f"{finished['finished']}" in plan.stdout, plan.stdout[-2000:]
     proc = run_deepspeed(1, *run_args(out, tiny_data))
     text = proc.stdout + proc.stderr
+    assert f"the run in {out} finished: its {STEPS} steps and its end on " \
+           f"{finished['finished']}" in text and "Nothing to do" in text, text[-3000:]
+    assert "resumed from" not in text and "tracking to MLflow" not in text, text[-3000:]
+    again = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert (again.info.end_time, again.data.tags) == (ended.info.end_time, ended.data.tags)
+
+    other = run_args(out, tiny_data, "log.every_steps=4")  # the end is done again with these
+    plan = run_launcher("pretrain.py", "--dry-run", "--world-size", "1", *other)
+    assert f"resume: from {out}/checkpoints/step_{STEPS:08d} at step {STEPS}: the run has " \
+           f"trained its {STEPS} steps, nothing to train" in plan.stdout, plan.stdout[-2000:]
+    proc = run_deepspeed(1, *other)
+    text = proc.stdout + proc.stderr
+    assert f"the run in {out} finished at step {STEPS} with other settings than this " \
+           f"relaunch's: its end (evaluations, exports) is done again with these" in text
     assert f"resumed from {out}/checkpoints/step_{STEPS:08d} at step {STEPS}" in text, text[-3000:]
     assert f"the run finished its {STEPS} steps before: nothing to train" in text
     assert "universal" not in text, text[-3000:]
@@ -147,6 +166,9 @@ def test_a_finished_run_relaunched_on_fewer_ranks_trains_and_converts_nothing(
     assert json.loads((out / "tracking/run.json").read_text())["run_id"] == run_id
     assert MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == \
         "FINISHED"
+    now = json.loads((out / "finished.json").read_text())
+    assert now["step"] == STEPS and now["settings"] != finished["settings"]
+    assert now["metrics"] == finished["metrics"]  # (the pretraining's end adds no figure)
 
 
 def test_a_checkpoint_two_ranks_cannot_resume_is_refused_in_one_line(reference, tmp_path,

@@ -221,5 +221,17 @@ def test_sigterm_in_the_final_evaluation_stops_before_the_exports_and_the_relaun
     for name in ("best", "final"):
         assert json.loads((out / f"{name}.json").read_text())["metrics"] == \
             json.loads((finetune_reference / f"{name}.json").read_text())["metrics"]
-    assert mlflow_run(out).info.status == "FINISHED"
+    run = mlflow_run(out)
+    assert run.info.status == "FINISHED"
     fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
+
+    # its end done, a relaunch does nothing: no test split evaluated again, no export rewritten
+    def written():  # by the end: the test split's per-class figures and the final export
+        return {p.name: p.stat().st_mtime_ns for p in [*out.glob("final*"),
+                                                        out / "per_class_top1.json"]}
+    exported = written()
+    third = finetune_faulty(out, tiny_data, NO_PERIODIC)
+    assert f"the run in {out} finished: its {STEPS} steps" in third, third[-3000:]
+    assert "resumed from" not in third, third[-3000:]
+    assert written() == exported and len(exported) == 4, exported
+    assert mlflow_run(out).info.end_time == run.info.end_time

@@ -54,7 +54,8 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
                    if "[rank0] done:" in line][-1]                     # figures and files
         assert f"eval/test/top1 {results[name]:.4f};" in closing, closing
         assert f"{out} holds best/, best.json, best.safetensors, checkpoints/, config.yaml, " \
-               f"final/, final.json, final.safetensors, metrics.jsonl, per_class_top1.json" in closing
+               f"final/, final.json, final.safetensors, finished.json, metrics.jsonl, " \
+               f"per_class_top1.json" in closing
     assert card["init"]["format"] == "scratch"
     assert results["pretrained"] > 0.3  # chance is 0.1
 

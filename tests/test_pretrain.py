@@ -325,7 +325,8 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     fresh = launch("train.total_steps=6", "model.depth=3", "checkpoint.resume=false")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     [aside] = out.glob("earlier-*")
-    assert f"the earlier run there (checkpoints, config.yaml, metrics.jsonl, tracking) was moved " \
+    assert f"the earlier run there (checkpoints, config.yaml, finished.json, metrics.jsonl, " \
+           f"tracking) was moved " \
            f"to {aside}, nothing of it deleted; left in place, as no run writes them: my_code, " \
            f"notes.txt" in fresh.stderr
     assert (out / "notes.txt").read_text() == "lr sweep\n" and (out / "my_code").is_dir()
