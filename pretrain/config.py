@@ -432,8 +432,10 @@ class TrackingConfig(Section):
     uri: Optional[str] = Field(None, description="tracking server/store URI (beats "
                                "MLFLOW_TRACKING_URI; unset: that, else ./mlflow.db)")
     # One experiment for both stages: fine-tunes can then nest under their pretraining run.
-    experiment: str = Field("vitscale", min_length=1, description="MLflow experiment name")
-    run_name: Optional[str] = Field(None, description="unset: the output_dir's name")
+    experiment: str = Field("vitscale", min_length=1, description="MLflow experiment name "
+                            "(a resumed run stays in its own: another is refused)")
+    run_name: Optional[str] = Field(None, description="unset: the output_dir's name (a "
+                                    "relaunch that gives another renames the run)")
     system_metrics: bool = Field(True, description="every node's CPU/memory/disk/network/GPU "
                                  "metrics, as MLflow's system/* metrics")
     system_metrics_every_s: float = Field(10.0, ge=0.1, description="sample them this often "

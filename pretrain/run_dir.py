@@ -366,6 +366,14 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
                 f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
                 f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
                 f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
+    if old.tracking.enabled and cfg.tracking.enabled and \
+            old.tracking.experiment != cfg.tracking.experiment:
+        raise ConfigError(
+            f"output_dir '{out}' holds a run tracked in MLflow experiment "
+            f"'{old.tracking.experiment}' ('{cfg.tracking.experiment}' now), and an MLflow run "
+            f"cannot move to another experiment: keep tracking.experiment="
+            f"{old.tracking.experiment}, pick a new output_dir, or set checkpoint.resume=false "
+            f"to start a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
     was, now = old.checkpoint_layout(), cfg.checkpoint_layout()
     for key in was:
         if was[key] != now.get(key):

@@ -36,8 +36,10 @@ class TrackingError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Local state: run.json, the spool and its delivery cursor
 # --------------------------------------------------------------------------------------------
-# the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
-JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs")
+# the tags of the job running the run, which a resumed job sets anew (pretrain.tracking); and
+# the run's name, where a relaunch gives tracking.run_name
+JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs",
+            "mlflow.runName")
 
 
 @dataclass

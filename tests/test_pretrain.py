@@ -317,6 +317,13 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
         f"pick a new output_dir, or set checkpoint.resume=false to start a new run there (the "
         f"earlier one is moved into '{out}/earlier-<time>/')")
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [8, 4]
+    # another MLflow experiment: a run cannot move there, so it is refused, not ignored
+    elsewhere = launch("train.total_steps=9", "tracking.experiment=elsewhere")
+    assert elsewhere.returncode == 2 and elsewhere.stderr.strip().splitlines()[-1].startswith(
+        f"error: output_dir '{out}' holds a run tracked in MLflow experiment 'vitscale' "
+        f"('elsewhere' now), and an MLflow run cannot move to another experiment: keep "
+        f"tracking.experiment=vitscale"), elsewhere.stderr[-2000:]
+    assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [8, 4]
 
     # checkpoint.resume=false: a new run; the earlier one moved aside whole, nothing overwritten;
     # what no run writes (a user's notes and code, output_dir=. in a project) stays where it is

@@ -475,9 +475,14 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     assert run.data.params["optimizer.lr"] == "0.001"
     assert tags["config.changed"] == "from step 4: optimizer.lr: 0.001 -> 0.0005"
     assert {"config.yaml", "resume_step_00000004"} <= {a.path for a in client.list_artifacts(rid)}
+    # the same settings again: nothing to say; a run name given now renames the run
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
+        update={"run_name": "renamed"})})
+    assert the_run(client, exp).info.run_name == "run"  # (the output_dir's name)
     third = start_tracking(cfg, "pretrain", out, 0, world_size=8, hosts=["node3", "node1"] * 4,
-                           run_id=rid, resumed_at=9)  # the same settings again: nothing to say
+                           run_id=rid, resumed_at=9)
     third.close()
+    assert client.get_run(rid).info.run_name == "renamed"
     assert [a.path for a in client.list_artifacts(rid, "resume_step_00000009")] == [
         "resume_step_00000009/environment.json"]  # the job's machines, as each job's
     assert client.get_run(rid).data.tags["config.changed"] == tags["config.changed"]
