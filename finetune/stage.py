@@ -114,7 +114,7 @@ class FinetuneStage(Stage):
         from pretrain.data.device_batch import normalize
         from pretrain.engine import input_dtype
         from pretrain.evaluate import ClassificationEvaluator
-        from pretrain.stage import eval_data, fewshot_evaluators
+        from pretrain.stage import warn_unused, eval_data, fewshot_evaluators
 
         # under train.precision's autocast, as the training forward (and launch/evaluate.py):
         # the EMA copy and the probe's pre-logits call are outside Accelerate's autocast
@@ -133,6 +133,9 @@ class FinetuneStage(Stage):
 
         if cfg.data.val_split:  # the reported figure: once, after the last step (finish)
             self.test = evaluator(cfg.eval.val_name or cfg.data.val_split, cfg.data.val_split)
+        elif rank == 0:
+            warn_unused(cfg, ("val_name",), "data.val_split=null: no split is evaluated after "
+                                             "the last step")
         # model selection on the dev split held out of train, every eval.every_steps
         dev = [evaluator("dev", cfg.data.train_split, cfg.data.dev_fraction)] \
             if cfg.data.dev_fraction else []

@@ -134,7 +134,7 @@ def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype)
                   device=device, dtype=dtype)
     out = []
     if not cfg.data.val_split and rank == 0:
-        _warn_unused(cfg, ("val_name", "every_steps", "max_samples")
+        warn_unused(cfg, ("val_name", "every_steps", "max_samples")
                      + (() if cfg.eval.fewshot_root else ("batch_size",)),
                      "data.val_split=null: there is no held-out classification")
     if cfg.data.val_split:
@@ -193,7 +193,7 @@ def in_probe_keys(err):
                      .replace("data.root", "eval.fewshot_root"))
 
 
-def _warn_unused(cfg: RunConfig, keys: tuple, why: str) -> None:
+def warn_unused(cfg: RunConfig, keys: tuple, why: str) -> None:
     """One warning for the eval.* ``keys`` the recipe or command line set that do nothing."""
     unused = [f"eval.{k}={getattr(cfg.eval, k)}" for k in keys if k in cfg.eval.model_fields_set]
     if unused:
@@ -210,7 +210,7 @@ def fewshot_evaluators(cfg: RunConfig, spec, rank: int, world: int, **common) ->
     info = check_fewshot_root(cfg)
     if info is None:
         if rank == 0:
-            _warn_unused(cfg, ("fewshot_train_split", "fewshot_test_split", "fewshot_shots",
+            warn_unused(cfg, ("fewshot_train_split", "fewshot_test_split", "fewshot_shots",
                                "fewshot_every_steps", "fewshot_l2_reg"),
                          "eval.fewshot_root is unset: there is no few-shot probe")
         return []

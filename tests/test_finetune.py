@@ -158,6 +158,22 @@ def test_a_dev_split_too_small_to_choose_on_is_said_once(tmp_path, tiny_cifar):
     assert 5 < images < 25 and step == round(100 / images)
 
 
+def test_eval_keys_without_a_split_to_act_on_are_said_to_do_nothing(tmp_path, tiny_cifar):
+    """No reported split and no dev split: eval.val_name and eval.every_steps name nothing;
+    eval.val_name was taken without a word."""
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml",
+                        *finetune_args(tmp_path / "ft", tiny_cifar, "null"),
+                        "data.val_split=null", "data.dev_fraction=0", "eval.val_name=reported",
+                        "train.total_steps=2", "eval.every_steps=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "eval.val_name=reported does nothing: data.val_split=null: no split is evaluated " \
+           "after the last step" in proc.stderr, proc.stderr[-3000:]
+    assert "eval.every_steps=1 evaluates nothing: the fine-tune's periodic evaluation (and its " \
+           "best export) is on the dev split, and data.dev_fraction=0 holds none out; no split " \
+           "is evaluated" in proc.stderr
+    assert not (tmp_path / "ft" / "best").exists() and (tmp_path / "ft" / "final").is_dir()
+
+
 def test_the_demo_set_asked_for_another_class_count_is_refused_before_it_is_made(tmp_path):
     """It logged "generating ... 20 classes", wrote 10, then refused the 20-class head."""
     from pretrain.data.sources import PrepareError
