@@ -28,8 +28,8 @@ from finetune import accelerate_deepspeed, launch_options
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, RunConfig
 from pretrain.deepspeed_json import zero_stage
-from pretrain.checkpoint_layout import (allow_universal, as_written, conversion, saved_precision,
-                                       unresumable)
+from pretrain.checkpoint_layout import (allow_universal, as_written, conversion, load_universal,
+                                       saved_precision, unresumable)
 from pretrain.engine import (apply_train_options, build_optimizer, classification_loss,
                              compile_options, input_dtype)
 from pretrain.grad_accum import keep_zero1_optimizer, summed_in
@@ -114,7 +114,7 @@ class AccelerateBackend:
             self.accelerator.gradient_accumulation_steps = accum
             if why:
                 from accelerate.utils.constants import MODEL_NAME
-                self.ds_config["checkpoint"] = {"load_universal": True}
+                load_universal(self.ds_config)
                 store.prepare_universal(resume, why, MODEL_NAME)
         with keep_zero1_optimizer() if self.deepspeed else contextlib.nullcontext():
             self.model, self.optimizer = self.accelerator.prepare(model, optimizer)

@@ -44,6 +44,12 @@ def allow_universal(model: nn.Module) -> None:
             {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
+def load_universal(ds_config: dict) -> None:
+    """Have DeepSpeed load the universal checkpoint made for a relaunch on another layout (in
+    place), the config's other checkpoint settings (``tag_validation``, say) kept."""
+    ds_config["checkpoint"] = {**(ds_config.get("checkpoint") or {}), "load_universal": True}
+
+
 def layout_changes(ckpt, world_size: int, stage: int, precision: str,
                    files: Optional[Path] = None) -> str:
     """Why DeepSpeed's files of ``ckpt`` are read through its universal layout ("" when they

@@ -99,9 +99,10 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
         train_batch_size=micro * accum * world,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
-        steps_per_print=10 ** 9,  # our own metrics line replaces DeepSpeed's
         zero_allow_untested_optimizer=True,
     )
+    out.setdefault("steps_per_print", 10 ** 9)  # our own metrics line replaces DeepSpeed's,
+    # unless a file asks for DeepSpeed's too
     if cfg.optimizer.grad_clip:
         out["gradient_clipping"] = cfg.optimizer.grad_clip
     without_throughput_timer(out)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretrain.checkpoint_layout import allow_universal, conversion, layout_changes
+from pretrain.checkpoint_layout import (allow_universal, conversion, layout_changes,
+                                        load_universal)
 from pretrain.config import ConfigError, PretrainConfig, RunConfig
 from pretrain.deepspeed_json import deepspeed_config, zero_stage
 from pretrain.distributed import rank
@@ -291,7 +292,7 @@ class DeepSpeedBackend:
         why = conversion(resume, self.world_size, self.zero_stage, self.precision,
                          cfg.optimizer.name) if resume is not None else ""
         if why:
-            self.ds_config["checkpoint"] = {"load_universal": True}
+            load_universal(self.ds_config)
             store.prepare_universal(resume, why)
         model = build_model(cfg, self.ds_config)
         self.optimizer = build_optimizer(model, cfg)

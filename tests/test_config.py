@@ -368,7 +368,16 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
                                           r"file"):
         deepspeed_config(cfg, micro=4, accum=1, world=1)
     ds.write_text('{"zero_optimization": {"stage": 1}}')  # ZeRO settings are the file's to give
-    assert deepspeed_config(cfg, micro=4, accum=1, world=1)["zero_optimization"] == {"stage": 1}
+    made = deepspeed_config(cfg, micro=4, accum=1, world=1)
+    assert made["zero_optimization"] == {"stage": 1} and made["steps_per_print"] == 10 ** 9
+    # and what else DeepSpeed offers: its own progress lines, checkpoint settings, which a
+    # relaunch on another layout keeps beside the universal checkpoint it loads
+    ds.write_text('{"steps_per_print": 5, "checkpoint": {"tag_validation": "Fail"}}')
+    made = deepspeed_config(cfg, micro=4, accum=1, world=1)
+    assert made["steps_per_print"] == 5
+    from pretrain.checkpoint_layout import load_universal
+    load_universal(made)
+    assert made["checkpoint"] == {"tag_validation": "Fail", "load_universal": True}
 
 
 def test_the_zero_stage_is_the_deepspeed_files_and_a_different_one_given_too_is_refused(
