@@ -130,9 +130,12 @@ class OptimizerConfig(Section):
 
 class ScheduleConfig(Section):
     warmup_steps: int = Field(10_000, ge=0, description="linear warmup from 0 to optimizer.lr")
+    # the schedule ends at step train.total_steps, after the last update (as big_vision's):
+    # the last step trains one step's decay short of min_lr
     decay: Literal["linear", "cosine"] = Field("linear", description="decay after the warmup, "
-                                               "to schedule.min_lr at the last step")
-    min_lr: float = Field(1e-5, ge=0, description="learning rate at the last step")
+                                               "to schedule.min_lr where the run ends")
+    min_lr: float = Field(1e-5, ge=0, description="learning rate the decay ends at, after the "
+                          "last step")
 
 
 # timm's RandAugment string: "rand", then sections its parser knows (t<name>: a transform set;
