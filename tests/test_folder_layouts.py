@@ -231,6 +231,27 @@ def test_train_valid_test_exports_give_three_splits_and_left_out_folders_are_nam
     assert "left out the folders" not in caplog.text
 
 
+def test_a_train_folder_alone_is_the_training_split_and_beside_classes_a_class(tmp_path):
+    """An export of its training split only: train/<class>/<image>, nothing beside it. It was
+    refused ("found images two levels down in .../train"); it prepares as its class folders
+    would at the root, the validation split held out alike. A folder named train beside class
+    folders stays a class (vehicles: bus, car, train)."""
+    files = [f"{cls}/{n}.jpg" for cls in ("cat", "dog") for n in range(6)]
+    write_images(tmp_path / "export" / "train", files)
+    write_images(tmp_path / "flat", files)
+    infos = [prepare("imagefolder", str(tmp_path / src), str(tmp_path / f"out-{src}"),
+                     val_count=2, progress=False) for src in ("export", "flat")]
+    assert infos[0].classes == infos[1].classes == ["cat", "dog"]
+    assert {n: s.num_samples for n, s in infos[0].splits.items()} == \
+        {n: s.num_samples for n, s in infos[1].splits.items()} == {"train": 10, "validation": 2}
+
+    write_images(tmp_path / "vehicles", [f"{cls}/{n}.jpg" for cls in ("bus", "train")
+                                         for n in range(3)])
+    info = prepare("imagefolder", str(tmp_path / "vehicles"), str(tmp_path / "out-vehicles"),
+                   val_count=2, progress=False)
+    assert info.classes == ["bus", "train"]
+
+
 def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, caplog):
     from PIL import Image
     widths = write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])

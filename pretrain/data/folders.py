@@ -90,7 +90,11 @@ class ImageFolder(Source):
             by_name.setdefault(p.name.lower(), p)
         found = {split: next((by_name[n] for n in names if n in by_name), None)
                  for split, names in SPLIT_FOLDERS.items()}
-        if found["train"] is None or (found["validation"] is None and found["test"] is None):
+        # train/ alone is the training split of an export that has no other; beside class
+        # folders, a folder named train is one more class (a vehicle dataset's, COCO's)
+        alone = found["train"] is not None and len(by_name) == 1
+        if found["train"] is None or (found["validation"] is None and found["test"] is None
+                                      and not alone):
             return {"train": root}
         if found["test"] is not None and not _subfolders(found["test"]):
             # ImageNet's and Kaggle's test images come without labels, loose in one folder
