@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import shutil
 import signal
 import sys
 
@@ -145,6 +147,10 @@ def main(argv=None) -> int:
             sys.stderr.write(f"error: {e}: gone from --src during the run; put it back and "
                              f"rerun the same command to resume, or start afresh in a new "
                              f"output folder\n")
+        elif e.errno in DISK_FULL:
+            sys.stderr.write(f"error: {e}, {out_of_room(args.stage if remote else args.out)}; "
+                             f"make room there (or raise the quota or the file-size limit, "
+                             f"`ulimit -f`) and rerun the same command to resume\n")
         else:
             sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
         return 1
@@ -155,6 +161,19 @@ def main(argv=None) -> int:
         sys.stderr.write("interrupted; rerun the same command to resume\n")
         return 130
     return 0
+
+
+# what only a write gets, whose message may name no file (a write to a shard being made)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def out_of_room(folder: str) -> str:
+    """Where the output is written, and the room left there."""
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2 ** 30:.1f} GiB free there"
+    except OSError:
+        free = "its disk not readable"
+    return f"writing under {os.path.abspath(folder)} ({free})"
 
 
 if __name__ == "__main__":

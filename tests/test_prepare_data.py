@@ -303,10 +303,40 @@ def test_a_spill_file_that_cannot_be_written_is_named_not_blamed_on_the_source(i
         capture_output=True, text=True, timeout=300, preexec_fn=small_files)
     assert proc.returncode == 1, proc.stderr
     spill = tmp_path / "out/.prepare/spill/spill-00000.bin"
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: [Errno 27] File too large: '{spill}'; fix it and rerun the same command to "
-        f"resume"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: [Errno 27] File too large: '{spill}', writing under {tmp_path / 'out'} ("), \
+        proc.stderr
     assert "download is complete" not in proc.stderr
+
+
+def test_a_shard_that_cannot_be_written_names_the_output_folder_and_the_rerun_resumes(tmp_path):
+    """A full disk, a quota or a file-size limit while a shard is written: the error names no
+    file ("[Errno 27] File too large" was all the line said). It names the output folder and
+    the room left there now, and the same command, rerun once there is room, completes."""
+    import resource
+    for c in range(2):
+        for i in range(8):
+            path = tmp_path / "src" / f"c{c}" / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(synthetic.class_image(c, 2, np.random.default_rng(i), (96, 96), "PNG"))
+    cmd = [sys.executable, str(REPO / "launch/prepare_data.py"), "imagefolder", "--src",
+           str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--shard-size", "16",
+           "--val-count", "2", "--workers", "1"]
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal's end
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(re.escape(f"error: [Errno 27] File too large, writing under "
+                                  f"{tmp_path / 'out'} (") + r"\d+\.\d GiB free there\); make "
+                        r"room there \(or raise the quota or the file-size limit, `ulimit -f`\) "
+                        r"and rerun the same command to resume", line), line
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    info = read_info(tmp_path / "out")
+    assert {n: s.num_samples for n, s in info.splits.items()} == {"train": 14, "validation": 2}
 
 
 def test_a_source_or_spill_changed_after_a_killed_index_pass_is_scanned_again(i21k, tmp_path):
