@@ -97,6 +97,10 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     """
     t = cfg.tracking
     if not t.enabled:
+        unused = [f"tracking.{k}" for k in sorted(t.model_fields_set) if k != "enabled"]
+        if unused and rank == 0:
+            log.warning("%s %s nothing: tracking.enabled=false (metrics.jsonl only)",
+                        ", ".join(unused), "does" if len(unused) == 1 else "do")
         return NoTracking()
     tracker, error = NoTracking(), None
     if rank == 0:

@@ -917,6 +917,23 @@ def test_a_disabled_tracker_takes_every_call_the_mlflow_tracker_takes(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_tracking_keys_given_with_tracking_disabled_are_said_to_do_nothing(tmp_path, caplog):
+    """They were taken without a word; rank 0 says it once, and nothing set, nothing said."""
+    from pretrain.config import PretrainConfig
+    from pretrain.config_files import load_config
+    from pretrain.tracking import start_tracking
+    cfg = load_config(PretrainConfig, None, ["tracking.enabled=false", "tracking.experiment=x",
+                                             "tracking.uri=sqlite:////nowhere/mlflow.db"])
+    with caplog.at_level(logging.WARNING, logger="pretrain.tracking"):
+        for rank in (1, 0):
+            start_tracking(cfg, "pretrain", tmp_path / "run", rank, world_size=1)
+        start_tracking(load_config(PretrainConfig, None, ["tracking.enabled=false"]),
+                       "pretrain", tmp_path / "run", 0, world_size=1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "tracking.experiment, tracking.uri do nothing: tracking.enabled=false (metrics.jsonl "
+        "only)"]
+
+
 def test_a_run_stopped_by_signals_and_resumed_reads_as_one_finished_run_with_its_stops(
         tmp_path, client, mlflow_server, monkeypatch):
     """Two signal stops (KILLED, with the trainer's tags) and two relaunches that resume into
