@@ -206,6 +206,12 @@ def test_fewer_shards_than_reader_slots_is_a_clear_error(tmp_path):
     with pytest.raises(LoaderError, match=r"2 shards but world size 2 x 2 workers = 4 .*"
                                           r"data.resample=true"):
         TrainLoader(shards, img_size=32, batch_size=4, rank=0, world_size=2, num_workers=2)
+    # one worker a rank already: no fewer workers to suggest; a dev share's split by its name
+    with pytest.raises(LoaderError, match=r"^split 'train' has 2 shards but world size 3 x 1 "
+                                          r"workers = 3 reader slots; write smaller shards "
+                                          r"\(prepare_data.py --shard-size\), or set "):
+        TrainLoader(shards.holding_out(0.5, "rest"), img_size=32, batch_size=4, rank=0,
+                    world_size=3, num_workers=0)
     resampled = TrainLoader(shards, img_size=32, batch_size=4, rank=1, world_size=2,
                             num_workers=2, resample=True, shuffle_buffer=4)
     batches = _take(resampled, 6)  # 8 samples, 24 drawn: the stream does not run dry

@@ -122,10 +122,13 @@ def reader_slots(shards: ShardSet, world_size: int, num_workers: int, resample: 
     workers = max(1, num_workers)
     slots = world_size * workers
     if len(shards.urls) < slots and not resample:
+        # (a dev share held out of the split is in every shard: the user's split name)
+        fewer = "lower data.num_workers, " if workers > 1 else ""
         raise LoaderError(
-            f"split '{shards.name}' has {len(shards.urls)} shards but world size {world_size} "
-            f"x {workers} workers = {slots} reader slots; lower data.num_workers, write "
-            f"smaller shards, or set data.resample=true (no exactly-once epochs)")
+            f"split '{shards.name.partition('[')[0]}' has {len(shards.urls)} shards but world "
+            f"size {world_size} x {workers} workers = {slots} reader slots; {fewer}write "
+            f"smaller shards (prepare_data.py --shard-size), or set data.resample=true (no "
+            f"exactly-once epochs)")
     return slots
 
 
