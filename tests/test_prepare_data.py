@@ -490,6 +490,32 @@ def test_cifar_pickles_keep_labels_and_pixels(tmp_path, kind):
             assert np.abs(decoded - pixels[row]).mean() < 6
 
 
+def test_cifar_labels_re_saved_as_numpy_ints_prepare_as_the_downloaded_files(tmp_path):
+    """A script that loaded the batches and saved them again may leave the labels a numpy
+    array, or a list of numpy ints: they were refused, the array as "not N ints", the list as a
+    pickle that is no CIFAR batch ("download the python version"), though the user had it."""
+    raw = synthetic.write_cifar(tmp_path / "raw", "cifar10", n_train=20, n_test=8)
+    prepare("cifar10", str(raw.root), str(tmp_path / "out"), shard_size=8, progress=False)
+    for how, relabel in (("array", np.array), ("list", lambda y: list(np.array(y))),
+                         ("uint8", lambda y: np.array(y, np.uint8))):
+        copy = tmp_path / how / raw.root.name
+        shutil.copytree(raw.root, copy)
+        for f in copy.glob("*_batch*"):
+            with open(f, "rb") as fh:
+                batch = pickle.load(fh)  # our own file: plain pickle is safe here
+            batch["labels"] = relabel(batch["labels"])
+            f.write_bytes(pickle.dumps(batch))
+        prepare("cifar10", str(copy), str(tmp_path / f"out-{how}"), shard_size=8,
+                progress=False)
+        for shard in (tmp_path / "out").glob("*.tar"):
+            assert (tmp_path / f"out-{how}" / shard.name).read_bytes() == shard.read_bytes()
+    batch["labels"] = np.array(batch["labels"], np.float32)  # not a class index: refused
+    (copy / "data_batch_1").write_bytes(pickle.dumps(batch))
+    with pytest.raises(PrepareError, match=r"data_batch_1 does not hold a dict with 'data' "
+                                           r"\(N x 3072 uint8\) and 'labels' \(N ints\)"):
+        prepare("cifar10", str(copy), str(tmp_path / "out-float"), progress=False)
+
+
 class _Evil:
     def __init__(self, marker):
         self.marker = marker

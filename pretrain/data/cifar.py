@@ -17,11 +17,14 @@ from pretrain.data.sources import Entry, PrepareError, Source
 
 
 class _CifarUnpickler(pickle.Unpickler):
-    """Only what a CIFAR batch needs: a dict, lists, strings, ints and one numpy array."""
+    """Only what a CIFAR batch needs: a dict, lists, strings, ints and numpy arrays (or numpy
+    ints: labels a script re-saved as ``list(array)``)."""
 
-    # _frombuffer: how numpy pickles an array under protocol 5 (pickle.HIGHEST_PROTOCOL).
+    # _frombuffer: how numpy pickles an array under protocol 5 (pickle.HIGHEST_PROTOCOL);
+    # scalar: a numpy number, made from its dtype and bytes
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+               ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
     def find_class(self, module, name):
@@ -52,6 +55,17 @@ def _name_text(name):
         return name.decode("latin1")
 
 
+def _ints(labels) -> Optional[list]:
+    """Labels as Python ints: the official files' list, or the numpy array (or list of numpy
+    ints) a script re-saved; None for anything else."""
+    if isinstance(labels, np.ndarray) and labels.ndim == 1 and labels.dtype.kind in "iu":
+        return labels.tolist()
+    if isinstance(labels, list) and all(isinstance(x, (int, np.integer)) and
+                                        not isinstance(x, bool) for x in labels):
+        return [int(x) for x in labels]
+    return None
+
+
 def load_cifar_batch(path: str, label_key: str) -> tuple:
     """(N x 32 x 32 x 3 uint8 images, N labels) of one CIFAR pickle, after checking its structure."""
     try:
@@ -61,11 +75,10 @@ def load_cifar_batch(path: str, label_key: str) -> tuple:
         raise PrepareError(f"{path} is not a CIFAR python batch ({e}); download the python version "
                            f"(cifar-10-python.tar.gz / cifar-100-python.tar.gz)") from None
     batch = _str_keys(batch) or {}
-    data, labels = batch.get("data"), batch.get(label_key)
+    data, labels = batch.get("data"), _ints(batch.get(label_key))
     rows_ok = (isinstance(data, np.ndarray) and data.dtype == np.uint8
                and data.ndim == 2 and data.shape[1] == 3072)
-    if not (rows_ok and isinstance(labels, list) and len(labels) == len(data)
-            and all(isinstance(x, int) for x in labels)):
+    if not (rows_ok and labels is not None and len(labels) == len(data)):
         raise PrepareError(f"{path} does not hold a dict with 'data' (N x 3072 uint8) and '{label_key}' "
                            f"(N ints); is --src the right CIFAR version?")
     # Rows are channel-major (1024 red, 1024 green, 1024 blue values).
