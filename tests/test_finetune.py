@@ -195,9 +195,15 @@ def test_a_dev_fraction_that_holds_out_no_image_is_refused_at_the_start(tmp_path
         assert proc.returncode == 2, (extra, proc.stderr[-2000:])
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: data.dev_fraction=0.0001 holds out no image of the 640 in split 'train' of "
-            f"{tiny_cifar}; raise it to at least 0.039 (25 images; the paper holds out 1 % of "
-            f"ImageNet's train, 2 % of CIFAR's)"), extra
+            f"{tiny_cifar}; raise it to at least 0.039 (about 25 images; the paper holds out "
+            f"1 % of ImageNet's train, 2 % of CIFAR's)"), extra
         assert not (tmp_path / "ft" / "checkpoints").exists()
+    # a split too small for 25: half of it, and the count that half is (it said 25)
+    from pretrain.data.eval_loader import held_out
+    from pretrain.data.shards import LoaderError, ShardSet
+    with pytest.raises(LoaderError, match=r"of the 8 in split 'train' of data; raise it to at "
+                                          r"least 0.5 \(about 4 images;"):
+        held_out(ShardSet(urls=["data/a.tar"], lengths=[8]), 0.02, "train", "data")
 
 
 def test_with_polyak_averaging_the_figures_and_exports_are_the_average(tmp_path, tiny_cifar):

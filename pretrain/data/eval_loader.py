@@ -109,10 +109,11 @@ def held_out(shards: ShardSet, holdout: float, split: str, root: str) -> ShardSe
     total = shards.num_samples
     held = shards.holding_out(holdout, "held")
     if total and not held.num_samples:  # (the hash decides exactly: this is about)
+        fraction = min(25 / total, 0.5)  # 25 images, or half of a split too small for them
         raise LoaderError(f"data.dev_fraction={holdout:g} holds out no image of the {total:,} "
-                          f"in split '{split}' of {root}; raise it to at least "
-                          f"{min(25 / total, 0.5):.2g} (25 images; the paper holds out 1 % of "
-                          f"ImageNet's train, 2 % of CIFAR's)")
+                          f"in split '{split}' of {root}; raise it to at least {fraction:.2g} "
+                          f"(about {round(fraction * total):,} images; the paper holds out 1 % "
+                          f"of ImageNet's train, 2 % of CIFAR's)")
     return held
 
 
