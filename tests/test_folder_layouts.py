@@ -252,6 +252,21 @@ def test_a_train_folder_alone_is_the_training_split_and_beside_classes_a_class(t
     assert info.classes == ["bus", "train"]
 
 
+def test_val_class_folders_without_a_training_folder_are_all_named_at_once(tmp_path):
+    """Each was refused by a run of its own; a spelling that differs in case only is pointed
+    out (exports from tools that capitalise)."""
+    write_images(tmp_path / "raw", [*(f"train/{c}/{i}.jpg" for c in ("cat", "dog")
+                                      for i in range(3)),
+                                    *(f"val/{c}/0.jpg" for c in ("Cat", "dog", "horse"))])
+    with pytest.raises(PrepareError) as e:
+        prepare("imagefolder", str(tmp_path / "raw"), str(tmp_path / "out"), progress=False)
+    assert str(e.value) == (
+        f"class folders 'Cat' (the class 'cat' in another case?), 'horse' in "
+        f"{tmp_path / 'raw' / 'val'} are not known classes; every class of a val or test folder "
+        f"needs a training folder of the same name")
+    assert not list((tmp_path / "out").glob("*.tar"))
+
+
 def test_files_that_are_no_images_and_classes_without_images_are_said(tmp_path, caplog):
     from PIL import Image
     widths = write_images(tmp_path / "raw", ["cat/a.jpg", "dog/b.jpg"])

@@ -128,11 +128,29 @@ class ImageFolder(Source):
         label = self._label.get(class_name)
         if label is None:
             if not self._skip_unknown:
-                hint = ("pass --skip-unknown to leave it out" if self.fixed_classes else
-                        "every class of a val or test folder needs a training folder of the same name")
-                raise PrepareError(f"class folder '{class_name}' ({where}) is not a known class; {hint}")
+                raise PrepareError(f"class folder '{class_name}' ({where}) is not a known class; "
+                                   f"{self._unknown_hint()}")
             self.unknown.append(class_name)
         return label
+
+    def _unknown_hint(self) -> str:
+        return ("pass --skip-unknown to leave them out" if self.fixed_classes else
+                "every class of a val or test folder needs a training folder of the same name")
+
+    def _check_known(self, root: Path, names: List[str]) -> None:
+        """All the class folders of ``root`` that name no class, in one line (it took a rerun
+        to find each), a spelling that differs only in case pointed out."""
+        unknown = [n for n in names if n not in self._label]
+        if not unknown or self._skip_unknown:
+            return
+        by_case = {c.lower(): c for c in self.classes}
+        said = [f"'{n}'" + (f" (the class '{by_case[n.lower()]}' in another case?)"
+                            if n.lower() in by_case else "") for n in unknown[:10]]
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        raise PrepareError(f"class folder{'s' if len(unknown) > 1 else ''} {', '.join(said)}"
+                           f"{more} in {root} "
+                           f"{'are not known classes' if len(unknown) > 1 else 'is not a known class'}"
+                           f"; {self._unknown_hint()}")
 
     def entries(self) -> Iterator[Entry]:
         trained = set()
@@ -183,6 +201,7 @@ class ImageFolder(Source):
             raise PrepareError(f"found images directly in {root} (e.g. {loose}), outside any class folder; "
                                f"expected {FOLDER_LAYOUT}; move them into a folder named after their class"
                                + flat_val)
+        self._check_known(root, [as_text(d.name) for d in _subfolders(root)])
         seen = {}
         for class_dir in _subfolders(root):
             class_name = as_text(class_dir.name)
