@@ -72,16 +72,16 @@ def check_targets(args, folder: bool) -> None:
             cli.fail(f"'{target}' holds the checkpoint read ({args.checkpoint}); write the "
                      f"export to a folder of its own")
         taken = target.is_file() or (target.is_dir() and any(target.iterdir()))
-        if taken and not args.overwrite:
-            cli.fail(f"'{target}' exists; pass --overwrite to replace it, or name another")
         if taken and target.is_dir():  # the export's files would land among another's
             from pretrain.timm_folder import CARD, CONFIG, WEIGHTS
             others = sorted(p.name for p in target.iterdir()  # (a hub clone's .git is fine)
                             if p.name not in (CARD, CONFIG, WEIGHTS) and p.name[0] != ".")
-            if others:
+            if others:  # (said first: --overwrite would not help)
                 cli.fail(f"'{target}' is no export folder (it holds {', '.join(others[:4])}"
                          f"{', ...' if len(others) > 4 else ''}); --overwrite replaces an "
                          f"earlier export only: name a folder of its own")
+        if taken and not args.overwrite:
+            cli.fail(f"'{target}' exists; pass --overwrite to replace it, or name another")
 
 
 def _size(folder) -> str:

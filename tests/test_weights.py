@@ -113,12 +113,15 @@ def test_the_export_cli_never_replaces_what_is_there_unless_told(pretrained, tmp
     assert sorted(p.name for p in run.iterdir()) == sorted(
         p.name for p in pretrained["out"].iterdir())  # nothing written into it
     # nor, with --overwrite, into another run's folder (that run would become a timm folder
-    # to whatever reads it); an earlier export's folder is replaced
-    proc = export("--out", run, "--overwrite")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
-        f"error: '{run}' is no export folder (it holds checkpoints, config.yaml")
-    assert proc.stderr.strip().endswith("--overwrite replaces an earlier export only: name a "
-                                        "folder of its own")
+    # to whatever reads it), which is said without it too (it pointed to --overwrite, which
+    # is then refused); an earlier export's folder is replaced
+    for overwrite in ([], ["--overwrite"]):
+        proc = export("--out", run, *overwrite)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+            f"error: '{run}' is no export folder (it holds checkpoints, config.yaml"), \
+            proc.stderr[-2000:]
+        assert proc.stderr.strip().endswith("--overwrite replaces an earlier export only: name "
+                                            "a folder of its own")
     assert sorted(p.name for p in run.iterdir()) == sorted(
         p.name for p in pretrained["out"].iterdir())
     folder = tmp_path / "export"
