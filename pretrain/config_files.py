@@ -29,8 +29,9 @@ def load_config(schema: Type[C], path: Optional[os.PathLike | str] = None,
     raw: dict = _read_yaml(Path(path)) if path is not None else {}
     parsed = parse_overrides(overrides)
     given = {key for key, _ in parsed}
+    last = dict(parsed)  # a key given again wins (a wrapper appends its overrides)
     for group in getattr(schema, "exclusive_keys", ()):
-        both = [f"{key}={value}" for key, value in parsed if key in group and value is not None]
+        both = [f"{key}={last[key]}" for key in group if last.get(key) is not None]
         if len(both) > 1:  # (the validator's own line is about a recipe's file)
             raise ConfigError(f"{' and '.join(both)} are both given on the command line; give "
                               f"one of {' and '.join(group)}")

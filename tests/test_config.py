@@ -138,12 +138,14 @@ def test_total_steps_override_replaces_epochs_but_both_in_a_file_is_an_error(tmp
                     f"train: {{epochs: 10, total_steps: null}}\n")
     assert load_config(PretrainConfig, mine).train.epochs == 10
     # both on the command line: said so, not sent to a file the user did not write
-    with pytest.raises(ConfigError, match=r"^train.epochs=2 and train.total_steps=5 are both "
+    with pytest.raises(ConfigError, match=r"^train.total_steps=5 and train.epochs=2 are both "
                                           r"given on the command line; give one of "
                                           r"train.total_steps and train.epochs$"):
         load_config(PretrainConfig, None, ["train.epochs=2", "train.total_steps=5"])
     assert load_config(PretrainConfig, None, ["train.epochs=null", "train.total_steps=5"]) \
         .train.total_steps == 5
+    again = ["train.total_steps=100", "train.epochs=2", "train.total_steps=200", "train.epochs=null"]
+    assert load_config(PretrainConfig, None, again).train.total_steps == 200  # the last wins
 
 
 def test_bad_files_are_one_line_errors(tmp_path):
