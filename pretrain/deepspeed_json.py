@@ -65,6 +65,10 @@ def user_deepspeed_json(cfg: PretrainConfig) -> Optional[dict]:
                           f"from this config (optimizer.*, schedule.*, train.*, "
                           f"deepspeed.grad_accum_dtype); remove them from the file")
     refuse_gc_setting(out, f"config key 'deepspeed.config': '{path}'", "the file")
+    if "steps_per_print" in out:  # DeepSpeed's INFO lines are not shown: it would do nothing
+        raise ConfigError(f"config key 'deepspeed.config': '{path}' sets steps_per_print, but "
+                          f"the run prints its own progress line (every log.every_steps) "
+                          f"instead of DeepSpeed's; remove the key from the file")
     # the file decides the stage; one also given as deepspeed.zero_stage must agree with it,
     # and a file without one runs deepspeed.zero_stage or the default (DeepSpeed's own is 0)
     given = cfg.deepspeed.zero_stage
@@ -99,10 +103,9 @@ def deepspeed_config(cfg: PretrainConfig, micro: int, accum: int, world: int) ->
         train_batch_size=micro * accum * world,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=accum,
+        steps_per_print=10 ** 9,  # our own metrics line replaces DeepSpeed's
         zero_allow_untested_optimizer=True,
     )
-    out.setdefault("steps_per_print", 10 ** 9)  # our own metrics line replaces DeepSpeed's,
-    # unless a file asks for DeepSpeed's too
     if cfg.optimizer.grad_clip:
         out["gradient_clipping"] = cfg.optimizer.grad_clip
     without_throughput_timer(out)

@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from pretrain.spool import (ARTIFACTS, CURSOR, JOB_TAGS, SPOOL, STATE, TRACKING_DIR, RunState,
-                            TrackingError, lock, one_line, read_cursor, read_spool, redacted,
-                            write_cursor)
+from pretrain.spool import (ARTIFACTS, CURSOR, JOB_TAGS, RUN_NAME_TAG, SPOOL, STATE,
+                            TRACKING_DIR, RunState, TrackingError, lock, one_line, read_cursor,
+                            read_spool, redacted, write_cursor)
 from pretrain.system_metrics import PREFIX as SYSTEM_PREFIX, SYSTEM_DIR
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,14 @@ class Remote:
                 # others are left as they are in MLflow (a user may have corrected one there)
                 retag = {k: v for k, v in s.tags.items()
                          if k in JOB_TAGS and run.data.tags.get(k) != v}
+                if s.rename_to:  # once: a rename in the UI after it is the user's
+                    retag[RUN_NAME_TAG] = s.rename_to
                 if retag:
                     self.client.log_batch(s.run_id, tags=[RunTag(k, v)
                                                           for k, v in sorted(retag.items())])
+                if s.rename_to:
+                    s.rename_to = None
+                    self.save_state()
                 # MLflow's count wins when this output_dir's run.json does not know the stops
                 with self.state_lock:  # (close counts a stop meanwhile)
                     s.stops = max(s.stops, _int(run.data.tags.get(STOP_COUNT_TAG)))
@@ -168,7 +173,7 @@ class Remote:
                 self._mark_experiment(exp_id, exp)
             run = self.client.create_run(exp_id, run_name=s.run_name, tags=s.tags,
                                          start_time=s.start_time)
-            s.run_id = run.info.run_id
+            s.run_id, s.rename_to = run.info.run_id, None  # (created under its latest name)
             self.save_state()  # from now on a retry re-attaches instead of creating another
             self.last_step, self.last_time = {}, {}
         if s.parent_dir:

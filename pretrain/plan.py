@@ -193,7 +193,8 @@ def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None,
     length), which trains nothing, and the steps left (their time, at ``step_s`` seconds a
     step); refused in one line where the run would refuse it."""
     from pretrain.checkpoint import CheckpointStore
-    from pretrain.run_dir import FINISHED, check_same_run, read_finished
+    from pretrain.finished_run import FINISHED, nothing_to_do, read_finished
+    from pretrain.run_dir import check_same_run
 
     out = Path(cfg.output_dir)
     latest = CheckpointStore(out / "checkpoints").complete(warn=False) \
@@ -206,8 +207,8 @@ def resume_line(cfg: RunConfig, world: int, stage: Optional[int] = None,
     changed = check_same_run(out, cfg, ckpt)
     line = f"resume: from {ckpt.path} at step {ckpt.step:,}"
     left = None if steps is None else steps - ckpt.step
-    finished = read_finished(out, ckpt.step, cfg) if left is not None and left <= 0 else None
-    if finished is not None:
+    finished = read_finished(out)
+    if steps is not None and nothing_to_do(finished, cfg, ckpt.step, steps):
         return (f"resume: nothing to do, the run in {out} finished at step {ckpt.step:,} on "
                 f"{finished.get('finished', '?')} (delete {out / FINISHED} to do its end "
                 f"again)")

@@ -16,18 +16,11 @@ other settings is reported, :func:`check_same_run`), a folder the run
 writes to that cannot be made is a config error, an ``output_dir`` that some ranks do not see
 (node-local storage in a multi-node job) is refused (:func:`check_every_rank_sees`), and a
 start refused before it wrote anything leaves no empty ``output_dir`` behind.
-
-A run that did its last step and its end (the stage's evaluations and exports) says so in
-:data:`FINISHED`: relaunched with the same settings (a requeue after the end, the same command
-run again) it does nothing, where it would do the end again (minutes of export at ViT-H, a
-whole test split) and reopen its MLflow run. A run stopped during its end has no such file, and
-a relaunch with other settings (``tracking.register_as`` given now, say) does the end again.
 """
 from __future__ import annotations
 
 import contextlib
 import fnmatch
-import hashlib
 import json
 import logging
 import os
@@ -54,11 +47,11 @@ RUN_MARKERS = ("config.yaml", "checkpoints")
 # user's notes, the code of a job launched with output_dir=.) is the user's, and stays put
 RUN_FILES = ("config.yaml", "config.resume_step_*.yaml", "checkpoints", "metrics.jsonl",
              "tracking", "tracking.*", "best", "best.*", "final", "final.*",
-             "per_class_top1.json", "backbone", "*-eval-*", "finished.json")
+             "per_class_top1.json", "backbone", "*-eval-*",
+             "finished.json")  # (pretrain.finished_run.FINISHED)
 # how a run was launched, not how it trains: the same folder named anew, a fresh start's flag
 HOW_LAUNCHED = ("output_dir", "checkpoint.resume")
 JOB_LOCK = ".job.lock"  # in output_dir: held by the rank 0 of the job running there
-FINISHED = "finished.json"  # in output_dir: the step the run ended at, when, its final figures
 
 
 def hold_output_dir(out: Path) -> Optional[IO]:
@@ -96,70 +89,6 @@ def release_output_dir(held: IO, out: Path, made: bool) -> None:
         pass
     finally:
         held.close()
-
-
-def _settings(cfg: RunConfig) -> str:
-    """A digest of what a run does, not of how it was launched (a digest: tracking.uri may
-    hold a password, which config.yaml keeps to itself); paths inside output_dir are taken
-    from it, so that a run moved or copied elsewhere keeps its settings."""
-    flat = flatten(cfg.model_dump(mode="json"))
-    inside = os.path.join(cfg.output_dir, "")
-    kept = sorted((k, v.replace(inside, "<output_dir>/", 1) if v.startswith(inside) else v)
-                  for k, v in flat.items() if k not in HOW_LAUNCHED)
-    return hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
-
-
-def mark_finished(out: Path, step: int, metrics: dict, cfg: RunConfig) -> None:
-    """Rank 0, once the run's end is done: :data:`FINISHED`, with ``metrics`` (the end done
-    again at the same step: added to the earlier end's). A file that cannot be written costs
-    only the end done again at a relaunch: a warning."""
-    from pretrain.atomic_write import write_atomic
-
-    try:
-        earlier = json.loads((out / FINISHED).read_text())
-        kept = earlier["metrics"] if earlier["step"] == step else {}
-    except (OSError, ValueError, TypeError, KeyError):
-        kept = {}
-    kept.update({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-    record = {"step": step, "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-              "settings": _settings(cfg), "metrics": dict(sorted(kept.items()))}
-    try:
-        write_atomic(out / FINISHED, json.dumps(record, indent=1) + "\n", durable=True)
-    except OSError as e:
-        log.warning("could not write %s (%s): a relaunch here does the run's end again",
-                    out / FINISHED, e.strerror or e)
-
-
-def read_finished(out: Path, step: int, cfg: RunConfig) -> Optional[dict]:
-    """:data:`FINISHED`'s record when it says the run ended at ``step`` (the checkpoint a
-    relaunch resumes from) with ``cfg``'s settings, else None: the end is to be done (again).
-    Rank 0 reads; every rank gets its answer (collective)."""
-    from pretrain.distributed import broadcast_from_0
-
-    record = None
-    if rank_world()[0] == 0:
-        try:
-            record = json.loads((out / FINISHED).read_text())
-            record = record if isinstance(record, dict) and record.get("step") == step else None
-        except (OSError, ValueError):  # none, or unreadable: the end is done again, no harm
-            record = None
-        if record is not None and record.get("settings") != _settings(cfg):
-            log.info("the run in %s finished at step %d with other settings than this "
-                     "relaunch's: its end (evaluations, exports) is done again with these", out,
-                     step)
-            record = None
-    return broadcast_from_0(record)
-
-
-def finished_line(out: Path, record: dict) -> str:
-    """What a relaunch of a finished run says, and how to make it do something."""
-    figures = "".join(f"; {k} {v:.4f}" for k, v in record.get("metrics", {}).items()
-                      if k.endswith(("/top1", "/top5")))
-    return (f"the run in {out} finished: its {record['step']} steps and its end on "
-            f"{record.get('finished', '?')}{figures}. Nothing to do: raise train.total_steps "
-            f"to train on, set another output_dir for a new run, or delete {out / FINISHED} "
-            f"to do its end (evaluations, exports) again (a relaunch with other settings does "
-            f"it with those)")
 
 
 def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Optional[Path]:
@@ -342,6 +271,16 @@ def _saved_config(out: Path, saved: Path, schema: type[RunConfig]) -> RunConfig:
             from None
 
 
+def _tracked_in(out: Path) -> Optional[str]:
+    """The MLflow experiment the run in ``out`` is tracked in (its tracking/run.json: the
+    experiment of the job that made its MLflow run, which a start without tracking did not)."""
+    from pretrain.spool import STATE, TRACKING_DIR
+    try:
+        return json.loads((out / TRACKING_DIR / STATE).read_text()).get("experiment")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> list[str]:
     """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
     the same ``identity_keys`` (the model; a fine-tune's init too). Returns the other settings
@@ -366,14 +305,14 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
                 f"output_dir '{out}' holds a run with another {key} ({was!r} there, {now!r} "
                 f"now); pick a new output_dir, or set checkpoint.resume=false to start a new "
                 f"run there (the earlier one is moved into '{out}/earlier-<time>/')")
-    if old.tracking.enabled and cfg.tracking.enabled and \
-            old.tracking.experiment != cfg.tracking.experiment:
+    tracked = _tracked_in(out) or (old.tracking.experiment if old.tracking.enabled else None)
+    if tracked and cfg.tracking.enabled and tracked != cfg.tracking.experiment:
         raise ConfigError(
-            f"output_dir '{out}' holds a run tracked in MLflow experiment "
-            f"'{old.tracking.experiment}' ('{cfg.tracking.experiment}' now), and an MLflow run "
-            f"cannot move to another experiment: keep tracking.experiment="
-            f"{old.tracking.experiment}, pick a new output_dir, or set checkpoint.resume=false "
-            f"to start a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
+            f"output_dir '{out}' holds a run tracked in MLflow experiment '{tracked}' "
+            f"('{cfg.tracking.experiment}' now), and an MLflow run cannot move to another "
+            f"experiment: keep tracking.experiment={tracked}, pick a new output_dir, or set "
+            f"checkpoint.resume=false to start a new run there (the earlier one is moved into "
+            f"'{out}/earlier-<time>/')")
     was, now = old.checkpoint_layout(), cfg.checkpoint_layout()
     for key in was:
         if was[key] != now.get(key):

@@ -36,10 +36,9 @@ class TrackingError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Local state: run.json, the spool and its delivery cursor
 # --------------------------------------------------------------------------------------------
-# the tags of the job running the run, which a resumed job sets anew (pretrain.tracking); and
-# the run's name, where a relaunch gives tracking.run_name
-JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs",
-            "mlflow.runName")
+# the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
+JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs")
+RUN_NAME_TAG = "mlflow.runName"  # the tag MLflow shows as a run's name
 
 
 @dataclass
@@ -72,6 +71,9 @@ class RunState:
     # runs of this output_dir found deleted from the store (or missing there) and replaced by
     # ``run_id``: a resume from a checkpoint that names one of them goes on in ``run_id``
     gone: list = field(default_factory=list)
+    # a name a relaunch gave (tracking.run_name), set on the run once: a rename made in the UI
+    # later stays
+    rename_to: Optional[str] = None
 
     @classmethod
     def load(cls, track_dir: Path) -> "RunState":

@@ -163,8 +163,8 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
         # every relaunch counts, a SIGKILL's too (stop.count counts the stops asked for)
         state.tags["jobs"] = str(int(state.tags.get("jobs") or 1) + 1)
-        if t.run_name and t.run_name != state.run_name:  # the tag MLflow names a run by
-            state.run_name = state.tags["mlflow.runName"] = t.run_name
+        if t.run_name and t.run_name != state.run_name:
+            state.run_name = state.rename_to = t.run_name
         changed = list(changed)
         if changed:
             said = [*filter(None, state.tags.get("config.changed", "").split(" | ")),

@@ -39,8 +39,9 @@ from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
 from pretrain import same_job
 from pretrain.randomness import rng_state, seed_everything, set_rng_state
-from pretrain.run_dir import (check_every_rank_sees, check_same_run, finished_line,
-                              hold_output_dir, make_dir, mark_finished, read_finished,
+from pretrain.finished_run import (finished_line, forget_finished, mark_finished,
+                                   nothing_to_do, read_finished)
+from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
                               release_output_dir, removed_if_left_empty, set_aside_earlier_run)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
@@ -135,11 +136,20 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     changed = check_same_run(out, cfg, resume)
 
     steps = total_steps(cfg, loader.num_samples)
-    finished = read_finished(out, resume.step, cfg) if resume and resume.step >= steps else None
-    if finished is not None:  # nothing to train and its end done: MLflow's run stays as it is
-        if rank == 0:
+    finished = read_finished(out)
+    if resume is not None and nothing_to_do(finished, cfg, resume.step, steps):
+        if rank == 0:  # its end done with these settings: MLflow's run stays as it ended
             log.info("%s", finished_line(out, finished))
-        return finished.get("metrics", {})
+        return {**finished.get("metrics", {}), **finished.get("end_metrics", {})}
+    # the last figures of a run that trains nothing now, for the closing line and the record
+    carried_metrics = finished.get("metrics", {}) if finished and resume is not None and \
+        finished.get("step") == resume.step >= steps else {}
+    if finished is not None and rank == 0:  # this relaunch acts: not finished until its end
+        if carried_metrics:
+            log.info("the run in %s finished at step %d with other settings than this "
+                     "relaunch's: its end (evaluations, exports) is done again with these",
+                     out, resume.step)
+        forget_finished(out)
     # a run relaunched after its last step trains nothing: its weights are loaded only when
     # the stage's finish reads them
     weights_from = None if (resume is not None and resume.step >= steps
@@ -221,7 +231,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
         loss_sum.fill_(carried[0])
         window = int(carried[1])
     failed_saves = 0
-    metrics: dict = {}
+    metrics: dict = dict(carried_metrics)
     skipped: dict = {}  # samples skipped over all ranks, by cause, as of the last log line
 
     def rollback() -> None:
@@ -370,12 +380,12 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
             signame = stop.agreed_now()
             if signame:  # (step: the resumed one, where train.total_steps was lowered below)
                 raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}", left)
-        metrics.update(stage.finish(backend, steps, sink, tracker, stop_point))
+        trained = dict(metrics)
+        end_metrics = stage.finish(backend, steps, sink, tracker, stop_point)
+        metrics.update(end_metrics)
         stop.drain()
         tracker.stop_sampling()  # every node's last system sample on disk before rank 0's
         peaks = gather(peak_memory_gib(backend.device), world)  # tracker delivers the last
-        if rank == 0:
-            mark_finished(out, step, metrics, cfg)
     except StoppedBySignal as e:  # a complete checkpoint of this step exists: a clean stop
         watchdog.stop()  # closing waits for an unreachable MLflow server, and that is no stall
         tracker.close("KILLED", tags={"stop.signal": e.signal, "stop.step": str(e.step)})
@@ -390,7 +400,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
         watchdog.stop()
         stream.close()
     sink.close()
-    if rank == 0:
+    if rank == 0:  # (its MLflow run ended, or its end recorded for upload_spool.py)
+        mark_finished(out, step, cfg, trained, end_metrics)
         log.info("data: %s", describe_skips(skipped))
         log.info("%s", closing_line(out, metrics, peaks))
     return metrics

@@ -416,7 +416,7 @@ def test_dry_run_refuses_what_the_run_refuses_at_its_start(tiny_data, tmp_path):
         ([f"data.root={tiny_data}", "data.generate_demo=false", "data.num_workers=9",
           "--world-size", "2"],
          "error: split 'train' has 16 shards but world size 2 x 9 workers = 18 reader slots; "
-         "lower data.num_workers, write smaller shards (prepare_data.py --shard-size), or set "
+         "lower data.num_workers to 8, write smaller shards (prepare_data.py --shard-size), or set "
          "data.resample=true (no exactly-once epochs)"),
     ]
     for overrides, line in cases:

@@ -379,11 +379,17 @@ def test_a_deepspeed_file_cannot_override_what_this_config_sets(tmp_path):
     ds.write_text('{"zero_optimization": {"stage": 1}}')  # ZeRO settings are the file's to give
     made = deepspeed_config(cfg, micro=4, accum=1, world=1)
     assert made["zero_optimization"] == {"stage": 1} and made["steps_per_print"] == 10 ** 9
-    # and what else DeepSpeed offers: its own progress lines, checkpoint settings, which a
-    # relaunch on another layout keeps beside the universal checkpoint it loads
-    ds.write_text('{"steps_per_print": 5, "checkpoint": {"tag_validation": "Fail"}}')
+    # DeepSpeed's own progress lines are not shown (its INFO log is off): refused, where the
+    # setting was dropped without a word
+    ds.write_text('{"steps_per_print": 5}')
+    with pytest.raises(ConfigError, match=r"sets steps_per_print, but the run prints its own "
+                                          r"progress line \(every log.every_steps\) instead of "
+                                          r"DeepSpeed's; remove the key from the file"):
+        deepspeed_config(cfg, micro=4, accum=1, world=1)
+    # checkpoint settings: a relaunch on another layout keeps them beside the universal
+    # checkpoint it loads
+    ds.write_text('{"checkpoint": {"tag_validation": "Fail"}}')
     made = deepspeed_config(cfg, micro=4, accum=1, world=1)
-    assert made["steps_per_print"] == 5
     from pretrain.checkpoint_layout import load_universal
     load_universal(made)
     assert made["checkpoint"] == {"tag_validation": "Fail", "load_universal": True}

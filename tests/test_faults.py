@@ -168,7 +168,15 @@ def test_a_finished_run_relaunched_on_fewer_ranks_does_nothing_or_only_its_end(
         "FINISHED"
     now = json.loads((out / "finished.json").read_text())
     assert now["step"] == STEPS and now["settings"] != finished["settings"]
-    assert now["metrics"] == finished["metrics"]  # (the pretraining's end adds no figure)
+    # the last step's figures are the run's still; the end's are this end's (pretraining's
+    # adds none)
+    assert now["metrics"] == finished["metrics"] and now["end_metrics"] == {}
+
+    # a relaunch that trains on has not finished until its own end: killed on the way, the
+    # next relaunch must not take it for finished
+    faulty(out, tiny_data, f"train.total_steps={STEPS + 5}", faults={"kill": [1, STEPS + 2]},
+           fails=True)
+    assert not (out / "finished.json").exists()
 
 
 def test_a_checkpoint_two_ranks_cannot_resume_is_refused_in_one_line(reference, tmp_path,

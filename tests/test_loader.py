@@ -206,12 +206,16 @@ def test_fewer_shards_than_reader_slots_is_a_clear_error(tmp_path):
     with pytest.raises(LoaderError, match=r"2 shards but world size 2 x 2 workers = 4 .*"
                                           r"data.resample=true"):
         TrainLoader(shards, img_size=32, batch_size=4, rank=0, world_size=2, num_workers=2)
-    # one worker a rank already: no fewer workers to suggest; a dev share's split by its name
-    with pytest.raises(LoaderError, match=r"^split 'train' has 2 shards but world size 3 x 1 "
-                                          r"workers = 3 reader slots; write smaller shards "
-                                          r"\(prepare_data.py --shard-size\), or set "):
-        TrainLoader(shards.holding_out(0.5, "rest"), img_size=32, batch_size=4, rank=0,
-                    world_size=3, num_workers=0)
+    with pytest.raises(LoaderError, match=r"lower data.num_workers to 1, write smaller"):
+        TrainLoader(shards, img_size=32, batch_size=4, rank=0, world_size=2, num_workers=2)
+    # more ranks than shards: no number of workers helps; a dev share's split by its name
+    for workers in (0, 2):
+        with pytest.raises(LoaderError, match=rf"^split 'train' has 2 shards but world size 3 "
+                                              rf"x {max(1, workers)} workers = {3 * max(1, workers)} "
+                                              rf"reader slots; write smaller shards "
+                                              r"\(prepare_data.py --shard-size\), or set "):
+            TrainLoader(shards.holding_out(0.5, "rest"), img_size=32, batch_size=4, rank=0,
+                        world_size=3, num_workers=workers)
     resampled = TrainLoader(shards, img_size=32, batch_size=4, rank=1, world_size=2,
                             num_workers=2, resample=True, shuffle_buffer=4)
     batches = _take(resampled, 6)  # 8 samples, 24 drawn: the stream does not run dry

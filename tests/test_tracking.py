@@ -483,10 +483,15 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
                            run_id=rid, resumed_at=9)
     third.close()
     assert client.get_run(rid).info.run_name == "renamed"
+    client.set_tag(rid, "mlflow.runName", "as-the-ui-renamed-it")  # later, by hand: it stays
+    fourth = start_tracking(cfg, "pretrain", out, 0, world_size=8, hosts=["node3", "node1"] * 4,
+                            run_id=rid, resumed_at=9)
+    fourth.close()
+    assert client.get_run(rid).info.run_name == "as-the-ui-renamed-it"
     assert [a.path for a in client.list_artifacts(rid, "resume_step_00000009")] == [
         "resume_step_00000009/environment.json"]  # the job's machines, as each job's
     assert client.get_run(rid).data.tags["config.changed"] == tags["config.changed"]
-    assert client.get_run(rid).data.tags["jobs"] == "3"
+    assert client.get_run(rid).data.tags["jobs"] == "4"
 
 
 def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(

@@ -123,7 +123,8 @@ def reader_slots(shards: ShardSet, world_size: int, num_workers: int, resample: 
     slots = world_size * workers
     if len(shards.urls) < slots and not resample:
         # (a dev share held out of the split is in every shard: the user's split name)
-        fewer = "lower data.num_workers, " if workers > 1 else ""
+        most = len(shards.urls) // world_size  # the workers a rank can have
+        fewer = f"lower data.num_workers to {most}, " if workers > 1 and most else ""
         raise LoaderError(
             f"split '{shards.name.partition('[')[0]}' has {len(shards.urls)} shards but world "
             f"size {world_size} x {workers} workers = {slots} reader slots; {fewer}write "
