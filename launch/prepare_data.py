@@ -116,6 +116,12 @@ def main(argv=None) -> int:
     quiet_libraries()
     logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)
+    if remote and args.out.startswith(("http://", "https://")) and "?" in args.out:
+        # (its signature is no one's to print)
+        build_parser().error(f"--out {args.out.split('?')[0]}?... has a query string (a "
+                             f"presigned URL signs one object), but --out is a prefix the "
+                             f"files' names are appended to: use s3:// or gs:// with "
+                             f"credentials, or a WebDAV prefix")
     if remote and not args.stage:
         build_parser().error(f"--out {args.out} is remote: add --stage DIR, a local folder with room "
                              f"for the output, where the shards are written before the upload")

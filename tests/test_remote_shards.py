@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from _loader_fixtures import LOADER_ARGS, run_two_ranks, write_split
-from conftest import free_port, run_launcher
+from conftest import free_port, run_launcher, tiny_run_args
 from pretrain.data.loader import TrainLoader
 from pretrain.data.remote import RetryPolicy, Unreachable, open_shard
 from pretrain.data.shards import ShardSet
@@ -81,6 +81,9 @@ class FlakyHandler(SimpleHTTPRequestHandler):
         if server.refuse_put:  # a read-only endpoint
             self.send_error(server.refuse_put)
             return
+        if server.refused_puts and self.path.endswith(server.refused_puts):  # one object
+            self.send_error(403)
+            return
         body = self.rfile.read(int(self.headers["Content-Length"]))
         with server.lock:
             fail = server.rng.random() < server.p_503
@@ -106,6 +109,7 @@ def flaky_http(tmp_path):
     server.p_503, server.p_cut = 0.15, 0.35
     server.requests = server.resumed = server.failures = server.refuse_get = 0
     server.refuse_put = 0
+    server.refused_puts = ""  # the objects whose uploads are refused (none)
     server.failing = ""  # the files that fail: those whose names end so (all)
     server.refused = ""  # with refuse_get: the files refused (all)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -432,11 +436,52 @@ def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http
     assert f"could not check what {url}/put-only holds (cannot read {url}/put-only/_info.json: " \
            f"{url}/put-only/_info.json: HTTP 405" in done.stderr
     assert_pets(f"{url}/put-only")
+    # a presigned URL signs one object: every file would go to it (its signature printed)
+    signed = f"{url}/pets/in?X-Amz-Signature=abc123&X-Amz-Expires=600"
+    refused = run_launcher("prepare_data.py", *pets(tmp_path), "--out", signed)
+    assert refused.returncode == 2 and "abc123" not in refused.stderr
+    assert f"--out {url}/pets/in?... has a query string (a presigned URL signs one object), " \
+           f"but --out is a prefix" in refused.stderr.strip().splitlines()[-1], refused.stderr
     piped = tmp_path / "piped"
     piped.mkdir()
     done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_pets(str(piped))
+
+
+def test_an_upload_replacing_a_dataset_cut_off_half_way_leaves_no_dataset_to_read(
+        tmp_path, flaky_http):
+    """An edited source prepared in a new stage folder for the prefix of the old one, its
+    upload cut off after some shards: the old info file listed old and new shards as one
+    dataset, which a run trained on without a word (samples twice, others never). The prefix
+    reads as an unfinished upload now, refused in one line, and the rerun finishes it."""
+    url, server, www = flaky_http
+    server.p_503 = server.p_cut = 0.0
+    args = pets(tmp_path)
+    assert run_launcher("prepare_data.py", *args, "--out", f"{url}/pets").returncode == 0
+    (tmp_path / "raw" / "train" / "cat" / "0001.jpg").rename(
+        tmp_path / "raw" / "train" / "dog" / "0009.jpg")
+    edited = [a if a != str(tmp_path / "stage") else str(tmp_path / "stage2") for a in args]
+    server.refused_puts = "-train-000001.tar"  # the second shard's upload is refused
+    cut = run_launcher("prepare_data.py", *edited, "--out", f"{url}/pets")
+    assert cut.returncode == 1 and "imagefolder-train-000001.tar" in \
+        cut.stderr.strip().splitlines()[-1], cut.stderr[-2000:]
+    assert (www / "pets/imagefolder-train-000000.tar").read_bytes() == \
+        (tmp_path / "stage2/imagefolder-train-000000.tar").read_bytes()  # the new one is there
+    run = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", f"{url}/pets"))
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: '{url}/pets' is being replaced by a launch/prepare_data.py upload that has not "
+        f"finished (its shards are sent first, {url}/pets/_info.json last); rerun that "
+        f"prepare_data.py command to finish it")
+    server.refused_puts = ""
+    done = run_launcher("prepare_data.py", *edited, "--out", f"{url}/pets")
+    assert done.returncode == 0, done.stderr[-2000:]
+    from pretrain.data.eval_loader import EvalLoader
+    loader = EvalLoader(ShardSet.from_info(f"{url}/pets", "train"), img_size=16, batch_size=4,
+                        num_classes=2)
+    got = sorted((k, int(y)) for b in loader for k, y in zip(b.keys, b.labels) if k)
+    assert ("dog/0009", 1) in got and not any(k == "cat/0001" for k, _ in got)
 
 
 def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(

@@ -48,6 +48,16 @@ class NoInfo(InfoNotRead):
     """The folder holds no info file at all: not prepared (yet)."""
 
 
+# The key of the info file an upload that replaces a dataset under a prefix puts there first
+# (pretrain/data/publish.py): until its own info file lands last, no reader takes the shards
+# of two preparations for one dataset.
+UPLOAD_IN_PROGRESS = "prepare_data_upload_in_progress"
+
+
+class UploadInProgress(DatasetInfoError):
+    """The prefix's dataset is being replaced by an upload that has not finished."""
+
+
 @dataclass
 class SplitInfo:
     name: str
@@ -180,6 +190,10 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     if not isinstance(raw, dict):
         raise DatasetInfoError(f"{loc} holds a JSON {type(raw).__name__}, not an object with "
                                f"'splits'; fix it, or write it again with launch/prepare_data.py")
+    if UPLOAD_IN_PROGRESS in raw:
+        raise UploadInProgress(f"'{root}' is being replaced by a launch/prepare_data.py upload "
+                               f"that has not finished (its shards are sent first, {loc} last); "
+                               f"rerun that prepare_data.py command to finish it")
     splits = raw.get("splits")
     if not isinstance(splits, dict):
         raise DatasetInfoError(f"'{root}' info file has no 'splits' object keyed by split name")

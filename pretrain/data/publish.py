@@ -10,6 +10,10 @@ uploaded to the prefix in between (``_stage_id``), whose files may differ with t
 holds another preparation (other settings or another source) or files this tool did not write
 is refused, never overwritten. ``_stage_id`` carries the preparation's settings for that, so an
 upload cut off before its ``_info.json`` is recognised too.
+
+A dataset already under the prefix whose files an upload replaces (an edited source, prepared
+in a new stage folder) first gets an info file that readers refuse, so that an upload cut off
+half-way leaves no prefix that reads as one dataset while it holds the shards of two.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ import urllib.request
 import uuid
 from typing import Optional
 
-from pretrain.data.info import DatasetInfoError, InfoNotRead, NoInfo, read_info
+from pretrain.data.info import (UPLOAD_IN_PROGRESS, DatasetInfoError, InfoNotRead, NoInfo,
+                                UploadInProgress, read_info)
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable, _s3_client,
                                   _s3_parts, fsspec_location, fsspec_refusal, read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
@@ -240,7 +245,7 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
         return
     try:
         info = read_info(location, retry=_quick(policy))
-    except NoInfo:
+    except (NoInfo, UploadInProgress):  # (an upload cut off: its marker says whose)
         info = None
     except InfoNotRead as e:  # a PUT-only server, a write-only S3 role, a blip: the upload says
         log.warning("could not check what %s holds (%s); uploading without that check",
@@ -291,6 +296,21 @@ def _sent_before(folder: str, location: str) -> dict:
     return sent
 
 
+def _hold_readers_off(folder: str, location: str, last: str, policy: RetryPolicy) -> bool:
+    """Before files are replaced under a prefix that holds an info file (``last``; a pipe's
+    cannot be known: there may be one), replace it with one every reader refuses
+    (:class:`pretrain.data.info.UploadInProgress`); True when it did. The upload sends the real
+    one last."""
+    target = location.rstrip("/") + "/" + last
+    if not location.startswith("pipe:") and remote_size(target, policy.timeout_s) is None:
+        return False  # nothing there to mistake for the new dataset
+    held = os.path.join(folder, ".upload_in_progress.json")
+    with open(held, "w") as f:
+        json.dump({UPLOAD_IN_PROGRESS: existing_stage_id(folder)}, f)
+    upload(held, target, policy)
+    return True
+
+
 def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPolicy()) -> int:
     """Upload the files of ``folder`` (not its hidden work folders) under the prefix
     ``location``, the file named ``last`` (the info file) after all others, so a reader never
@@ -313,13 +333,21 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     if there != {"stage_id": _stage_id(folder), "prepare": prepared}:
         _send_marker(folder, location, there, prepared, policy)
     sent_before = _sent_before(folder, location)
+    todo = set()
+    for name in names:
+        st = os.stat(os.path.join(folder, name))
+        mine = sent_before.get(name) == [st.st_size, st.st_mtime_ns]
+        if not (mine and remote_size(location.rstrip("/") + "/" + name,
+                                     policy.timeout_s) == st.st_size):
+            todo.add(name)
+    if todo - {last} and _hold_readers_off(folder, location, last, policy):
+        todo.add(last)
     sent = 0
     with open(os.path.join(folder, UPLOAD_LOG), "a") as record:
         for i, name in enumerate(names, 1):
             local, target = os.path.join(folder, name), location.rstrip("/") + "/" + name
             st = os.stat(local)
-            mine = sent_before.get(name) == [st.st_size, st.st_mtime_ns]
-            if not (mine and remote_size(target, policy.timeout_s) == st.st_size):
+            if name in todo:
                 upload(local, target, policy)
                 sent += 1
                 record.write(json.dumps({"to": location, "name": name, "size": st.st_size,
