@@ -185,10 +185,12 @@ def dataset_info(root: str, split: str, with_dev: bool = False):
     try:
         info = read_info(root)
     except NoInfo:
+        local = "://" not in root and not root.startswith("pipe:")  # (images are read locally)
         raise EvaluateError(f"--data '{root}' holds no {' or '.join(INFO_NAMES)}: point it at a "
-                            f"folder written by launch/prepare_data.py (a folder of images is "
-                            f"prepared first: launch/prepare_data.py imagefolder --src "
-                            f"{root} ...)") from None
+                            f"{'folder' if local else 'prefix'} written by "
+                            f"launch/prepare_data.py" + (
+                                f" (a folder of images is prepared first: launch/prepare_data.py "
+                                f"imagefolder --src {root} ...)" if local else "")) from None
     except DatasetInfoError as e:  # unreadable, or malformed: its own message says which
         raise EvaluateError(f"--data '{root}': {e}") from None
     if split not in info.splits:

@@ -500,6 +500,22 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         f"info.json: point it at a folder written by launch/prepare_data.py (a folder " \
         f"of images is prepared first: launch/prepare_data.py imagefolder --src " \
         f"{tmp_path / 'empty'} ...)"
+    # a prefix on a web server: no prepare_data.py command to suggest (--src is a folder)
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        SimpleHTTPRequestHandler, directory=str(tmp_path / "empty")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/data"
+    try:
+        with pytest.raises(ConfigError) as e:
+            evaluate_model.evaluate(mf, url, "test")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert str(e.value) == f"--data '{url}' holds no _info.json or info.json: point it at a " \
+        f"prefix written by launch/prepare_data.py"
 
     # timm folders from elsewhere: another eval transform, or no ViT at all
     import shutil
