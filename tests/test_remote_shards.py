@@ -381,6 +381,24 @@ def test_a_prefix_holding_another_dataset_or_other_files_is_refused_before_any_w
         "(aws s3 mb s3://no-such-bucket)"), refused.stderr[-2000:]
 
 
+def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monkeypatch):
+    """A mistyped MinIO address: ten retries, then "Could not connect to the endpoint URL";
+    the line now says it is AWS_ENDPOINT_URL's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing answers there
+    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    proc = run_launcher("pretrain.py", "--dry-run", "data.root=s3://datasets/pets",
+                        "data.generate_demo=false", "data.read_attempts=2",
+                        "data.retry_backoff_s=0.01")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"Could not connect to the endpoint URL: \"http://127.0.0.1:{port}/datasets/pets/" \
+           f"_info.json\"); is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})" \
+        in proc.stdout, proc.stdout[-2000:]
+
+
 def test_the_loader_benchmark_refuses_s3_shards_its_reference_cannot_open(tmp_path, s3_server):
     """Our loader reads s3://, the reference pipeline it is timed against cannot: one line
     before any timing, not webdataset's traceback from a loader worker."""

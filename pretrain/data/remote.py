@@ -55,6 +55,18 @@ S3_REFUSALS = {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "NoSuc
 _JITTER = random.SystemRandom()
 
 
+def _endpoint_hint(location: str, e: BaseException) -> str:
+    """For an S3 endpoint nothing answers at: where the endpoint comes from (a MinIO or Ceph
+    address mistyped, or set on one node only)."""
+    if not location.startswith("s3://") or \
+            "EndpointConnectionError" not in f"{type(e).__name__}: {e}":  # (boto's, wrapped)
+        return ""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    return (f"; is the endpoint right? AWS_ENDPOINT_URL={endpoint}" if endpoint else
+            "; is the endpoint right? AWS_ENDPOINT_URL is unset: AWS itself, in the region of "
+            "AWS_DEFAULT_REGION or ~/.aws/config")
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How hard to try (``data.read_attempts``, ``data.retry_backoff_s``)."""
@@ -355,7 +367,7 @@ class RetryingReader(io.RawIOBase):
                 if failures >= self.policy.attempts:
                     raise Unreachable(f"{self.location}: {failures} attempts in a row failed "
                                       f"at byte {self.pos} (last: {type(e).__name__}: {e})"
-                                      ) from None
+                                      f"{_endpoint_hint(self.location, e)}") from None
                 wait = self.policy.wait(failures)
                 log.warning("%s: %s: %s; retrying at byte %d in %.1f s (failure %d of %d)",
                             self.location, type(e).__name__, e, self.pos, wait, failures,
