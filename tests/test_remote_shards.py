@@ -399,6 +399,20 @@ def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monk
         in proc.stdout, proc.stdout[-2000:]
 
 
+def test_a_bucket_that_does_not_exist_is_named_as_such_by_the_run_and_its_plan(s3_server):
+    """It read "no _info.json or info.json in 's3://...'" (as for an empty prefix); the storage
+    answered that the bucket is not there, which is said, with what to check."""
+    for extra in ([], ["--dry-run"]):
+        proc = run_launcher("pretrain.py", *extra, "data.root=s3://no-such-bucket/pets",
+                            "data.generate_demo=false")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            "error: s3://no-such-bucket/pets/_info.json: S3 NoSuchBucket: the bucket "
+            "'no-such-bucket' does not exist there; check the bucket in "
+            "'s3://no-such-bucket/pets' (and AWS_ENDPOINT_URL: another endpoint has other "
+            "buckets)"), extra
+
+
 def test_the_loader_benchmark_refuses_s3_shards_its_reference_cannot_open(tmp_path, s3_server):
     """Our loader reads s3://, the reference pipeline it is timed against cannot: one line
     before any timing, not webdataset's traceback from a loader worker."""

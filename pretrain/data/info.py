@@ -54,6 +54,10 @@ class NoInfo(InfoNotRead):
 UPLOAD_IN_PROGRESS = "prepare_data_upload_in_progress"
 
 
+class BucketMissing(DatasetInfoError):
+    """The S3 bucket of the prefix does not exist (a mistyped name, another endpoint's)."""
+
+
 class UploadInProgress(DatasetInfoError):
     """The prefix's dataset is being replaced by an upload that has not finished."""
 
@@ -152,7 +156,7 @@ def join(root: str, filename: str) -> str:
 def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix (read with
     ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
-    from pretrain.data.remote import Missing, RetryPolicy, read_bytes
+    from pretrain.data.remote import Missing, NoBucket, RetryPolicy, read_bytes
     root = str(root)
     raw = loc = None
     for name in INFO_NAMES:
@@ -161,6 +165,10 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
             try:
                 raw = read_bytes(loc, retry or RetryPolicy())
                 break
+            except NoBucket as e:  # the storage answered: the name is wrong, not the network
+                raise BucketMissing(f"{e}; check the bucket in '{root}' (and "
+                                       f"AWS_ENDPOINT_URL: another endpoint has other "
+                                       f"buckets)") from None
             except Missing:
                 continue
             except OSError as e:  # unreachable after the retries, or no permission

@@ -27,8 +27,8 @@ import urllib.request
 import uuid
 from typing import Optional
 
-from pretrain.data.info import (UPLOAD_IN_PROGRESS, DatasetInfoError, InfoNotRead, NoInfo,
-                                UploadInProgress, read_info)
+from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoError,
+                                InfoNotRead, NoInfo, UploadInProgress, read_info)
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable, _s3_client,
                                   _s3_parts, fsspec_location, fsspec_refusal, read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
@@ -245,8 +245,8 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
         return
     try:
         info = read_info(location, retry=_quick(policy))
-    except (NoInfo, UploadInProgress):  # (an upload cut off: its marker says whose)
-        info = None
+    except (NoInfo, UploadInProgress, BucketMissing):  # (an upload cut off: its marker says
+        info = None                                    # whose; no bucket: the listing says)
     except InfoNotRead as e:  # a PUT-only server, a write-only S3 role, a blip: the upload says
         log.warning("could not check what %s holds (%s); uploading without that check",
                     location, e)

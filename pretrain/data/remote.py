@@ -92,6 +92,10 @@ class Missing(FileNotFoundError):
     """The location does not exist."""
 
 
+class NoBucket(Missing):
+    """The S3 bucket of the location does not exist (a mistyped name, another endpoint's)."""
+
+
 class Unreachable(OSError):
     """The location failed ``RetryPolicy.attempts`` times in a row."""
 
@@ -175,7 +179,10 @@ def _open_s3(location: str, offset: int, policy: RetryPolicy):
     except ClientError as e:
         code = e.response.get("Error", {}).get("Code", "")
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        if code in ("NoSuchKey", "NoSuchBucket", "404") or status == 404:
+        if code == "NoSuchBucket":
+            raise NoBucket(f"{location}: S3 NoSuchBucket: the bucket '{bucket}' does not exist "
+                           f"there") from None
+        if code in ("NoSuchKey", "404") or status == 404:
             raise Missing(f"{location}: {code or status}") from None
         if (code == "InvalidRange" or status == 416) and offset:  # resumed at the very end
             return io.BytesIO(b""), offset
