@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 import logging
 import os
 import secrets
@@ -274,10 +273,10 @@ def _saved_config(out: Path, saved: Path, schema: type[RunConfig]) -> RunConfig:
 def _tracked_in(out: Path) -> Optional[str]:
     """The MLflow experiment the run in ``out`` is tracked in (its tracking/run.json: the
     experiment of the job that made its MLflow run, which a start without tracking did not)."""
-    from pretrain.spool import STATE, TRACKING_DIR
+    from pretrain.spool import TRACKING_DIR, RunState
     try:
-        return json.loads((out / TRACKING_DIR / STATE).read_text()).get("experiment")
-    except (OSError, ValueError, AttributeError):
+        return RunState.load(out / TRACKING_DIR).experiment
+    except (OSError, ValueError, TypeError):  # none, or not one this version reads
         return None
 
 
