@@ -102,6 +102,7 @@ def main(argv=None) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Lines())
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    cli.tame_logs()
     logging.getLogger("pretrain").setLevel(logging.INFO)
 
     from pretrain import evaluate_model as em

@@ -19,13 +19,14 @@ import sys
 import _bootstrap  # noqa: F401  (keeps launch/ from shadowing the pretrain package)
 from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
-from pretrain.cli import OneLineParser, positive_int, quiet_libraries
+from pretrain.cli import OneLineParser, positive_int, tame_logs
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import check_prefix, claim_prefix, existing_stage_id, publish
 from pretrain.data.remote import is_remote
 from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE,
                                         check_stage_folder, make_settings, prepare)
 from pretrain.data.sources import SOURCES, PrepareError
+from pretrain.spool import redacted
 
 SOURCE_HELP = """\
 SOURCE and what --src points at:
@@ -109,11 +110,16 @@ def _stop(signum, frame):
     raise _Stopped()
 
 
+def _error(line: str) -> None:
+    """The one error line, with no URL's password (the log may be read by others)."""
+    sys.stderr.write(f"error: {redacted(line)}\n")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)  # (the pool's workers get the default back: they end)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    quiet_libraries()
+    tame_logs()
     logging.captureWarnings(True)  # a library's warning, too, goes above the progress bar
     remote = is_remote(args.out)
     if remote and args.out.startswith(("http://", "https://")) and "?" in args.out:
@@ -144,21 +150,20 @@ def main(argv=None) -> int:
             if remote:
                 publish(args.stage, args.out, INFO_NAMES[0])
     except (PrepareError, DatasetInfoError, ImportError) as e:
-        sys.stderr.write(f"error: {e}\n")
+        _error(str(e))
         return 2
     except OSError as e:
         src, gone = os.path.abspath(args.src), os.path.abspath(str(e.filename or ""))
         if isinstance(e, FileNotFoundError) and (gone == src or gone.startswith(src + os.sep)):
             # the rerun would find the source changed, and say so
-            sys.stderr.write(f"error: {e}: gone from --src during the run; put it back and "
-                             f"rerun the same command to resume, or start afresh in a new "
-                             f"output folder\n")
+            _error(f"{e}: gone from --src during the run; put it back and rerun the same "
+                   f"command to resume, or start afresh in a new output folder")
         elif e.errno in DISK_FULL:
-            sys.stderr.write(f"error: {e}, {out_of_room(args.stage if remote else args.out)}; "
-                             f"make room there (or raise the quota or the file-size limit, "
-                             f"`ulimit -f`) and rerun the same command to resume\n")
+            _error(f"{e}, {out_of_room(args.stage if remote else args.out)}; make room "
+                   f"there (or raise the quota or the file-size limit, `ulimit -f`) and "
+                   f"rerun the same command to resume")
         else:
-            sys.stderr.write(f"error: {e}; fix it and rerun the same command to resume\n")
+            _error(f"{e}; fix it and rerun the same command to resume")
         return 1
     except _Stopped:
         sys.stderr.write("stopped by SIGTERM; rerun the same command to resume\n")

@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     p.add_argument("--uri", help="tracking URI to send to (default: the one the job used)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cli.quiet_libraries()
+    cli.tame_logs()
     try:
         if args.uri:  # (the job's own was checked when it started)
             check_uri(args.uri, "--uri")

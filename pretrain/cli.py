@@ -21,10 +21,27 @@ NOISY_LOGGERS = ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "b
                  "boto3", "s3transfer")
 
 
-def quiet_libraries() -> None:
+def tame_logs() -> None:
+    """After ``logging.basicConfig``: libraries' chatter down to warnings, and no log line
+    shows a URL's password (``data.root=https://user:token@host/...`` in a retry warning ends
+    up in a shared job log)."""
     import logging
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _NoPasswords) for f in handler.filters):
+            handler.addFilter(_NoPasswords())
+
+
+class _NoPasswords:
+    """A handler filter: the record's message with every URL's password as ``***``."""
+
+    def filter(self, record) -> bool:
+        from pretrain.spool import redacted
+        text = record.getMessage()
+        if redacted(text) != text:
+            record.msg, record.args = redacted(text), None
+        return True
 
 
 def user_errors() -> tuple:
@@ -190,7 +207,8 @@ def fail(message: str, code: int = 2, quiet: bool = False) -> typing.NoReturn:
     else:
         # one write: the ranks of a job share the launcher's stderr, and print() writes the line
         # and its newline separately, so two ranks' messages could end up on one line
-        sys.stderr.write(f"error: {message}\n")
+        from pretrain.spool import redacted  # the URLs it quotes
+        sys.stderr.write(f"error: {redacted(message)}\n")
         sys.stderr.flush()
         # (quiet: every rank met it, and rank 0, which is never quiet, notes it once for all)
         job_status.note("exit", code)
@@ -266,7 +284,8 @@ def dry_run(args, cfg, preflight: Optional[Callable[[Section], None]] = None) ->
                                          if line])
     except user_errors() as e:
         fail(str(e))
-    print(cfg.to_yaml() + summary)
+    from pretrain.spool import redacted  # a job log is read by others: no URL's password
+    print(redacted(cfg.to_yaml() + summary))
 
 
 def main(schema: Type[Section], prog: str, description: str, run: Callable[[Section], object],

@@ -184,8 +184,9 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
             params.pop(f"optimizer.{key}", None)
         params.update({k: str(v) for k, v in (resolved or {}).items()
                        if params.get(k) == "None"})
-        if t.uri:  # a database password in the URI is no one's business in the UI
-            params["tracking.uri"] = redacted(t.uri)
+        # a password in a URL (tracking.uri's database, data.root's server) is no one's
+        # business in the UI
+        params = {k: redacted(v) if isinstance(v, str) else v for k, v in params.items()}
         if ds_config is not None and "deepspeed.zero_stage" in params:
             # the stage the run used, given by deepspeed.zero_stage, its file, or the default
             from pretrain.deepspeed_json import zero_stage
@@ -199,9 +200,7 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     # a resumed job's config (when it changed a setting) and DeepSpeed config go next to the
     # first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"
-    config_text = to_yaml(cfg)
-    if t.uri and redacted(t.uri) != t.uri:
-        config_text = config_text.replace(t.uri, redacted(t.uri))
+    config_text = redacted(to_yaml(cfg))
     if earlier is None or changed:  # a run this job made (its first), or one it changed
         tracker.log_artifact_bytes(prefix + "config.yaml", config_text.encode())
     if ds_config is not None:

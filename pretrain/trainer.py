@@ -31,7 +31,7 @@ import torch
 
 from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
-from pretrain.cli import quiet_libraries
+from pretrain.cli import tame_logs
 from pretrain.config_files import save_config, to_yaml
 from pretrain.distributed import agreed, all_reduce_sum, gather, peer_gone
 from pretrain.guard import NonFiniteGuard, TrainingStopped
@@ -59,7 +59,7 @@ def setup_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank{rank}] %(message)s", datefmt="%H:%M:%S",
                         force=True)
-    quiet_libraries()
+    tame_logs()
 
 
 def batch_layout(cfg: RunConfig, world: int, on_gpu: bool) -> tuple[int, int]:

@@ -37,8 +37,23 @@ class FlakyHandler(SimpleHTTPRequestHandler):
     def log_message(self, *args):  # keep the test output readable
         pass
 
+    def refused_for_credentials(self) -> bool:
+        """With ``server.credentials`` set, a request without that Authorization is answered
+        401, as a server behind basic authentication answers."""
+        if self.server.credentials and \
+                self.headers.get("Authorization") != self.server.credentials:
+            self.send_error(401)
+            return True
+        return False
+
+    def do_HEAD(self):
+        if not self.refused_for_credentials():
+            super().do_HEAD()
+
     def do_GET(self):
         server = self.server
+        if self.refused_for_credentials():
+            return
         path = Path(self.translate_path(self.path))
         # an upload-only endpoint (PUT, no reads), or files this caller may not read
         if server.refuse_get and path.name.endswith(server.refused):
@@ -78,6 +93,8 @@ class FlakyHandler(SimpleHTTPRequestHandler):
 
     def do_PUT(self):  # uploads, as WebDAV or a presigned URL take them; fails at p_503 too
         server = self.server
+        if self.refused_for_credentials():
+            return
         if server.refuse_put:  # a read-only endpoint
             self.send_error(server.refuse_put)
             return
@@ -112,6 +129,7 @@ def flaky_http(tmp_path):
     server.refused_puts = ""  # the objects whose uploads are refused (none)
     server.failing = ""  # the files that fail: those whose names end so (all)
     server.refused = ""  # with refuse_get: the files refused (all)
+    server.credentials = ""  # an Authorization header every request must carry (none)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server, www
@@ -479,6 +497,43 @@ def test_prepare_data_publishes_over_http_put_and_to_a_pipe(tmp_path, flaky_http
     done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"pipe:cat > {piped}")
     assert done.returncode == 0, done.stderr[-2000:]
     assert_pets(str(piped))
+
+
+def test_a_password_in_an_http_url_is_sent_as_basic_auth_and_printed_nowhere(tmp_path,
+                                                                             flaky_http,
+                                                                             tiny_data):
+    """``https://user:token@host/...`` as curl takes it: urllib alone looked the whole
+    ``user:token@host`` up as a host name, and every retry warning printed the token."""
+    import base64
+    import shutil
+
+    from conftest import tiny_run_args
+    from mlflow.tracking import MlflowClient
+    url, server, www = flaky_http
+    server.credentials = "Basic " + base64.b64encode(b"vit:s3cr@t").decode()
+    server.p_503, server.p_cut = 0.3, 0.0  # retries, each with its warning line
+    secret = url.replace("://", "://vit:s3cr%40t@")  # the password's "@" quoted, as in curl
+    hidden = url.replace("://", "://vit:***@")
+    up = run_launcher("prepare_data.py", *pets(tmp_path), "--out", f"{secret}/pets")
+    assert up.returncode == 0 and server.failures >= 1, up.stderr[-2000:]
+    assert "s3cr" not in up.stdout + up.stderr and f"{hidden}/pets/" in up.stderr, up.stderr
+    server.p_503 = 0.0
+    assert_pets(f"{secret}/pets")
+    shutil.copytree(tiny_data, www / "tiny")
+    server.p_503, server.failures = 0.3, 0
+    out = tmp_path / "run"
+    run = run_launcher("pretrain.py", *tiny_run_args(out, f"{secret}/tiny"),
+                       "data.retry_backoff_s=0.01", "train.total_steps=4")
+    assert run.returncode == 0 and server.failures >= 1, run.stderr[-3000:]
+    assert "s3cr" not in run.stdout + run.stderr and f"{hidden}/tiny/" in run.stderr, \
+        run.stderr[-3000:]
+    run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    mlflow_run = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id)
+    assert mlflow_run.data.params["data.root"] == f"{hidden}/tiny"
+    # without the password: refused at once, in one line, as the server refuses it
+    wrong = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run2", f"{url}/tiny"))
+    assert wrong.returncode == 2 and "HTTP 401" in wrong.stderr.strip().splitlines()[-1], \
+        wrong.stderr[-2000:]
 
 
 def test_an_upload_replacing_a_dataset_cut_off_half_way_leaves_no_dataset_to_read(

@@ -30,7 +30,8 @@ from typing import Optional
 from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoError,
                                 InfoNotRead, NoInfo, UploadInProgress, read_info)
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable, _s3_client,
-                                  _s3_parts, fsspec_location, fsspec_refusal, read_bytes)
+                                  _s3_parts, fsspec_location, fsspec_refusal, http_request,
+                                  read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
 from pretrain.data.sources import PrepareError
 
@@ -44,7 +45,7 @@ def _put(local: str, location: str, policy: RetryPolicy) -> None:
         _s3_client(policy.timeout_s).upload_file(local, bucket, key)
     elif location.startswith(("http://", "https://")):  # a PUT, as WebDAV or a presigned URL take
         with open(local, "rb") as f:
-            req = urllib.request.Request(location, data=f, method="PUT", headers={
+            req = http_request(location, data=f, method="PUT", headers={
                 "Content-Length": str(os.path.getsize(local)),
                 "Content-Type": "application/octet-stream"})
             urllib.request.urlopen(req, timeout=policy.timeout_s).close()
@@ -106,7 +107,7 @@ def remote_size(location: str, timeout_s: float) -> Optional[int]:
         if location.startswith("pipe:"):
             return None
         if location.startswith(("http://", "https://")):
-            req = urllib.request.Request(location, method="HEAD")
+            req = http_request(location, method="HEAD")
             try:
                 with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                     length = resp.headers.get("Content-Length")

@@ -29,6 +29,7 @@ other scheme through ``fsspec`` (``pip install gcsfs`` for Google Cloud Storage)
 """
 from __future__ import annotations
 
+import base64
 import io
 import logging
 import os
@@ -37,6 +38,7 @@ import select
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -123,10 +125,25 @@ def _open_file(location: str, offset: int, policy: RetryPolicy):
     return f, os.fstat(f.fileno()).st_size
 
 
+def http_request(location: str, method: Optional[str] = None, data=None,
+                 headers: Optional[dict] = None) -> urllib.request.Request:
+    """A request for an ``http(s)://`` location. A ``user:password@`` in it is sent as basic
+    authentication, as curl and wget send it; urllib alone would look the whole
+    ``user:password@host`` up as a host name and fail as if the server were unreachable."""
+    headers = dict(headers or {})
+    parts = urllib.parse.urlsplit(location)
+    if "@" in parts.netloc:
+        user, _, password = parts.netloc.rpartition("@")[0].partition(":")
+        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        location = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return urllib.request.Request(location, data=data, method=method, headers=headers)
+
+
 def _open_http(location: str, offset: int, policy: RetryPolicy):
     headers = {"Range": f"bytes={offset}-"} if offset else {}
     try:
-        resp = urllib.request.urlopen(urllib.request.Request(location, headers=headers),
+        resp = urllib.request.urlopen(http_request(location, headers=headers),
                                       timeout=policy.timeout_s)
     except urllib.error.HTTPError as e:
         if e.code in (404, 410):
