@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from pretrain import interpreter
 from pretrain.cli import OneLineParser, positive_int, tame_logs
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
-from pretrain.data.publish import check_prefix, claim_prefix, existing_stage_id, publish
+from pretrain.data.publish import claim_prefix, publish
 from pretrain.data.remote import is_remote
 from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE,
                                         check_stage_folder, make_settings, prepare)
@@ -141,7 +141,6 @@ def main(argv=None) -> int:
         if remote:  # before hours of work: a prefix holding something else, or taking no
             settings = make_settings(args.source, args.src, **options)  # uploads, is refused now
             check_stage_folder(args.stage, settings)
-            check_prefix(args.out, settings, stage_id=existing_stage_id(args.stage))
             claim_prefix(args.stage, args.out, settings)
         # a warning during a pass goes above its progress bar, not glued onto the bar's line
         with logging_redirect_tqdm():

@@ -399,9 +399,11 @@ def test_a_prefix_holding_another_dataset_or_other_files_is_refused_before_any_w
         "(aws s3 mb s3://no-such-bucket)"), refused.stderr[-2000:]
 
 
-def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monkeypatch):
+def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monkeypatch,
+                                                                           tmp_path):
     """A mistyped MinIO address: ten retries, then "Could not connect to the endpoint URL";
-    the line now says it is AWS_ENDPOINT_URL's."""
+    the line now says it is AWS_ENDPOINT_URL's. prepare_data says it after two tries, before
+    preparing anything (it took the whole back-off, minutes, and then said "rerun")."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing answers there
@@ -415,6 +417,16 @@ def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monk
     assert f"Could not connect to the endpoint URL: \"http://127.0.0.1:{port}/datasets/pets/" \
            f"_info.json\"); is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})" \
         in proc.stdout, proc.stdout[-2000:]
+    up = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "s3://datasets/pets")
+    assert up.returncode == 2 and not list((tmp_path / "stage").glob("*.tar")), up.stderr
+    [line] = [line for line in up.stderr.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: --out s3://datasets/pets took no upload (s3://datasets/pets/"
+                           "_stage_id: upload failed 2 times (last: EndpointConnectionError: "
+                           ), up.stderr
+    assert line.endswith(f"; is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})); "
+                         f"check the endpoint, the URL or the command, and rerun (checked "
+                         f"before preparing anything)"), up.stderr
+    assert "failure 2 of" not in up.stderr  # two tries, not the whole back-off
 
 
 def test_a_bucket_that_does_not_exist_is_named_as_such_by_the_run_and_its_plan(s3_server):
@@ -643,6 +655,15 @@ def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
         "error: --out pipe:nosuch-uploader refuses uploads (the pipe command cannot run (exit "
         "status 127: "), done.stderr[-2000:]
     assert "retrying" not in done.stderr
+    # one that runs and fails (a bucket that is not there, say) is tried twice, then refused:
+    # it used to be retried through the whole back-off, minutes, then "rerun to resume"
+    failing = "pipe:sh -c 'cat >/dev/null; echo NoSuchBucket >&2; exit 1' upload"
+    done = run_launcher("prepare_data.py", *pets(tmp_path), "--out", failing, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: --out {failing} took no upload ({failing}/_stage_id: upload failed 2 times "
+        f"(last: ConnectionError: exit status 1: NoSuchBucket)); check the endpoint, the URL or "
+        f"the command, and rerun (checked before preparing anything)"), done.stderr[-2000:]
 
 
 def test_a_stage_folder_holding_a_users_files_is_refused_before_the_prefix_is_claimed(

@@ -6,7 +6,7 @@ upload retried with :mod:`pretrain.data.remote`'s back-off. A rerun resumes: wha
 folder sent already, unchanged since, is not sent again -- unless another stage folder has
 uploaded to the prefix in between (``_stage_id``), whose files may differ with the same size.
 
-:func:`check_prefix` runs before anything is prepared: like a local output folder, a prefix that
+:func:`claim_prefix` runs before anything is prepared: like a local output folder, a prefix that
 holds another preparation (other settings or another source) or files this tool did not write
 is refused, never overwritten. ``_stage_id`` carries the preparation's settings for that, so an
 upload cut off before its ``_info.json`` is recognised too.
@@ -29,7 +29,8 @@ from typing import Optional
 
 from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoError,
                                 InfoNotRead, NoInfo, UploadInProgress, read_info)
-from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable, _s3_client,
+from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable,
+                                  _endpoint_hint, _s3_client,
                                   _s3_parts, fsspec_location, fsspec_refusal, http_request,
                                   read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
@@ -93,7 +94,8 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
                 raise PermissionError(f"{location}: {refusal}") from None
             if failures == policy.attempts:
                 raise Unreachable(f"{location}: upload failed {failures} times "
-                                  f"(last: {type(e).__name__}: {e})") from None
+                                  f"(last: {type(e).__name__}: {e}"
+                                  f"{_endpoint_hint(location, e)})") from None
             wait = policy.wait(failures)  # (minutes in all: said, not a silent pause)
             log.warning("%s: upload failed (%s: %s); retrying in %.1f s (failure %d of %d)",
                         location, type(e).__name__, e, wait, failures, policy.attempts)
@@ -182,7 +184,7 @@ def _there(location: str, policy: RetryPolicy) -> Optional[dict]:
 def _send_marker(folder: str, location: str, there: Optional[dict], settings: Optional[dict],
                  policy: RetryPolicy) -> None:
     """Say under the prefix that this stage folder uploads there, with the preparation's
-    settings (for :func:`check_prefix`). Where the marker ``there`` was another folder's (or
+    settings (for :func:`_check_prefix`). Where the marker ``there`` was another folder's (or
     none, or unreadable), what this folder's log says it sent there before is void once this
     one is up: another folder may have replaced those files, and nothing under the prefix says
     so any more. (An upload that fails changes nothing: the rerun resumes.)"""
@@ -198,16 +200,26 @@ def _send_marker(folder: str, location: str, there: Optional[dict], settings: Op
 
 def claim_prefix(folder: str, location: str, settings: dict,
                  policy: RetryPolicy = RetryPolicy()) -> None:
-    """Write the marker of stage folder ``folder`` under the prefix before anything is
-    prepared (a rerun too, whose credentials may have changed): a prefix that takes no uploads
-    (a read-only role, a server without PUT, a pipe command that fails) is found out now, not
-    after hours of preparation."""
+    """Before anything is prepared for ``location`` from stage folder ``folder``: refuse a
+    prefix that holds something else (:func:`_check_prefix`), then write the folder's marker
+    there (a rerun too, whose credentials may have changed): a prefix that takes no uploads (a
+    read-only role, a server without PUT, a wrong endpoint, a pipe command that fails) is found
+    out now, not after hours of preparation, and in seconds: nothing is lost by a rerun yet,
+    so the upload is tried twice, not through the whole back-off."""
+    unchecked = _check_prefix(location, settings, policy, existing_stage_id(folder))
     there = _there(location, policy)
     try:
-        _send_marker(folder, location, there, settings, policy)
+        _send_marker(folder, location, there, settings, _quick(policy))
     except PermissionError as e:
         raise PrepareError(f"--out {location} refuses uploads ({e}); fix the credentials, the "
                            f"server or the URL (checked before preparing anything)") from None
+    except Unreachable as e:
+        raise PrepareError(f"--out {location} took no upload ({e}); check the endpoint, the "
+                           f"URL or the command, and rerun (checked before preparing "
+                           f"anything)") from None
+    if unchecked:  # said once the prefix took an upload: not before the refusal of one
+        log.warning("could not check what %s holds (%s); uploading without that check",
+                    location, unchecked)
 
 
 def _holds_files(location: str, timeout_s: float) -> bool:
@@ -234,24 +246,23 @@ def _holds_files(location: str, timeout_s: float) -> bool:
         return False
 
 
-def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolicy(),
-                 stage_id: Optional[str] = None) -> None:
+def _check_prefix(location: str, settings: dict, policy: RetryPolicy,
+                  stage_id: Optional[str]) -> Optional[str]:
     """Refuse ``location`` before anything is prepared for it when it holds a dataset prepared
     with other settings, an unfinished upload of one, or files not written by prepare_data; a
     rerun of the same preparation (and a new stage folder for it: an edited source) goes on,
     and so does any rerun of stage folder ``stage_id`` over its own unfinished upload (its
     folder decides, as a local output folder does: a start refused after it claimed the prefix
-    may be rerun with other options). ``pipe:`` cannot be read back and is not checked."""
+    may be rerun with other options). ``pipe:`` cannot be read back and is not checked.
+    Returns why the prefix could not be checked (None: checked)."""
     if location.startswith("pipe:"):
-        return
+        return None
     try:
         info = read_info(location, retry=_quick(policy))
     except (NoInfo, UploadInProgress, BucketMissing):  # (an upload cut off: its marker says
         info = None                                    # whose; no bucket: the listing says)
     except InfoNotRead as e:  # a PUT-only server, a write-only S3 role, a blip: the upload says
-        log.warning("could not check what %s holds (%s); uploading without that check",
-                    location, e)
-        return
+        return str(e)
     except DatasetInfoError as e:  # malformed: not a prefix to write over blindly
         raise PrepareError(f"{e}; choose another --out") from None
     if info is not None:
@@ -265,14 +276,15 @@ def check_prefix(location: str, settings: dict, policy: RetryPolicy = RetryPolic
             if _holds_files(location, policy.timeout_s):
                 raise PrepareError(f"{location} is not empty and holds no prepare_data output; "
                                    f"choose a new or empty --out prefix")
-            return
+            return None
         recorded, what = marker.get("prepare"), "an unfinished upload"
         if recorded is None or marker.get("stage_id") == stage_id:  # (older markers: no
-            return  # settings to compare)
+            return None  # settings to compare)
     if recorded != settings:
         raise PrepareError(f"{location} holds {what} prepared with "
                            f"{settings_diff(recorded, settings)}; rerun with the same options, "
                            f"or choose another --out (or delete what is there first)")
+    return None
 
 
 def _sent_before(folder: str, location: str) -> dict:
@@ -329,7 +341,7 @@ def publish(folder: str, location: str, last: str, policy: RetryPolicy = RetryPo
     there = _there(location, policy)
     # said first: a stage folder that uploads here later replaces it; a marker an older
     # version wrote (the id alone), or this folder's with other settings (a start refused
-    # after prepare_data claimed the prefix), is sent again with the settings, for check_prefix
+    # after prepare_data claimed the prefix), is sent again with the settings, for _check_prefix
     prepared = read_info(folder).extra.get("prepare")
     if there != {"stage_id": _stage_id(folder), "prepare": prepared}:
         _send_marker(folder, location, there, prepared, policy)
