@@ -15,7 +15,15 @@ on_usr1() {
   # srun forwards SIGUSR1 to its step, and slurmstepd on every node delivers it to every process
   # of the step, not only to the task srun started. The launchers ignore it (trap '' in
   # run_step), so none of them dies or passes on a SIGTERM; each rank has its own handler.
-  if [[ -n $STEP_PID ]]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+  # A rank still starting (importing, or not yet started by its launcher) has it ignored and
+  # would train on: the stop is written down too, and each rank reads it once its handlers are
+  # in place (pretrain/job_status.py).
+  if [[ -n $STEP_PID ]]; then
+    if [[ -n ${VITSCALE_JOB_STATUS:-} ]]; then
+      echo "stop $(kill -l USR1)" >> "$VITSCALE_JOB_STATUS" 2>/dev/null || true
+    fi
+    kill -USR1 "$STEP_PID" 2>/dev/null || true
+  fi
 }
 # shellcheck disable=SC2317
 on_term() {
@@ -50,16 +58,23 @@ if [[ -z ${SLURM_JOB_ID:-} ]]; then
        "launch/$SCRIPT_NAME CONFIG [key=value ...]; --help says more" >&2
   exit 2
 fi
-CONFIG=${1:?usage: sbatch launch/$SCRIPT_NAME CONFIG [key=value ...]}
+if [[ -z ${1:-} ]]; then
+  echo "error: no CONFIG: sbatch launch/$SCRIPT_NAME CONFIG [key=value ...]; --help says more" >&2
+  exit 2
+fi
+CONFIG=$1
 shift   # the caller's "$@": the key=value overrides from here on
 
 MAX_REQUEUES=${MAX_REQUEUES:-50}
 REQUEUE_ON_TERM=${REQUEUE_ON_TERM:-0}
 REQUEUE_ON_CRASH=${REQUEUE_ON_CRASH:-1}
 RESTARTS=${SLURM_RESTART_COUNT:-0}
-[[ $MAX_REQUEUES =~ ^[0-9]+$ ]] || { echo "MAX_REQUEUES=$MAX_REQUEUES is not a number" >&2; exit 2; }
+[[ $MAX_REQUEUES =~ ^[0-9]+$ ]] || { echo "error: MAX_REQUEUES=$MAX_REQUEUES is not a number" >&2; exit 2; }
+[[ $REQUEUE_ON_TERM == [01] ]] || {   # (checked now: it is read only once a SIGTERM came)
+  echo "error: REQUEUE_ON_TERM=$REQUEUE_ON_TERM: give 1 (requeue after a SIGTERM too) or 0" >&2
+  exit 2; }
 [[ $REQUEUE_ON_CRASH == [01] ]] || {
-  echo "REQUEUE_ON_CRASH=$REQUEUE_ON_CRASH: give 1 (requeue a crash after a checkpoint) or 0" >&2
+  echo "error: REQUEUE_ON_CRASH=$REQUEUE_ON_CRASH: give 1 (requeue a crash after a checkpoint) or 0" >&2
   exit 2; }
 [[ $RESTARTS =~ ^[0-9]+$ ]] || RESTARTS=0
 say "job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s), SLURM_RESTART_COUNT=$RESTARTS" \

@@ -13,11 +13,17 @@ would requeue; the script takes a 2 or 3 from any rank over rank 0's later code.
 stalled rank's ``exit 5`` (pretrain/watchdog.py), which explains the crash of the ranks that
 lost it: it comes after a 2 or 3, before rank 0's own code. Without the variable nothing is
 written.
+
+The script writes there too: ``stop 10`` when it passes SIGUSR1 on to the step. A rank still
+starting then has the signal ignored (inherited from the script's ``trap ''``), or has not been
+started by its launcher yet; each rank reads the line once its stop handlers are in place
+(:func:`stop_asked`), so such a stop is not lost.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 ENV = "VITSCALE_JOB_STATUS"
 FOR_A_PERSON = (2, 3)  # bad input; a run that had to stop (pretrain/cli.py)
@@ -40,3 +46,14 @@ def note(event: str, value: int) -> None:
     except OSError as e:
         log.warning("could not write %s=%s (%s): the batch script decides whether to requeue "
                     "on the exit code alone", ENV, path, e)
+
+
+def stop_asked() -> Optional[int]:
+    """The signal the batch script passed on to the step (its ``stop N`` line), if it did."""
+    path = os.environ.get(ENV)
+    try:
+        with open(path or "") as f:
+            asked = [line.split()[1] for line in f if line.startswith("stop ")]
+    except OSError:  # no script, or the file unreadable: the signal itself is all there is
+        return None
+    return int(asked[-1]) if asked and asked[-1].isdigit() else None

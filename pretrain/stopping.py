@@ -45,6 +45,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from pretrain import job_status
+
 log = logging.getLogger(__name__)
 
 # A rank process that stopped on a signal after a complete checkpoint of its last step exits
@@ -139,6 +141,9 @@ class StopSignals:
             # restart interrupted system calls: a collective library's blocking read must not
             # fail with EINTR because a signal was noted
             signal.siginterrupt(sig, False)
+        asked = job_status.stop_asked()  # by the batch script while this rank was starting
+        if asked in self.signals:
+            self._note(asked, None)
         self.peer_lost = False
         self._ending = threading.Event()  # the run is over: a lost peer no longer matters
         self._watcher = None

@@ -439,6 +439,29 @@ def test_a_rank_stuck_on_a_hung_filesystem_shows_where_and_ends_and_the_relaunch
     fault_ledger.record(1, 1, samples_lost, metrics_lost)
 
 
+def test_a_stop_the_batch_script_passed_on_while_the_ranks_started_is_not_lost(tmp_path,
+                                                                              tiny_data):
+    """slurm_job.sh passes the time limit's SIGUSR1 on to a step whose ranks are still
+    importing (they inherited it ignored) or not started yet: they trained on to the hard limit.
+    The script writes the stop into the job's status file too; the ranks read it once their
+    handlers are in place, stop after their first step with a complete checkpoint, exit 4."""
+    out, status = tmp_path / "run", tmp_path / "job-status"
+    status.write_text("stop 10\n")  # what the script wrote as it passed SIGUSR1 (10) on
+    proc = run_deepspeed(2, *run_args(out, tiny_data, "tracking.enabled=false"), fails=True,
+                         env={"VITSCALE_JOB_STATUS": str(status)})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    [step] = re.findall(r"stopped: SIGUSR1 received: stopped after step (\d+) with a complete "
+                        r"checkpoint", proc.stdout + proc.stderr)
+    assert int(step) <= 2 and (out / f"checkpoints/step_{int(step):08d}/COMPLETE.json").is_file()
+    assert status.read_text().splitlines()[-2:] == [f"checkpoint {step}", "exit 4"]
+    # a file without the line (a job the script did not stop) changes nothing
+    status.write_text("")
+    done = run_deepspeed(2, *run_args(tmp_path / "run2", tiny_data, "tracking.enabled=false",
+                                      "train.total_steps=3"),
+                         env={"VITSCALE_JOB_STATUS": str(status)})
+    assert done.returncode == 0 and "exit 0" in status.read_text(), done.stderr[-3000:]
+
+
 def test_a_frozen_rank_is_named_by_the_rank_that_waited_for_it(tmp_path, tiny_data):
     """Rank 1 freezes after step 7 (SIGSTOP: every thread of it stops, as on a frozen node).
     Rank 0 waits for it in a collective until its own stall watchdog ends it; its stacks show

@@ -118,7 +118,8 @@ if os.environ.get("RANK_EXIT"):
 def stop(sig, frame):
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # a launcher's later SIGTERM changes nothing
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    record("rank-stop", signal=signal.Signals(sig).name)
+    with open(os.environ["VITSCALE_JOB_STATUS"]) as status:  # what the script wrote there
+        record("rank-stop", signal=signal.Signals(sig).name, status=status.read())
     leave(int(os.environ.get("RANK_STOP_CODE", "4")))
 signal.signal(signal.SIGUSR1, stop)
 signal.signal(signal.SIGTERM, stop)
@@ -312,6 +313,9 @@ def test_usr1_to_the_batch_shell_stops_every_rank_and_requeues_once(stage, stand
     assert [r["signal"] for r in _records(tmp_path, "srun-forward")] == ["SIGUSR1"]
     assert [r["signal"] for r in _records(tmp_path, "rank-stop")] == ["SIGUSR1"]
     assert _records(tmp_path, "rank")[0]["usr1_inherited_ignored"]
+    # written down too, for a rank still starting then, which has it ignored (the trainers
+    # read it once their handlers are in place: test_faults.py)
+    assert _records(tmp_path, "rank-stop")[0]["status"] == "stop 10\n"
     assert [r["rank_code"] for r in _records(tmp_path, "launcher-exit")] == [4]
     assert _requeues(tmp_path) == [["requeue", "4242"]], out
     assert rc == (4 if stage == "pretrain" else 1), out
@@ -487,6 +491,16 @@ def test_help_prints_the_manual_and_a_run_outside_slurm_says_how_to_submit(stage
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: not in a SLURM job (no SLURM_JOB_ID): submit it, sbatch --nodes N "
         f"launch/slurm_{stage}.sh CONFIG [key=value ...]; --help says more"], proc.stderr
+    # in a job: no CONFIG, or a setting read only once a SIGTERM came, is refused at the start
+    for args, extra, said in [
+            ([], {}, f"error: no CONFIG: sbatch launch/slurm_{stage}.sh CONFIG [key=value ...]; "
+                     f"--help says more"),
+            (["configs/x.yaml"], {"REQUEUE_ON_TERM": "true"},
+             "error: REQUEUE_ON_TERM=true: give 1 (requeue after a SIGTERM too) or 0")]:
+        proc = subprocess.run(["bash", str(SCRIPTS[stage]), *args], capture_output=True,
+                              text=True, env={**env, "SLURM_JOB_ID": "4242", **extra},
+                              cwd=tmp_path, timeout=30)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [said], proc.stderr
     assert _records(tmp_path, "srun") == []
 
 
