@@ -266,7 +266,7 @@ def _short(key: str) -> str:
 def _describe(model: ViTClassifier) -> str:
     s = model.spec
     return (f"{s.name} (width {s.embed_dim}, depth {s.depth}, patch {s.patch_size}, "
-            f"{s.img_size}px)")
+            f"{s.num_heads} heads, {s.img_size}px)")
 
 
 def _describe_state(state: dict) -> str:
@@ -344,9 +344,14 @@ def _matched(model: ViTClassifier, src: InitSource, with_head: bool) -> tuple:
     unexpected = sorted((k for k in src.state if k.startswith(BACKBONE_PREFIX)
                          and k not in target), key=_natural)
     problems += [f"{_short(k)} {_shape(src.state[k])} not in the model" for k in unexpected]
+    heads = (src.spec or {}).get("num_heads")
+    if heads and heads != model.spec.num_heads:  # the shapes agree: qkv would be cut wrongly
+        problems.insert(0, f"{heads} attention heads vs {model.spec.num_heads} (set "
+                           f"model.num_heads={heads})")
     if problems:
         more = f" (+{len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
-        raise InitError(f"init '{src.path}' ({_describe_state(src.state)}) does not match "
+        said = _describe_state(src.state) + (f", {heads} heads" if heads else "")
+        raise InitError(f"init '{src.path}' ({said}) does not match "
                         f"model {_describe(model)}: {', '.join(problems[:_SHOWN])}{more}")
     return new, parts, fresh, pos_grids
 

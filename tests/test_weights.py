@@ -550,16 +550,16 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
         load_init(model, pretrained["full"])
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith(f"init '{pretrained['full']}' (width 64, depth 2, patch 4) does not "
-                          f"match model "
-                          f"vit_tiny_patch16_224 (width 128, depth 3, patch 4, 16px): "
+    assert msg.startswith(f"init '{pretrained['full']}' (width 64, depth 2, patch 4, 2 heads) "
+                          f"does not match model "
+                          f"vit_tiny_patch16_224 (width 128, depth 3, patch 4, 2 heads, 16px): "
                           f"cls_token [1, 1, 64] vs [1, 1, 128], pos_embed [1, 17, 64] vs "
                           f"[1, 17, 128], ")
     assert msg.endswith("(+37 more)")  # 43 backbone tensors differ or are missing; 6 shown
     narrower = fresh(pretrained["cfg"].model, depth=1)
-    with pytest.raises(InitError, match=r"\(width 64, depth 2, patch 4\) does not match model "
-                       r"vit_tiny_patch16_224 \(width 64, depth 1, .*: blocks\.1\.attn\.proj\.bias "
-                       r"\[64\] not in the model, .* \(\+6 more\)$"):
+    with pytest.raises(InitError, match=r"\(width 64, depth 2, patch 4, 2 heads\) does not match "
+                       r"model vit_tiny_patch16_224 \(width 64, depth 1, .*: "
+                       r"blocks\.1\.attn\.proj\.bias \[64\] not in the model, .* \(\+6 more\)$"):
         load_init(narrower, pretrained["timm"])
 
     # a fine-tune's --dry-run reads the init and says the same, before any data or model
@@ -569,11 +569,22 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
     refused = dry_run("model.embed_dim=64", "model.depth=1", "model.num_heads=2")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1].startswith(
-        f"error: init '{pretrained['timm']}' (width 64, depth 2, patch 4) does not match model "
-        f"vit_tiny_patch16_224 (width 64, depth 1, patch 4, 24px): blocks.1.attn.proj.bias [64] "
-        f"not in the model"), refused.stderr[-2000:]
+        f"error: init '{pretrained['timm']}' (width 64, depth 2, patch 4, 2 heads) does not match "
+        f"model vit_tiny_patch16_224 (width 64, depth 1, patch 4, 2 heads, 24px): "
+        f"blocks.1.attn.proj.bias [64] not in the model"), refused.stderr[-2000:]
     fits = dry_run("model.embed_dim=64", "model.depth=2", "model.num_heads=2")
     assert fits.returncode == 0, fits.stderr[-2000:]
+    # other heads, every shape the same: the pretrained attention would be cut up wrongly
+    # without a word (it loaded, and the fine-tune trained on scrambled heads)
+    for init in ("full", "timm"):
+        with pytest.raises(InitError, match=r"^init '.*' \(width 64, depth 2, patch 4, 2 heads\) "
+                           r"does not match model vit_tiny_patch16_224 \(width 64, depth 2, "
+                           r"patch 4, 4 heads, 16px\): 2 attention heads vs 4 \(set "
+                           r"model.num_heads=2\)$"):
+            load_init(fresh(pretrained["cfg"].model, num_heads=4), pretrained[init])
+    refused = dry_run("model.embed_dim=64", "model.depth=2", "model.num_heads=4")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(
+        "2 attention heads vs 4 (set model.num_heads=2)"), refused.stderr[-2000:]
 
 
 def test_a_fine_tune_files_step_and_run_come_from_its_model_card_and_a_npy_is_named(
