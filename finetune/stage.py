@@ -168,13 +168,13 @@ class FinetuneStage(Stage):
             self.best = top1
             self._export(backend, "best", step, results, tracker.settled_run_id())
 
-    def finish(self, backend, steps: int, sink, tracker, stop_point) -> dict:
+    def finish(self, backend, step: int, sink, tracker, stop_point) -> dict:
         results = {}
         if self.test is not None:
             stop_point(f"the final evaluation on '{self.test.name}'")
             results = {f"eval/{self.test.name}/{k}": v
-                       for k, v in self.test.run(self.evaluated(backend), steps).items()}
-            sink.log(results, steps)
+                       for k, v in self.test.run(self.evaluated(backend), step).items()}
+            sink.log(results, step)
             if backend.rank == 0:
                 per_class = {str(c): acc for c, acc in enumerate(self.test.per_class_top1)}
                 out = Path(self.cfg.output_dir)
@@ -183,7 +183,7 @@ class FinetuneStage(Stage):
                 tracker.log_artifact_bytes("per_class_top1.png",
                                            per_class_png(self.test.per_class_top1, self.test.name))
         stop_point("the final exports")
-        self._export(backend, "final", steps, results, tracker.settled_run_id())
+        self._export(backend, "final", step, results, tracker.settled_run_id())
         t = self.cfg.tracking
         # (a model that kept its pre-logits exports a backbone: not one to log as the run's)
         if backend.rank == 0 and t.logs_model(by_default=not self.cfg.model.representation_size):
@@ -191,7 +191,7 @@ class FinetuneStage(Stage):
             out = Path(self.cfg.output_dir)
             name = "best" if (out / "best").is_dir() else "final"
             try:
-                about, description = self._about(out, name, steps, results)
+                about, description = self._about(out, name, step, results)
             except (OSError, ValueError, KeyError) as e:  # a card gone or edited: still logged
                 log.warning("cannot read %s (%s); the MLflow model is logged without its step "
                             "and figures", out / f"{name}.json", e)

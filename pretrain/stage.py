@@ -54,9 +54,10 @@ class Stage:
     def after_eval(self, results: dict, step: int, backend, tracker) -> None:
         """Act on an evaluation's results (collective: every rank calls it)."""
 
-    def finish(self, backend, steps: int, sink, tracker, stop_point: Callable[[str], None]) \
+    def finish(self, backend, step: int, sink, tracker, stop_point: Callable[[str], None]) \
             -> dict:
-        """After the last step and its checkpoint; returns more final metrics. Every rank
+        """After the last step (``step``: train.total_steps, or past it where a relaunch lowered
+        it) and its checkpoint; returns more final metrics. Every rank
         calls ``stop_point(what comes next)`` at the same points, before each long part (an
         evaluation, exports): a rank's stop signal ends the job there (exit code 4)."""
         return {}
@@ -95,7 +96,7 @@ class PretrainStage(Stage):
         return build_evaluators(cfg, spec, backend.rank, backend.world_size, backend.device,
                                 backend.dtype)
 
-    def finish(self, backend, steps: int, sink, tracker, stop_point) -> dict:
+    def finish(self, backend, step: int, sink, tracker, stop_point) -> dict:
         t = self.cfg.tracking
         if t.logs_model(by_default=False):
             stop_point("the backbone's export for MLflow")

@@ -206,7 +206,11 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                  "accumulation, %.3f TFLOP per image", stage.verb, spec.name, spec.img_size,
                  steps, stage.describe_start(), cfg.train.global_batch_size, world,
                  "s" if world > 1 else "", micro, accum, spec.train_flops_per_image() / 1e12)
-        if step >= steps:
+        if step > steps:  # its end (exports, a fine-tune's test) is of the weights it has
+            log.info("the run is at step %d, past train.total_steps=%d: nothing to train; its "
+                     "end is done with step %d's weights (for step %d's, start a run from "
+                     "its checkpoint)", step, steps, step, steps)
+        elif step == steps:
             log.info("the run finished its %d steps before: nothing to train", steps)
 
     # what is alive now lives to the end: out of the garbage collector's sight, before the
@@ -381,7 +385,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
             if signame:  # (step: the resumed one, where train.total_steps was lowered below)
                 raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}", left)
         trained = dict(metrics)
-        end_metrics = stage.finish(backend, steps, sink, tracker, stop_point)
+        # (step: past total_steps where a relaunch lowered it; the weights are that step's)
+        end_metrics = stage.finish(backend, step, sink, tracker, stop_point)
         metrics.update(end_metrics)
         stop.drain()
         tracker.stop_sampling()  # every node's last system sample on disk before rank 0's

@@ -235,3 +235,10 @@ def test_sigterm_in_the_final_evaluation_stops_before_the_exports_and_the_relaun
     assert "resumed from" not in third, third[-3000:]
     assert written() == exported and len(exported) == 4, exported
     assert mlflow_run(out).info.end_time == run.info.end_time
+    # train.total_steps lowered below the step reached (other settings: the end is done
+    # again): the exports are the weights of the step reached and say so; they were labelled
+    # as the lower step's, whose checkpoint is another
+    fourth = finetune_faulty(out, tiny_data, NO_PERIODIC, f"train.total_steps={STEPS - 5}")
+    assert f"the run is at step {STEPS}, past train.total_steps={STEPS - 5}: nothing to " \
+           f"train" in fourth, fourth[-3000:]
+    assert json.loads((out / "final.json").read_text())["step"] == STEPS
