@@ -153,6 +153,16 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     if resumed_at is None and earlier is not None:
         abandoned = _set_aside(track_dir)
         earlier = None
+    original = _copied_from(earlier, output_dir) if resumed_at is not None else None
+    if original is not None:  # its records are the original's, which still has them
+        copied_run = earlier.run_id
+        track_dir.rename(track_dir.with_name(f"{TRACKING_DIR}-of-the-original-{int(time.time())}"))
+        log.info("output_dir %s is a copy of %s, and would log into its MLflow run %s: it gets "
+                 "a run of its own from step %d (tag copied_from)", output_dir, original,
+                 copied_run, resumed_at)
+        earlier, run_id = None, None
+        extra_tags = {**(extra_tags or {}), "copied_from": str(copied_run),
+                      "copied_at_step": str(resumed_at)}
     track_dir.mkdir(parents=True, exist_ok=True)
     uri = resolve_uri(t.uri)
     if earlier is not None:  # a resumed job: same run, whether it exists in MLflow yet or not
@@ -212,6 +222,22 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
+
+
+def _copied_from(state: Optional[RunState], output_dir) -> Optional[str]:
+    """The output_dir this one was copied from (``cp -a run run2``, to branch a run off at a
+    checkpoint), where that one still holds the same MLflow run: both would log into it. None
+    for the run's own output_dir, moved or mounted at another path."""
+    there = state.tags.get("output_dir") if state is not None else None
+    if not there:
+        return None
+    theirs = Path(there) / TRACKING_DIR
+    try:
+        if os.path.samefile(theirs / STATE, Path(output_dir) / TRACKING_DIR / STATE):
+            return None
+        return there if RunState.load(theirs).run_id == state.run_id else None
+    except (OSError, ValueError, TypeError):  # gone (moved here), unreadable: not a copy
+        return None
 
 
 def _nest_only_in_the_same_store(tags: dict, uri: str) -> None:

@@ -1143,3 +1143,39 @@ def test_a_finetune_is_nested_only_under_a_pretraining_run_of_its_own_store(
             f"the pretraining run abc123 is in MLflow at {server}, this run goes to {here}: not "
             f"nested under it (its tag pretrain.run_id names it); tracking.uri={server} puts the "
             f"two together"])
+
+
+def test_a_copied_output_dir_gets_an_mlflow_run_of_its_own_and_a_moved_one_keeps_its(
+        tmp_path, tiny_data):
+    """``cp -a run branch`` and a relaunch there with other settings (to branch the run off at
+    its checkpoint): the copy's tracking/run.json names the original's MLflow run, and both
+    logged into it (the branch's steps and settings mixed into the original's record). The
+    copy now gets a run of its own; a moved output_dir is still the same run."""
+    import shutil
+
+    from pretrain.spool import RunState
+    uri = sqlite_store(tmp_path / "store")
+    client = MlflowClient(uri)
+
+    def run(out, steps):
+        done = run_launcher("pretrain.py", *tiny_run_args(
+            out, tiny_data, f"train.total_steps={steps}", "tracking.system_metrics=false",
+            f"tracking.uri={uri}"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr, RunState.load(out / "tracking").run_id
+
+    _, original = run(tmp_path / "first", 4)
+    before = client.get_run(original)
+    shutil.copytree(tmp_path / "first", tmp_path / "branch")
+    text, branch = run(tmp_path / "branch", 8)
+    assert branch != original and f"is a copy of {tmp_path / 'first'}" in text, text[-3000:]
+    tags = client.get_run(branch).data.tags
+    assert (tags["copied_from"], tags["copied_at_step"]) == (original, "4")
+    assert steps_of(client, branch) == [5, 6, 7, 8]
+    after = client.get_run(original)  # untouched by the branch
+    assert after.info.end_time == before.info.end_time and after.data.tags == before.data.tags
+    assert steps_of(client, original) == [1, 2, 3, 4]
+    (tmp_path / "first").rename(tmp_path / "moved")
+    text, moved = run(tmp_path / "moved", 8)
+    assert moved == original and "is a copy" not in text, text[-3000:]
+    assert steps_of(client, original) == [1, 2, 3, 4, 5, 6, 7, 8]
