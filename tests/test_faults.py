@@ -132,8 +132,13 @@ def test_a_finished_run_relaunched_on_fewer_ranks_does_nothing_or_only_its_end(
     the one it reopens."""
     out = tmp_path / "run"
     shutil.copytree(reference, out)
+    # the reference's run, as if made here: a copy whose original still holds its MLflow run
+    # would branch off into a run of its own (pretrain/tracking.py)
+    state = json.loads((out / "tracking/run.json").read_text())
+    state["tags"]["output_dir"] = str(out)
+    (out / "tracking/run.json").write_text(json.dumps(state))
     losses = last_values(out)
-    run_id = json.loads((out / "tracking/run.json").read_text())["run_id"]
+    run_id = state["run_id"]
     ended = MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(run_id)
     finished = json.loads((out / "finished.json").read_text())
     assert finished["step"] == STEPS and finished["metrics"]["train/loss"] == losses[STEPS]
