@@ -352,6 +352,27 @@ def test_a_full_disk_stops_with_a_clear_error_and_the_relaunch_resumes(
     fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
 
 
+def test_a_checkpoint_stopped_by_a_file_size_limit_is_not_blamed_on_a_full_disk(tmp_path,
+                                                                                 tiny_data):
+    """A quota or ``ulimit -f`` on a disk with room: torch's writer loses the cause ("unexpected
+    pos ..."), and the line said the GiB free there and "Free space": it names the limit now."""
+    import resource
+    limit = 512 * 1024  # the model's file fits, the optimizer state's does not
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    proc = subprocess.run([sys.executable, str(REPO / "launch/pretrain.py"),
+                           *run_args(tmp_path / "run", tiny_data, "tracking.enabled=false")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          preexec_fn=limited)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    [line] = error_lines(proc.stdout + proc.stderr)
+    assert f"step_{EVERY:08d} could not be written: " in line and "GiB free there, so a quota " \
+        "or a file-size limit may have stopped it (`ulimit -f`: 0.5 MiB here)" in line, line
+    assert line.endswith("Free space, raise the quota or the limit, or move output_dir, then "
+                         "relaunch: it resumes from the newest complete checkpoint"), line
+
+
 def test_a_failing_write_with_on_write_error_continue_trains_on_and_saves_later(
         tmp_path, tiny_data, reference, fault_ledger):
     out = tmp_path / "run"
