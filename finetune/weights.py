@@ -48,7 +48,7 @@ import torch
 from pretrain.config import ConfigError
 from pretrain.checkpoint import CheckpointError
 from pretrain.consolidate import resolve_checkpoint
-from pretrain.export import BACKBONE_PREFIX, FULL_FORMAT, read_metadata
+from pretrain.export import BACKBONE_PREFIX, FULL_FORMAT, normalize_in, read_metadata
 from pretrain.model import ViTClassifier
 
 POS_EMBED = BACKBONE_PREFIX + "pos_embed"
@@ -109,17 +109,7 @@ def _from_deepspeed(path: Path) -> InitSource:
 
     c = consolidate(path)
     return InitSource("deepspeed", c.source, c.state_dict, c.step, c.tracking_run_id,
-                      asdict(c.spec), normalize=_normalize_in(c.config_yaml))
-
-
-def _normalize_in(config_yaml: Optional[str]) -> Optional[str]:
-    """``data.normalize`` of a run's saved config (None: no config, or it does not say)."""
-    import yaml
-    try:
-        data = (yaml.safe_load(config_yaml or "") or {}).get("data") or {}
-    except (yaml.YAMLError, AttributeError):
-        return None
-    return data.get("normalize") if isinstance(data, dict) else None
+                      asdict(c.spec), normalize=normalize_in(c.config_yaml))
 
 
 def _read_tensors(path: Path) -> tuple[dict, dict]:
@@ -182,7 +172,7 @@ def _from_file(path: Path) -> InitSource:
                           _run_id(meta),
                           json.loads(meta["spec"]) if "spec" in meta else None,
                           extra={"source": meta["source"]} if "source" in meta else {},
-                          normalize=_normalize_in(meta.get("config")))
+                          normalize=normalize_in(meta.get("config")))
     state = {}
     for k, v in tensors.items():
         if k.startswith(("head.", "pre_logits.")):  # timm's classifier / pre-0.6 representation
@@ -192,7 +182,8 @@ def _from_file(path: Path) -> InitSource:
     step = _header(meta, "step")
     return InitSource("timm", str(path), state, int(step) if step else None,
                       _run_id(meta),
-                      json.loads(meta["spec"]) if "spec" in meta else None)
+                      json.loads(meta["spec"]) if "spec" in meta else None,
+                      normalize=meta.get("normalize"))  # (export.py --timm-backbone's)
 
 
 def check_init(init: str | os.PathLike) -> str:
@@ -205,7 +196,8 @@ def check_init(init: str | os.PathLike) -> str:
                         f"fetch it first, e.g. with huggingface-cli download")
     path = Path(text).expanduser()
     if not path.exists():
-        raise InitError(f"init '{text}' not found")
+        none = " (no init, from scratch, is init=null)" if text.lower() == "none" else ""
+        raise InitError(f"init '{text}' not found{none}")
     if path.is_dir() and (path / "config.json").is_file() and \
             (path / "model.safetensors").is_file():
         return "timm folder"  # timm's layout (export.py --out FOLDER, a Hugging Face download)

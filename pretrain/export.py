@@ -20,7 +20,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from pretrain.atomic_write import write_atomic
 from pretrain.consolidate import Consolidated, consolidate
@@ -90,13 +90,27 @@ def timm_kwargs(spec: ViTSpec) -> dict:
     return out
 
 
+def normalize_in(config_yaml: Optional[str]) -> Optional[str]:
+    """``data.normalize`` of a run's saved config (None: no config, or it does not say)."""
+    import yaml
+    try:
+        data = (yaml.safe_load(config_yaml or "") or {}).get("data") or {}
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return data.get("normalize") if isinstance(data, dict) else None
+
+
 def export_timm_backbone(source: Union[str, os.PathLike, Consolidated],
                          out: Union[str, os.PathLike]) -> Path:
     """The backbone with timm's key names, for ``timm.create_model(..., pretrained=True,
     pretrained_cfg_overlay=dict(file=out), num_classes=0, **timm_kwargs(spec))``."""
     c = _as_consolidated(source)
     meta = c.metadata(TIMM_FORMAT)
-    meta.pop("config", None)  # timm ignores the header; the spec and timm kwargs are enough
+    # timm ignores the header; the spec, timm kwargs and the inputs' normalisation are enough
+    # (a fine-tune from this file checks its data.normalize against it)
+    normalize = normalize_in(meta.pop("config", None))
+    if normalize:
+        meta["normalize"] = normalize
     meta["timm_model"] = c.spec.name
     meta["timm_kwargs"] = json.dumps(timm_kwargs(c.spec))
     return _save(timm_backbone_state(c.state_dict), out, meta)
