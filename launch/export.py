@@ -124,7 +124,7 @@ def main(argv=None) -> None:
                  f"single-file export")
     check_targets(args, folder)
     from finetune.stage import write_finetune_folder
-    from pretrain.checkpoint import CLIENT_STATE, TAG_RE, CheckpointError
+    from pretrain.checkpoint import CLIENT_STATE, TAG_RE, CheckpointError, CheckpointStore
     from pretrain.consolidate import consolidate, is_finetune_dir, resolve_checkpoint
     from pretrain.export import export_full, export_timm_backbone, timm_kwargs
     from pretrain.model_files import ModelFileError
@@ -133,6 +133,11 @@ def main(argv=None) -> None:
     try:
         started = time.monotonic()
         given = Path(args.checkpoint)
+        if given.name == "checkpoints" and is_finetune_dir(given.parent):  # its newest one
+            complete = CheckpointStore(given).complete(warn=True)
+            if not complete:
+                raise CheckpointError(f"'{given}' holds no complete checkpoint")
+            given = complete[0].path
         if (given / CLIENT_STATE).is_file() or (  # a fine-tune's: Accelerate's files
                 TAG_RE.match(given.name) and is_finetune_dir(given.parent.parent)):
             c, lineage, what = finetune_checkpoint(given)

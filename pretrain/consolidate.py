@@ -86,11 +86,14 @@ def resolve_checkpoint(path: Union[str, os.PathLike], warn: bool = True) -> Path
     if not p.is_dir():
         raise CheckpointError(f"'{p}' is a file, not a pretraining output dir or a DeepSpeed "
                               f"checkpoint dir")
-    if is_finetune_dir(p):  # its checkpoints are Accelerate's, and it exports by itself
-        raise CheckpointError(f"'{p}' is a fine-tune's output dir; it writes its exports itself "
-                              f"when it ends: {p / 'final.safetensors'} and {p / 'final'}/ (timm "
-                              f"folder), best.* likewise; launch/export.py exports one of its "
-                              f"checkpoints ({p / 'checkpoints'}/step_N)")
+    run = p.parent if p.name == "checkpoints" and is_finetune_dir(p.parent) else p
+    if is_finetune_dir(run):  # its checkpoints are Accelerate's, and it exports by itself
+        raise CheckpointError(f"'{p}' is a fine-tune's {'checkpoints' if run != p else 'output'} "
+                              f"dir; {'its run' if run != p else 'it'} writes its exports itself "
+                              f"when it ends: "
+                              f"{run / 'final.safetensors'} and {run / 'final'}/ (timm folder), "
+                              f"best.* likewise; launch/export.py exports one of its checkpoints "
+                              f"({run / 'checkpoints'}/step_N)")
     if TAG_RE.match(p.name) and is_finetune_dir(p.parent.parent):
         raise CheckpointError(f"'{p}' is a fine-tune's checkpoint (Accelerate's, for its resume); "
                               f"export it with launch/export.py, or take its run's exports: "

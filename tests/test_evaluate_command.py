@@ -180,6 +180,12 @@ def test_export_writes_a_fine_tunes_checkpoint_as_the_fine_tune_exports_it(ft, t
                                                    ft.out / "final.safetensors"))
     assert full.keys() == run_file.keys()
     assert all(torch.equal(full[k], run_file[k]) for k in run_file)
+    # its checkpoints/ folder: the newest complete one, as for a pretraining's (it said
+    # "export it with launch/export.py", to export.py)
+    proc = run_launcher("export.py", str(ft.out / "checkpoints"), "--out",
+                        str(tmp_path / "newest.safetensors"))
+    assert proc.returncode == 0 and f"checkpoint {step} (step {ft.step}, " in proc.stdout, \
+        proc.stderr[-2000:]
 
 
 def test_exports_copied_out_of_the_run_still_name_the_run_they_came_from(ft, tmp_path):
