@@ -21,6 +21,11 @@ NOISY_LOGGERS = ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "b
                  "boto3", "s3transfer")
 
 
+# loggers that log what they then raise, with its traceback (each write to an MLflow sqlite
+# store on a failing disk: hundreds a second), which the tracker says itself in one line
+RAISES_WHAT_IT_LOGS = ("mlflow.store.db.utils",)
+
+
 def tame_logs() -> None:
     """After ``logging.basicConfig``: libraries' chatter down to warnings, and no log line
     shows a URL's password (``data.root=https://user:token@host/...`` in a retry warning ends
@@ -28,6 +33,8 @@ def tame_logs() -> None:
     import logging
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name in RAISES_WHAT_IT_LOGS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _NoPasswords) for f in handler.filters):
             handler.addFilter(_NoPasswords())
@@ -139,7 +146,17 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line naming --help, as every other bad input of
     the launchers is, instead of its usage block (which every rank of a job prints)."""
 
+    config_keys: Sequence[str] = ()  # a stage launcher's: "--init=PATH" is then named
+
     def error(self, message: str) -> typing.NoReturn:
+        unknown = message.split(": ", 1)[1].split() \
+            if message.startswith("unrecognized arguments: ") else []
+        keys = [a[2:].split("=")[0] for a in unknown if a.startswith("--")]
+        keys = [k for k in keys if k in self.config_keys or k.replace("-", "_") in
+                self.config_keys]
+        if keys:  # a config key given as an option
+            message += (f" ({', '.join('--' + k for k in keys)}: config keys are set as "
+                        f"key=value, with no dashes: {keys[0].replace('-', '_')}=...)")
         fail(f"{message}; see {self.prog} --help", quiet=_said_by_local_rank_0())
 
 
@@ -155,6 +172,7 @@ def build_parser(prog: str, description: str, schema: Type[Section],
               + _describe_keys(schema))
     p = OneLineParser(prog=prog, description=description, epilog=epilog,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.config_keys = config_keys(schema)
     p.add_argument("--config", type=Path, default=default_config,
                    help="YAML recipe from configs/ (may 'inherit:' another); "
                         + (f"default: {default_config.relative_to(REPO_ROOT)}"

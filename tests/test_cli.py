@@ -231,6 +231,13 @@ def test_finetune_dry_run_refuses_a_world_of_no_ranks():
      "upload_spool.py --help"),
     (("benchmark.py", "train", "--batch", "0"), "error: argument --batch: expected a whole "
      "number of at least 1, got '0'; see benchmark.py train --help"),
+    # a config key given as an option is named with its fix
+    (("finetune.py", "--init=runs/demo", "--dry-run"), "error: unrecognized arguments: "
+     "--init=runs/demo (--init: config keys are set as key=value, with no dashes: init=...); "
+     "see finetune.py --help"),
+    (("pretrain.py", "--train.total-steps", "9", "--dry-run"), "error: unrecognized arguments: "
+     "--train.total-steps (--train.total-steps: config keys are set as key=value, with no "
+     "dashes: train.total_steps=...); see pretrain.py --help"),
 ])
 def test_every_launchers_bad_arguments_are_one_line(args, line):
     """As the trainers' and prepare_data's: not argparse's usage block (six lines before)."""
@@ -245,6 +252,10 @@ def test_finetune_dry_run_checks_the_init_as_the_run_would(tmp_path):
                         f"init={tmp_path / 'runs/dmeo'}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"error: init '{tmp_path / 'runs/dmeo'}' not found"]
+    proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "--dry-run",
+                        "init=None")  # YAML's null is null or ~: "None" is a path
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: init 'None' not found (no init, from scratch, is init=null)"]
     # the file is read and checked against the model, as the run's start does: an empty one
     # (a download that failed) is refused in one line, not with numpy's traceback
     (tmp_path / "vit.npz").write_bytes(b"")
