@@ -23,6 +23,7 @@ import contextlib
 import fnmatch
 import logging
 import os
+import re
 import secrets
 import socket
 import time
@@ -270,6 +271,20 @@ def _saved_config(out: Path, saved: Path, schema: type[RunConfig]) -> RunConfig:
             from None
 
 
+def _trained_with(out: Path, step: int, schema: type[RunConfig]) -> Optional[RunConfig]:
+    """The config of the latest relaunch that changed settings at or before ``step`` (its
+    ``config.resume_step_N.yaml``: they applied from step N on); None: config.yaml's."""
+    kept = []
+    for path in out.glob("config.resume_step_*.yaml"):
+        match = re.fullmatch(r"config\.resume_step_(\d+)\.yaml", path.name)
+        if match and int(match.group(1)) <= step:
+            kept.append((int(match.group(1)), path))
+    try:
+        return load_config(schema, max(kept)[1]) if kept else None
+    except ConfigError:  # edited by hand into something unreadable: config.yaml's, then
+        return None
+
+
 def _tracked_in(out: Path) -> Optional[str]:
     """The MLflow experiment the run in ``out`` is tracked in (its tracking/run.json: the
     experiment of the job that made its MLflow run, which a start without tracking did not)."""
@@ -283,7 +298,8 @@ def _tracked_in(out: Path) -> Optional[str]:
 def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> list[str]:
     """Refuse to continue someone else's run: a resumed checkpoint must have been saved with
     the same ``identity_keys`` (the model; a fine-tune's init too). Returns the other settings
-    that differ from the run's ``config.yaml`` (``"optimizer.lr: 0.002 -> 0.0005"``), which a
+    that differ from those the run trained with until the checkpoint (``config.yaml``'s, or the
+    latest relaunch's ``config.resume_step_N.yaml``: ``"optimizer.lr: 0.002 -> 0.0005"``), which a
     relaunch may change (a lower learning rate after a divergence, more steps), and which the
     trainer reports and keeps."""
     if resume is None:
@@ -321,6 +337,9 @@ def check_same_run(out: Path, cfg: RunConfig, resume: Optional[Checkpoint]) -> l
                 f"{key} {was[key]}, pick a new output_dir, or set checkpoint.resume=false to "
                 f"start a new run there (the earlier one is moved into '{out}/earlier-<time>/')")
     from pretrain.spool import redacted  # a tracking.uri's password is for no log
+    # against what trained the steps until now: a relaunch's changes apply from its step on, and
+    # one back to config.yaml's settings is a change too (it went unsaid, its record stale)
+    old = _trained_with(out, resume.step, type(cfg)) or old
     was, now = flatten(old.model_dump(mode="json")), flatten(cfg.model_dump(mode="json"))
     return [redacted(f"{k}: {was.get(k)} -> {now.get(k)}") for k in sorted(was.keys() | now.keys())
             if k not in HOW_LAUNCHED and was.get(k) != now.get(k)

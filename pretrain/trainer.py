@@ -178,8 +178,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
         log.info("resumed from %s at step %d", resume.path, step)
         if changed and rank == 0:  # config.yaml stays the start's, as the MLflow params do
             kept = save_config(cfg, out / f"config.resume_step_{step:08d}.yaml")
-            log.warning("resumed with settings other than the run's config.yaml: %s; they "
-                        "apply from step %d on (this relaunch's config: %s)",
+            log.warning("resumed with settings other than the ones it trained with until "
+                        "now: %s; they apply from step %d on (this relaunch's config: %s)",
                         "; ".join(changed), step, kept)
     elif rank == 0:
         save_config(cfg, out / "config.yaml")

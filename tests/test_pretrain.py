@@ -351,7 +351,8 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert f"resumed from {out}/checkpoints/step_00000006 at step 6" in again.stderr
     assert sorted(losses(out)) == list(range(1, 11))
     kept = out / "config.resume_step_00000006.yaml"
-    assert f"resumed with settings other than the run's config.yaml: optimizer.grad_clip: 1.0 " \
+    assert f"resumed with settings other than the ones it trained with until now: " \
+           f"optimizer.grad_clip: 1.0 " \
            f"-> 0.25; optimizer.lr: 0.002 -> 0.0005; optimizer.weight_decay: 0.05 -> 0.3; " \
            f"train.total_steps: 6 -> 10; they apply from step 6 on (this relaunch's config: " \
            f"{kept})" in again.stderr, again.stderr[-3000:]
@@ -379,6 +380,12 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert f"precision changed (fp32 -> bf16): converting {out}/checkpoints/step_00000010 to " \
            f"DeepSpeed's universal checkpoint" in layout.stderr
     assert f"resumed from {out}/checkpoints/step_00000010 at step 10" in layout.stderr
+    # the optimizer settings of config.yaml again: a change from what trained steps 7-10, said
+    # and kept (compared with config.yaml alone, it went unsaid, the record left at 0.0005)
+    assert "optimizer.grad_clip: 0.25 -> 1.0; optimizer.lr: 0.0005 -> 0.002; " \
+           "optimizer.weight_decay: 0.3 -> 0.05; " in layout.stderr, layout.stderr[-3000:]
+    assert "lr: 0.002" in (out / "config.resume_step_00000010.yaml").read_text()
+    assert optimizer_settings(out / "checkpoints/step_00000012") == ([0.05, 0.0], 1.0)
     assert sorted(losses(out)) == list(range(1, 13))
     # what DeepSpeed cannot convert: ZeRO-3's files (or ZeRO-0's) from ZeRO-2's failed in it
     # with a bare AssertionError after the conversion; refused at the start in one line
@@ -401,7 +408,7 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
                            f"left, 00:00:00 at the MFU above), converted "
                            f"to DeepSpeed's universal checkpoint first (world size changed "
                            f"(1 -> 2 ranks)); settings changed since: "), line
-    assert "train.total_steps: 6 -> 14" in line, line  # (since the run's config.yaml)
+    assert "train.total_steps: 12 -> 14" in line, line  # (since the relaunch at step 10)
     # ZeRO-2 -> 1 needs no conversion: the two write the same files
     back = launch("train.total_steps=14", "model.depth=3", "deepspeed.zero_stage=1",
                   "train.precision=bf16")
