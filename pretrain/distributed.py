@@ -162,6 +162,15 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def raise_together(error: Optional[BaseException], world: int) -> None:
+    """Collective, after a check every rank makes alike (a folder it cannot make, data it cannot
+    read): where any rank met an error, every rank raises the first one, agreed, and rank 0
+    says it once, not each rank of the job (a line per GPU). ``error``: this rank's, or None."""
+    first = next((e for e in gather(error, world) if e is not None), None)
+    if first is not None:
+        raise agreed(error if error is not None else first)
+
+
 def gather(obj, world: int) -> list:
     """Every rank's ``obj``, in rank order (collective)."""
     if not is_distributed():

@@ -32,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Iterable, Iterator, Optional
 
 from pretrain.config import ConfigError, RunConfig
 from pretrain.config_files import load_config
-from pretrain.distributed import agreed, gather, rank_world
+from pretrain.distributed import agreed, gather, raise_together, rank_world
 from pretrain.run_info import flatten
 
 if TYPE_CHECKING:
@@ -179,12 +179,14 @@ def removed_if_left_empty(path: Path) -> Iterator[bool]:
 
 def make_dir(path: Path, key: str) -> None:
     """Before anything is built: a folder the run writes to that cannot be made is a config
-    error, not a traceback at the first write."""
+    error, not a traceback at the first write; said once (collective)."""
+    error = None
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a folder "
-                          f"you can write to") from None
+        error = ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a "
+                            f"folder you can write to")
+    raise_together(error, rank_world()[1])
 
 
 def check_every_rank_sees(out: Path) -> None:

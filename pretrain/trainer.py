@@ -31,9 +31,9 @@ import torch
 
 from pretrain.checkpoint import CheckpointStore, CheckpointWriteError
 from pretrain.config import ConfigError, RunConfig
-from pretrain.cli import tame_logs
+from pretrain.cli import tame_logs, user_errors
 from pretrain.config_files import save_config, to_yaml
-from pretrain.distributed import agreed, all_reduce_sum, gather, peer_gone
+from pretrain.distributed import agreed, all_reduce_sum, gather, peer_gone, raise_together
 from pretrain.guard import NonFiniteGuard, TrainingStopped
 from pretrain.interpreter import training_starts
 from pretrain.model import resolve_spec
@@ -122,12 +122,17 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     # the data first: a missing shard, a bad info file or labels beyond the model's classes
     # fail here, before anything in output_dir is touched or the model is built
     spec = resolve_spec(cfg.model)
-    loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro, rank=rank,
-                                world_size=world, seed=cfg.seed, num_classes=spec.num_classes,
-                                holdout=stage.holdout(cfg),
-                                exact_classes=cfg.head_per_class,
-                                log_sample_keys=cfg.debug.log_sample_keys,
-                                pin_memory=backend.on_gpu)
+    loader, error = None, None
+    try:
+        loader = build_train_loader(cfg.data, img_size=spec.img_size, batch_size=micro,
+                                    rank=rank, world_size=world, seed=cfg.seed,
+                                    num_classes=spec.num_classes, holdout=stage.holdout(cfg),
+                                    exact_classes=cfg.head_per_class,
+                                    log_sample_keys=cfg.debug.log_sample_keys,
+                                    pin_memory=backend.on_gpu)
+    except user_errors() as e:  # every rank reads the same info file: one line, not per rank
+        error = e
+    raise_together(error, world)
 
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest_agreed() if cfg.checkpoint.resume else None

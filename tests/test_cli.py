@@ -27,13 +27,25 @@ def test_a_bad_command_line_under_a_launcher_is_said_once_per_node_not_once_per_
     which turns it into 1, rank 0 tells the SLURM script the code (pretrain/job_status.py)."""
     import subprocess
     from conftest import REPO, deepspeed_cmd
+    (tmp_path / "a-file").write_text("")  # where output_dir's folder would go
     for bad, line in (
             ("optimizer.lr_rate=1",
              "error: unknown config key 'optimizer.lr_rate'; did you mean 'optimizer.lr'?"),
-            ("--bogus", "error: unrecognized arguments: --bogus; see pretrain.py --help")):
-        proc = subprocess.run(deepspeed_cmd(2, bad), cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
+            ("--bogus", "error: unrecognized arguments: --bogus; see pretrain.py --help"),
+            # met at the start by each rank alike: agreed, and said by rank 0 alone
+            (f"output_dir={tmp_path / 'a-file/run'}", f"error: output_dir "
+             f"'{tmp_path / 'a-file/run'}' cannot be created (Not a directory); pick a folder "
+             f"you can write to"),
+            (f"data.root={tmp_path / 'nowhere'}", f"error: no _info.json or ")):
+        extra = ["data.generate_demo=false", f"output_dir={tmp_path / 'out'}",
+                 "tracking.enabled=false"] if bad.startswith("data.root") else []
+        proc = subprocess.run(deepspeed_cmd(2, *extra, bad), cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 2, proc.stderr[-2000:]
+        if bad.startswith("data.root"):
+            said = [t for t in (proc.stdout + proc.stderr).splitlines() if "error:" in t]
+            assert len(said) == 1 and said[0].startswith(line), said
+            continue
         said = [t for t in (proc.stdout + proc.stderr).splitlines() if "error:" in t]
         assert said == [line], proc.stdout[-2000:] + proc.stderr[-2000:]
     # the node's first rank starting late (a busy node) under torchrun, which ends every rank
