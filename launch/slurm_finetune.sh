@@ -35,8 +35,9 @@
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults at the end, passed to every node
 # Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
 # with a checkpoint, 5 a stalled rank). torchrun turns every code of a rank into 1; the trainer's
-# rank 0 writes the code it chose to the file named in VITSCALE_JOB_STATUS, which this script
-# reads, and another rank its 2, 3 or 5.
+# rank 0 writes the code it chose to the file named in VITSCALE_JOB_STATUS (a
+# .job-status-JOBID.* file in the submit directory, removed when the script ends), which this
+# script reads, and another rank its 2, 3 or 5; the script writes a stop it passes on there.
 #SBATCH --job-name=vit-finetune
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -29,9 +29,12 @@
 #                    not the number of GPUs SLURM gave the node (CUDA_VISIBLE_DEVICES)
 #   MASTER_PORT      rendezvous port on the first node; default 10000 + job id % 20000 (the
 #                    next free one if another process of that node holds it)
+#   DEEPSPEED_TIMEOUT minutes the ranks wait for a node that does not come (default 10)
 #   NCCL_DEBUG, NCCL_SOCKET_IFNAME, OMP_NUM_THREADS: defaults at the end, passed to every node
 # Exit code: the trainer's (0 finished, 1 a crash, 2 bad input, 3 a person must decide, 4 stopped
-# with a checkpoint, 5 a stalled rank; DeepSpeed passes the ranks' code on).
+# with a checkpoint, 5 a stalled rank; DeepSpeed passes the ranks' code on). The ranks tell
+# this script about checkpoints and their exit code, and it tells them of a stop, through a
+# .job-status-JOBID.* file in the submit directory, removed when the script ends.
 #SBATCH --job-name=vit-pretrain
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=1

@@ -261,6 +261,9 @@ def parse(schema: Type[Section], prog: str, description: str, argv: Optional[Seq
         fail(f"{', '.join(plan_only)} only {'shapes' if one else 'shape'} the --dry-run plan; "
              f"add --dry-run, or drop {'it' if one else 'them'}{ranks}",
              quiet=_said_by_local_rank_0())
+    if args.print_config and args.dry_run:  # the first one alone ran, skipping the checks
+        fail("--print-config and --dry-run: give one (--dry-run prints the config too, then "
+             "checks it and plans the run)", quiet=_said_by_local_rank_0())
     if args.config is None:
         fail("--config is required, e.g. --config configs/finetune/demo.yaml",
              quiet=_said_by_local_rank_0())

@@ -243,6 +243,8 @@ def test_finetune_dry_run_refuses_a_world_of_no_ranks():
      "upload_spool.py --help"),
     (("benchmark.py", "train", "--batch", "0"), "error: argument --batch: expected a whole "
      "number of at least 1, got '0'; see benchmark.py train --help"),
+    (("finetune.py", "--print-config", "--dry-run"), "error: --print-config and --dry-run: "
+     "give one (--dry-run prints the config too, then checks it and plans the run)"),
     # a config key given as an option is named with its fix
     (("finetune.py", "--init=runs/demo", "--dry-run"), "error: unrecognized arguments: "
      "--init=runs/demo (--init: config keys are set as key=value, with no dashes: init=...); "
