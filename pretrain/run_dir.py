@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -187,6 +188,26 @@ def make_dir(path: Path, key: str) -> None:
         error = ConfigError(f"{key} '{path}' cannot be created ({e.strerror or e}); pick a "
                             f"folder you can write to")
     raise_together(error, rank_world()[1])
+
+
+def unshare_written_files(out: Path) -> None:
+    """A copy of a run made with hard links (``cp -al``, ``rsync --link-dest``: checkpoints are
+    large) shares every file with the original; those a run appends to or locks (metrics.jsonl,
+    its tracking records, the job lock) become files of its own here before this job touches
+    them, else the copy's steps would land in the original's files too. Rank 0, before the
+    job lock."""
+    from pretrain.spool import TRACKING_DIR
+    track = out / TRACKING_DIR
+    for f in [out / "metrics.jsonl", out / JOB_LOCK,
+              *(track.rglob("*") if track.is_dir() else [])]:
+        try:
+            if f.is_file() and not f.is_symlink() and f.stat().st_nlink > 1:
+                own = f.with_name(f.name + ".unshared")
+                shutil.copy2(f, own)
+                os.replace(own, f)  # the original keeps its inode; this name gets a new one
+        except OSError as e:
+            log.warning("could not make %s a file of its own (%s): it is a hard link, and this "
+                        "run writes to it", f, e)
 
 
 def check_every_rank_sees(out: Path) -> None:

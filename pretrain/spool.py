@@ -71,6 +71,9 @@ class RunState:
     # runs of this output_dir found deleted from the store (or missing there) and replaced by
     # ``run_id``: a resume from a checkpoint that names one of them goes on in ``run_id``
     gone: list = field(default_factory=list)
+    # the run of the output_dir this one was copied from (its checkpoints name that run until
+    # this one writes its own): a resume from them goes on in ``run_id``, not there
+    copied_from: Optional[str] = None
     # a name a relaunch gave (tracking.run_name), set on the run once: a rename made in the UI
     # later stays
     rename_to: Optional[str] = None

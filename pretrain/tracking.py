@@ -169,7 +169,10 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
         state = earlier
         state.uri = uri
         # the checkpoint's run, unless it was found deleted and replaced since it was written
-        state.run_id = run_id if run_id and run_id not in earlier.gone else earlier.run_id
+        # (a copy's checkpoints name the original's run until it writes its own: a relaunch
+        # after a crash before then stays in the copy's)
+        state.run_id = run_id if run_id and run_id not in (*earlier.gone, earlier.copied_from) \
+            else earlier.run_id
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
         # every relaunch counts, a SIGKILL's too (stop.count counts the stops asked for)
         state.tags["jobs"] = str(int(state.tags.get("jobs") or 1) + 1)
@@ -202,6 +205,7 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
             from pretrain.deepspeed_json import zero_stage
             params["deepspeed.zero_stage"] = str(zero_stage(ds_config))
         state = RunState(uri=uri, experiment=t.experiment, run_id=run_id,
+                         copied_from=copied_run if original is not None else None,
                          start_time=int(time.time() * 1000),
                          run_name=t.run_name or Path(output_dir).resolve().name,
                          params=params, tags=tags)
@@ -231,11 +235,11 @@ def _copied_from(state: Optional[RunState], output_dir) -> Optional[str]:
     there = state.tags.get("output_dir") if state is not None else None
     if not there:
         return None
-    theirs = Path(there) / TRACKING_DIR
-    try:
-        if os.path.samefile(theirs / STATE, Path(output_dir) / TRACKING_DIR / STATE):
+    try:  # (the folders: a copy's files may be hard links to the original's, cp -al)
+        if os.path.samefile(there, output_dir):
             return None
-        return there if RunState.load(theirs).run_id == state.run_id else None
+        return there if RunState.load(Path(there) / TRACKING_DIR).run_id == state.run_id \
+            else None
     except (OSError, ValueError, TypeError):  # gone (moved here), unreadable: not a copy
         return None
 

@@ -42,7 +42,8 @@ from pretrain.randomness import rng_state, seed_everything, set_rng_state
 from pretrain.finished_run import (finished_line, forget_finished, mark_finished,
                                    nothing_to_do, read_finished)
 from pretrain.run_dir import (check_every_rank_sees, check_same_run, hold_output_dir, make_dir,
-                              release_output_dir, removed_if_left_empty, set_aside_earlier_run)
+                              release_output_dir, removed_if_left_empty, set_aside_earlier_run,
+                              unshare_written_files)
 from pretrain.stopping import StopSignals, StoppedBySignal
 from pretrain.watchdog import StallWatchdog, progress
 
@@ -112,6 +113,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     micro, accum = batch_layout(cfg, world, backend.on_gpu)
     out = Path(cfg.output_dir)
     make_dir(out, "output_dir")
+    if rank == 0:
+        unshare_written_files(out)
     check_every_rank_sees(out)
     held = hold_output_dir(out)  # until this job ends: no second one writes here meanwhile
     if held is not None:

@@ -1175,6 +1175,25 @@ def test_a_copied_output_dir_gets_an_mlflow_run_of_its_own_and_a_moved_one_keeps
     after = client.get_run(original)  # untouched by the branch
     assert after.info.end_time == before.info.end_time and after.data.tags == before.data.tags
     assert steps_of(client, original) == [1, 2, 3, 4]
+    # a copy killed before its first checkpoint (the one it resumes from still names the
+    # original's run) stays in a run of its own when relaunched
+    shutil.copytree(tmp_path / "first", tmp_path / "crashed")
+    killed = subprocess.run(
+        [sys.executable, str(REPO / "tests/faulty_launch.py"), *tiny_run_args(
+            tmp_path / "crashed", tiny_data, "train.total_steps=8",
+            "tracking.system_metrics=false", f"tracking.uri={uri}")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "FAULTS": json.dumps({"kill": [0, 6]})})
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    _, crashed = run(tmp_path / "crashed", 8)
+    assert crashed not in (original, branch) and steps_of(client, original) == [1, 2, 3, 4]
+    # a copy made of hard links (cp -al: checkpoints are large) shares every file with the
+    # original: what the run appends to becomes its own first
+    subprocess.run(["cp", "-al", str(tmp_path / "first"), str(tmp_path / "linked")], check=True)
+    metrics = (tmp_path / "first/metrics.jsonl").read_bytes()
+    _, linked = run(tmp_path / "linked", 8)
+    assert linked != original and (tmp_path / "first/metrics.jsonl").read_bytes() == metrics
+    assert steps_of(client, original) == [1, 2, 3, 4]
     (tmp_path / "first").rename(tmp_path / "moved")
     text, moved = run(tmp_path / "moved", 8)
     assert moved == original and "is a copy" not in text, text[-3000:]
