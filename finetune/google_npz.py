@@ -20,8 +20,9 @@ from pretrain.export import BACKBONE_PREFIX
 _NPZ_PREFIXES = ("", "opt/target/", "params/", "params/img/")
 
 
-def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str]:
-    """Arrays of a Google ViT ``.npz`` -> (ViTClassifier-keyed tensors, layout name).
+def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str, Optional[int]]:
+    """Arrays of a Google ViT ``.npz`` -> (ViTClassifier-keyed tensors, layout name, attention
+    heads).
 
     Flax stores Dense kernels (in, out), the patch conv HWIO and attention as
     (D, heads, head_dim) / (heads, head_dim, D); PyTorch wants (out, in), OIHW and one fused
@@ -81,6 +82,7 @@ def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str]:
         depth = 0
         while f"{prefix}Transformer/encoderblock_{depth}/LayerNorm_0/scale" in w:
             depth += 1
+    heads = None
     for i in range(depth):
         blk, idx = (("Transformer/encoderblock/", i) if scanned
                     else (f"Transformer/encoderblock_{i}/", None))
@@ -92,6 +94,8 @@ def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str]:
         put(o + "norm1.weight", g("LayerNorm_0/scale"))
         put(o + "norm1.bias", g("LayerNorm_0/bias"))
         qkv = [g(f"{attn}/{n}/kernel") for n in ("query", "key", "value")]
+        if qkv[0] is not None and qkv[0].ndim == 3:
+            heads = qkv[0].shape[1]  # (what the shapes of our fused tensors no longer show)
         if all(k is not None for k in qkv):  # (D, heads, head_dim) each -> (3D, D)
             put(o + "attn.qkv.weight", torch.cat([k.flatten(1).T for k in qkv]))
         qkv_b = [g(f"{attn}/{n}/bias") for n in ("query", "key", "value")]
@@ -111,7 +115,7 @@ def google_npz_state(w: Mapping, path: str = "npz") -> tuple[dict, str]:
         if k is not None and k.numel():
             put(f"{ours}.weight", k.T)
             put(f"{ours}.bias", t(f"{name}/bias"))
-    return out, layout
+    return out, layout, heads
 
 
 def read_npz(path: Path) -> InitSource:
@@ -123,7 +127,7 @@ def read_npz(path: Path) -> InitSource:
         w = np.load(path, allow_pickle=False)  # object arrays would need pickle: refused
         if isinstance(w, np.lib.npyio.NpzFile):
             with w:
-                state, layout = google_npz_state(w, str(path))
+                state, layout, heads = google_npz_state(w, str(path))
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # EOF: an empty file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise InitError(f"init '{path}' is not a readable .npz ({first})") from None
@@ -132,4 +136,4 @@ def read_npz(path: Path) -> InitSource:
                         f"a Google checkpoint")
     # Google's ViT and big_vision both train on pixels scaled to [-1, 1]
     return InitSource("npz", str(path), state, extra={"layout": layout},
-                      normalize="minus_one_one")
+                      normalize="minus_one_one", spec={"num_heads": heads} if heads else None)

@@ -18,6 +18,7 @@ from typing import Optional
 
 from finetune.config import FinetuneConfig
 from pretrain.distributed import rank
+from pretrain.spool import redacted
 from pretrain.stage import Stage
 
 log = logging.getLogger("finetune")
@@ -237,15 +238,16 @@ class FinetuneStage(Stage):
         if state is None:  # not the main process
             return
         cfg, spec = self.cfg, backend.module.spec
+        root = redacted(cfg.data.root) if cfg.data.root else cfg.data.root  # (a file to share)
         card = {"model": spec.name, "resolution": spec.img_size, "ema_decay": cfg.train.ema_decay,
-                "num_classes": spec.num_classes, "dataset": cfg.data.root, "step": step,
+                "num_classes": spec.num_classes, "dataset": root, "step": step,
                 "tracking_run_id": run_id, "init": self.lineage,
                 "metrics": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
         path = Path(cfg.output_dir) / f"{name}.safetensors"
         # the architecture and the run's config too, as export.py's full file has them: a copy
         # of the file alone still evaluates and fine-tunes
         metadata = {"model_card": json.dumps(card), "spec": json.dumps(dataclasses.asdict(spec)),
-                    "config": cfg.to_yaml()}
+                    "config": redacted(cfg.to_yaml())}
         write_atomic(path, lambda tmp: save_file(state, str(tmp), metadata=metadata))
         write_atomic(path.with_suffix(".json"), json.dumps(card, indent=1))
         self._export_timm_folder(state, spec, Path(cfg.output_dir) / name, step, card["metrics"],

@@ -228,8 +228,11 @@ def read_init(init: str | os.PathLike) -> InitSource:
         from pretrain.timm_folder import normalize_of
         src = _from_file(path / "model.safetensors")
         try:  # its eval transform's mean and std: ours say which normalisation they are
-            src.normalize = normalize_of(json.loads((path / "config.json").read_text())
-                                         .get("pretrained_cfg") or {})
+            config = json.loads((path / "config.json").read_text())
+            src.normalize = normalize_of(config.get("pretrained_cfg") or {})
+            heads = (config.get("model_args") or {}).get("num_heads")
+            if isinstance(heads, int):  # the attention's split, which no shape shows
+                src.spec = {**(src.spec or {}), "num_heads": heads}
         except (OSError, ValueError, AttributeError):
             pass  # timm reports an unreadable config.json where it matters
         return src

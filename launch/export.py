@@ -133,8 +133,8 @@ def main(argv=None) -> None:
     try:
         started = time.monotonic()
         given = Path(args.checkpoint)
-        if given.name == "checkpoints" and is_finetune_dir(given.parent):  # its newest one
-            complete = CheckpointStore(given).complete(warn=True)
+        if given.resolve().name == "checkpoints" and is_finetune_dir(given.resolve().parent):
+            complete = CheckpointStore(given).complete(warn=True)  # its newest one
             if not complete:
                 raise CheckpointError(f"'{given}' holds no complete checkpoint")
             given = complete[0].path

@@ -144,6 +144,7 @@ def main(argv=None) -> int:
             claim_prefix(args.stage, args.out, settings)
         # a warning during a pass goes above its progress bar, not glued onto the bar's line
         with logging_redirect_tqdm():
+            tame_logs()  # on tqdm's handlers too (older tqdm does not copy handlers' filters)
             prepare(args.source, args.src, args.stage if remote else args.out,
                     workers=args.workers, **options)
             if remote:

@@ -20,7 +20,7 @@ on_usr1() {
   # in place (pretrain/job_status.py).
   if [[ -n $STEP_PID ]]; then
     if [[ -n ${VITSCALE_JOB_STATUS:-} ]]; then
-      echo "stop $(kill -l USR1)" >> "$VITSCALE_JOB_STATUS" 2>/dev/null || true
+      echo "stop $(kill -l USR1) $(date +%s)" >> "$VITSCALE_JOB_STATUS" 2>/dev/null || true
     fi
     kill -USR1 "$STEP_PID" 2>/dev/null || true
   fi

@@ -168,14 +168,17 @@ class CheckpointStore:
         disk = (f"the disk holding it is full ({free / 2**20:.1f} MiB free)"
                 if previous and free < folder_bytes(previous[0].path) or free < 2**20
                 else f"{free / 2**30:.1f} GiB free there")
-        full = disk.startswith("the disk")
-        if not full:  # then the room is not what stopped it: a quota, a file-size limit
+        full, fix = disk.startswith("the disk"), "Free space"
+        # out of room on a disk with room: a quota, its inodes, a file-size limit (torch's
+        # writer loses the cause of a short write: "unexpected pos")
+        if not full and any(re.search(r"\[Errno (28|122|27)\]|unexpected pos", e)
+                            for e in errors):
             limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            disk += (", so a quota or a file-size limit may have stopped it (`ulimit -f`: "
-                     + (f"{limit / 2**20:.1f} MiB here)" if limit != resource.RLIM_INFINITY
-                        else "none here)"))
+            disk += (", so a quota, the inodes (`df -i`) or a file-size limit may have stopped "
+                     "it (`ulimit -f`: " + (f"{limit / 2**20:.1f} MiB here)"
+                                            if limit != resource.RLIM_INFINITY else "none here)"))
+            fix = "Free space or inodes, raise the quota or the limit,"
         more = f" (and {len(errors) - 1} more rank(s))" if len(errors) > 1 else ""
-        fix = "Free space" if full else "Free space, raise the quota or the limit,"
         return (f"checkpoint {self.root / tag} could not be written: {errors[0]}{more}; {disk}; "
                 f"{kept}. {fix} or move output_dir, then relaunch: it resumes from the newest "
                 f"complete checkpoint")

@@ -45,7 +45,10 @@ class _NoPasswords:
 
     def filter(self, record) -> bool:
         from pretrain.spool import redacted
-        text = record.getMessage()
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 -- a malformed call: the handler reports it, as before
+            return True
         if redacted(text) != text:
             record.msg, record.args = redacted(text), None
         return True

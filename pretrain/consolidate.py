@@ -55,7 +55,8 @@ class Consolidated:
                 "step": self.step, "config": self.config_yaml,
                 "tracking_run_id": self.tracking_run_id, "zero_stage": self.zero_stage,
                 "world_size": self.world_size, **self.extra}
-        return {k: str(v) for k, v in meta.items() if v is not None}
+        from pretrain.spool import redacted  # a file to share: no URL's password in it
+        return {k: redacted(str(v)) for k, v in meta.items() if v is not None}
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,7 +87,8 @@ def resolve_checkpoint(path: Union[str, os.PathLike], warn: bool = True) -> Path
     if not p.is_dir():
         raise CheckpointError(f"'{p}' is a file, not a pretraining output dir or a DeepSpeed "
                               f"checkpoint dir")
-    run = p.parent if p.name == "checkpoints" and is_finetune_dir(p.parent) else p
+    whole = p.resolve()  # ("." inside checkpoints/ has no name)
+    run = whole.parent if whole.name == "checkpoints" and is_finetune_dir(whole.parent) else p
     if is_finetune_dir(run):  # its checkpoints are Accelerate's, and it exports by itself
         raise CheckpointError(f"'{p}' is a fine-tune's {'checkpoints' if run != p else 'output'} "
                               f"dir; {'its run' if run != p else 'it'} writes its exports itself "

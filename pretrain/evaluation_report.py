@@ -24,6 +24,7 @@ import torch
 
 from pretrain.evaluate_model import EvaluateError, Evaluation
 from pretrain.model_files import ModelFile
+from pretrain.spool import redacted
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
     mf = ev.mf
     metrics = {"model": str(mf.path), "kind": mf.kind, "architecture": mf.name,
                "step": mf.step, "img_size": mf.img_size, "normalize": mf.normalize,
-               "data": ev.root, "dataset": ev.dataset, "split": ev.split,
+               "data": redacted(ev.root), "dataset": ev.dataset, "split": ev.split,
                "samples": ev.samples, "top1": ev.top1, "top5": ev.top5, "device": ev.device,
                "precision": ev.precision, "batch_size": ev.batch_size,
                "source_run_id": mf.source_run_id, "reported": ev.reported,
@@ -185,7 +186,7 @@ def report_lines(ev: Evaluation, out: Path, written: list) -> list[str]:
     mf = ev.mf
     lines = [f"model   {mf.path} ({mf.kind}: {mf.name}, {mf.img_size} px, {mf.num_classes} "
              f"classes" + (f", step {mf.step}" if mf.step is not None else "") + ")",
-             f"data    {ev.root} split '{ev.split}': {ev.samples} images, {ev.device} "
+             f"data    {redacted(ev.root)} split '{ev.split}': {ev.samples} images, {ev.device} "
              f"{ev.precision}, normalize {mf.normalize}, batch {ev.batch_size}",
              f"top-1   {100 * ev.top1:.2f} %", f"top-5   {100 * ev.top5:.2f} %"]
     if ev.reported:
@@ -308,7 +309,7 @@ def _params(ev: Evaluation) -> dict:
     mf = ev.mf
     return {k: str(v) for k, v in {
         "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
-        "model.img_size": mf.img_size, "data.root": ev.root, "data.split": ev.split,
+        "model.img_size": mf.img_size, "data.root": redacted(ev.root), "data.split": ev.split,
         "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
         "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
 

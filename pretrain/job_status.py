@@ -14,7 +14,7 @@ stalled rank's ``exit 5`` (pretrain/watchdog.py), which explains the crash of th
 lost it: it comes after a 2 or 3, before rank 0's own code. Without the variable nothing is
 written.
 
-The script writes there too: ``stop 10`` when it passes SIGUSR1 on to the step. A rank still
+The script writes there too: ``stop 10 <unix time>`` when it passes SIGUSR1 on to the step. A rank still
 starting then has the signal ignored (inherited from the script's ``trap ''``), or has not been
 started by its launcher yet; each rank reads the line once its stop handlers are in place
 (:func:`stop_asked`), so such a stop is not lost.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 ENV = "VITSCALE_JOB_STATUS"
@@ -48,12 +49,17 @@ def note(event: str, value: int) -> None:
                     "on the exit code alone", ENV, path, e)
 
 
-def stop_asked() -> Optional[int]:
-    """The signal the batch script passed on to the step (its ``stop N`` line), if it did."""
+def stop_asked() -> Optional[tuple[int, float]]:
+    """(the signal, how many seconds ago) the batch script passed a stop on to the step (its
+    ``stop N TIME`` line), if it did: a grace period counts from then, not from this read."""
     path = os.environ.get(ENV)
     try:
         with open(path or "") as f:
-            asked = [line.split()[1] for line in f if line.startswith("stop ")]
+            asked = [line.split()[1:] for line in f if line.startswith("stop ")]
     except OSError:  # no script, or the file unreadable: the signal itself is all there is
         return None
-    return int(asked[-1]) if asked and asked[-1].isdigit() else None
+    if not asked or not asked[-1] or not asked[-1][0].isdigit():
+        return None
+    signum, when = int(asked[-1][0]), asked[-1][1:]
+    ago = time.time() - int(when[0]) if when and when[0].isdigit() else 0.0
+    return signum, max(0.0, ago)

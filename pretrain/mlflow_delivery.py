@@ -126,6 +126,9 @@ class Remote:
         from mlflow import MlflowClient
         from mlflow.entities import Param, RunTag
         if self.client is None:
+            if redacted(self.state.uri) != self.state.uri:  # MLflow prints "View run ... at
+                # <the URI>" as a run ends, password and all: the log names the run already
+                os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
             self.client = MlflowClient(self.state.uri)
         s = self.state
         if s.run_id is not None:

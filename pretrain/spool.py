@@ -130,7 +130,9 @@ def lock(track_dir: Path):
 def redacted(text: str) -> str:
     """``text`` fit to print or log as a param: the password of any URL in it
     (``postgresql://u:pw@host/db``, ``https://u:token@host``) becomes ``***``."""
-    return re.sub(r"(://[^/\s:@]+):[^@\s/]+@", r"\1:***@", text)
+    # up to the last "@" before the path: a password (or a user name, an e-mail address) may
+    # hold "@" itself, as the HTTP reader takes it
+    return re.sub(r"(://[^/\s:]+):[^/\s]*@", r"\1:***@", text)
 
 
 def one_line(exc: BaseException) -> str:

@@ -142,8 +142,8 @@ class StopSignals:
             # fail with EINTR because a signal was noted
             signal.siginterrupt(sig, False)
         asked = job_status.stop_asked()  # by the batch script while this rank was starting
-        if asked in self.signals:
-            self._note(asked, None)
+        if asked is not None and asked[0] in self.signals and self.received is None:
+            self.received, self.received_at = asked[0], time.monotonic() - asked[1]
         self.peer_lost = False
         self._ending = threading.Event()  # the run is over: a lost peer no longer matters
         self._watcher = None

@@ -367,10 +367,12 @@ def test_a_checkpoint_stopped_by_a_file_size_limit_is_not_blamed_on_a_full_disk(
                           preexec_fn=limited)
     assert proc.returncode == 3, proc.stderr[-3000:]
     [line] = error_lines(proc.stdout + proc.stderr)
-    assert f"step_{EVERY:08d} could not be written: " in line and "GiB free there, so a quota " \
-        "or a file-size limit may have stopped it (`ulimit -f`: 0.5 MiB here)" in line, line
-    assert line.endswith("Free space, raise the quota or the limit, or move output_dir, then "
-                         "relaunch: it resumes from the newest complete checkpoint"), line
+    assert f"step_{EVERY:08d} could not be written: " in line and "GiB free there, so a quota, " \
+        "the inodes (`df -i`) or a file-size limit may have stopped it (`ulimit -f`: 0.5 MiB " \
+        "here)" in line, line
+    assert line.endswith("Free space or inodes, raise the quota or the limit, or move "
+                         "output_dir, then relaunch: it resumes from the newest complete "
+                         "checkpoint"), line
 
 
 def test_a_failing_write_with_on_write_error_continue_trains_on_and_saves_later(
@@ -472,13 +474,18 @@ def test_a_stop_the_batch_script_passed_on_while_the_ranks_started_is_not_lost(t
     The script writes the stop into the job's status file too; the ranks read it once their
     handlers are in place, stop after their first step with a complete checkpoint, exit 4."""
     out, status = tmp_path / "run", tmp_path / "job-status"
-    status.write_text("stop 10\n")  # what the script wrote as it passed SIGUSR1 (10) on
+    # what the script wrote as it passed SIGUSR1 (10) on, 20 s ago: the grace period counts
+    # from then, not from the rank's read
+    status.write_text(f"stop 10 {int(time.time()) - 20}\n")
     proc = run_deepspeed(2, *run_args(out, tiny_data, "tracking.enabled=false"), fails=True,
                          env={"VITSCALE_JOB_STATUS": str(status)})
     assert proc.returncode == 4, proc.stderr[-3000:]
     [step] = re.findall(r"stopped: SIGUSR1 received: stopped after step (\d+) with a complete "
                         r"checkpoint", proc.stdout + proc.stderr)
     assert int(step) <= 2 and (out / f"checkpoints/step_{int(step):08d}/COMPLETE.json").is_file()
+    [since] = re.findall(r"SIGUSR1: checkpoint written in \S+ s, (\S+) s after the signal",
+                         proc.stdout + proc.stderr)
+    assert float(since) >= 20, since
     assert status.read_text().splitlines()[-2:] == [f"checkpoint {step}", "exit 4"]
     # a file without the line (a job the script did not stop) changes nothing
     status.write_text("")

@@ -424,8 +424,8 @@ def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monk
                            "_stage_id: upload failed 2 times (last: EndpointConnectionError: "
                            ), up.stderr
     assert line.endswith(f"; is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})); "
-                         f"check the endpoint, the URL or the command, and rerun (checked "
-                         f"before preparing anything)"), up.stderr
+                         f"check the endpoint, the URL or the command, or rerun if the server "
+                         f"was only busy (checked before preparing anything)"), up.stderr
     assert "failure 2 of" not in up.stderr  # two tries, not the whole back-off
 
 
@@ -663,7 +663,8 @@ def test_a_prefix_that_takes_no_uploads_is_refused_before_any_shard_is_written(
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: --out {failing} took no upload ({failing}/_stage_id: upload failed 2 times "
         f"(last: ConnectionError: exit status 1: NoSuchBucket)); check the endpoint, the URL or "
-        f"the command, and rerun (checked before preparing anything)"), done.stderr[-2000:]
+        f"the command, or rerun if the server was only busy (checked before preparing "
+        f"anything)"), done.stderr[-2000:]
 
 
 def test_a_stage_folder_holding_a_users_files_is_refused_before_the_prefix_is_claimed(

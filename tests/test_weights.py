@@ -545,7 +545,9 @@ def test_fine_tune_model_at_a_new_resolution_gets_a_zero_head(pretrained):
 # --------------------------------------------------------------------------------------------
 # Files that do not fit, or that must not be unpickled
 # --------------------------------------------------------------------------------------------
-def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensors(pretrained):
+def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensors(pretrained,
+                                                                                  npz_files,
+                                                                                  tmp_path):
     model = fresh(pretrained["cfg"].model, embed_dim=128, depth=3)
     with pytest.raises(InitError) as e:
         load_init(model, pretrained["full"])
@@ -577,12 +579,14 @@ def test_a_checkpoint_of_another_architecture_fails_with_one_line_listing_tensor
     assert fits.returncode == 0, fits.stderr[-2000:]
     # other heads, every shape the same: the pretrained attention would be cut up wrongly
     # without a word (it loaded, and the fine-tune trained on scrambled heads)
-    for init in ("full", "timm"):
+    from pretrain.timm_folder import write_timm_folder
+    folder = write_timm_folder(pretrained["consolidated"], tmp_path / "timm-folder")
+    for init in (pretrained["full"], pretrained["timm"], folder, *npz_files.values()):
         with pytest.raises(InitError, match=r"^init '.*' \(width 64, depth 2, patch 4, 2 heads\) "
                            r"does not match model vit_tiny_patch16_224 \(width 64, depth 2, "
                            r"patch 4, 4 heads, 16px\): 2 attention heads vs 4 \(set "
                            r"model.num_heads=2\)$"):
-            load_init(fresh(pretrained["cfg"].model, num_heads=4), pretrained[init])
+            load_init(fresh(pretrained["cfg"].model, num_heads=4), init)
     refused = dry_run("model.embed_dim=64", "model.depth=2", "model.num_heads=4")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(
         "2 attention heads vs 4 (set model.num_heads=2)"), refused.stderr[-2000:]

@@ -215,8 +215,8 @@ def claim_prefix(folder: str, location: str, settings: dict,
                            f"server or the URL (checked before preparing anything)") from None
     except Unreachable as e:
         raise PrepareError(f"--out {location} took no upload ({e}); check the endpoint, the "
-                           f"URL or the command, and rerun (checked before preparing "
-                           f"anything)") from None
+                           f"URL or the command, or rerun if the server was only busy "
+                           f"(checked before preparing anything)") from None
     if unchecked:  # said once the prefix took an upload: not before the refusal of one
         log.warning("could not check what %s holds (%s); uploading without that check",
                     location, unchecked)

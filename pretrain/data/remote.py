@@ -130,14 +130,17 @@ def http_request(location: str, method: Optional[str] = None, data=None,
     """A request for an ``http(s)://`` location. A ``user:password@`` in it is sent as basic
     authentication, as curl and wget send it; urllib alone would look the whole
     ``user:password@host`` up as a host name and fail as if the server were unreachable."""
-    headers = dict(headers or {})
     parts = urllib.parse.urlsplit(location)
-    if "@" in parts.netloc:
-        user, _, password = parts.netloc.rpartition("@")[0].partition(":")
-        pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
-        headers["Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
-        location = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-    return urllib.request.Request(location, data=data, method=method, headers=headers)
+    if "@" not in parts.netloc:
+        return urllib.request.Request(location, data=data, method=method, headers=headers or {})
+    user, _, password = parts.netloc.rpartition("@")[0].partition(":")
+    pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+    location = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    req = urllib.request.Request(location, data=data, method=method, headers=headers or {})
+    # not passed on to where a redirect leads (another host, a presigned URL), as curl does not
+    req.add_unredirected_header("Authorization",
+                                "Basic " + base64.b64encode(pair.encode()).decode())
+    return req
 
 
 def _open_http(location: str, offset: int, policy: RetryPolicy):
