@@ -548,6 +548,43 @@ def test_a_password_in_an_http_url_is_sent_as_basic_auth_and_printed_nowhere(tmp
         wrong.stderr[-2000:]
 
 
+def test_a_password_in_an_http_url_is_not_passed_on_where_a_redirect_leads(tmp_path):
+    """A server behind basic authentication redirecting to another host (a CDN, a presigned
+    object URL): the credentials stay with the first, as curl keeps them."""
+    seen = []
+
+    class Target(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep the test output readable
+            pass
+
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"bytes")
+
+    class Redirect(Target):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{target.server_address[1]}/x?sig=1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    target, first = (ThreadingHTTPServer(("127.0.0.1", 0), h) for h in (Target, Redirect))
+    for server in (target, first):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://vit:s3cret@127.0.0.1:{first.server_address[1]}/shard.tar"
+        assert open_shard(url, RetryPolicy(attempts=1)).read() == b"bytes"
+    finally:
+        for server in (target, first):
+            server.shutdown()
+            server.server_close()
+    assert seen[0] is not None and seen[0].startswith("Basic ") and seen[1:] == [None], seen
+
+
 def test_an_upload_replacing_a_dataset_cut_off_half_way_leaves_no_dataset_to_read(
         tmp_path, flaky_http):
     """An edited source prepared in a new stage folder for the prefix of the old one, its
