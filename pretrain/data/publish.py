@@ -30,9 +30,8 @@ from typing import Optional
 from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoError,
                                 InfoNotRead, NoInfo, UploadInProgress, read_info)
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable,
-                                  _endpoint_hint, _s3_client,
-                                  _s3_parts, fsspec_location, fsspec_refusal, http_request,
-                                  read_bytes)
+                                  _endpoint_hint, _s3_client, _s3_parts, fsspec_location,
+                                  fsspec_refusal, http_request, read_bytes)
 from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
 from pretrain.data.sources import PrepareError
 
