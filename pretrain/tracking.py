@@ -161,8 +161,8 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
                  "a run of its own from step %d (tag copied_from)", output_dir, original,
                  copied_run, resumed_at)
         earlier, run_id = None, None
-        extra_tags = {**(extra_tags or {}), "copied_from": str(copied_run),
-                      "copied_at_step": str(resumed_at)}
+        extra_tags = {**(extra_tags or {}), "copied_at_step": str(resumed_at),
+                      **({"copied_from": copied_run} if copied_run else {})}
     track_dir.mkdir(parents=True, exist_ok=True)
     uri = resolve_uri(t.uri)
     if earlier is not None:  # a resumed job: same run, whether it exists in MLflow yet or not
