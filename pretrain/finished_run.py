@@ -107,7 +107,7 @@ def finished_line(out: Path, record: dict) -> str:
         unsent = 0
     return (f"the run in {out} finished: its {record['step']} steps and its end on "
             f"{record.get('finished', '?')}{figures}. Nothing to do: set train.total_steps "
-            f"above {record['step']} to train on, set another output_dir for a new run, or delete {out / FINISHED} "
-            f"to do its end (evaluations, exports) again (a relaunch with other settings does "
-            f"it with those)" + (f"; MLflow still lacks {unsent} of its records: `python "
+            f"above {record['step']} to train on, set another output_dir for a new run, or "
+            f"delete {out / FINISHED} to do its end (evaluations, exports) again (a relaunch "
+            f"with other settings does it with those)" + (f"; MLflow still lacks {unsent} of its records: `python "
                                  f"launch/upload_spool.py {out}` sends them" if unsent else ""))

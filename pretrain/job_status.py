@@ -14,10 +14,10 @@ stalled rank's ``exit 5`` (pretrain/watchdog.py), which explains the crash of th
 lost it: it comes after a 2 or 3, before rank 0's own code. Without the variable nothing is
 written.
 
-The script writes there too: ``stop 10 <unix time>`` when it passes SIGUSR1 on to the step. A rank still
-starting then has the signal ignored (inherited from the script's ``trap ''``), or has not been
-started by its launcher yet; each rank reads the line once its stop handlers are in place
-(:func:`stop_asked`), so such a stop is not lost.
+The script writes there too: ``stop 10 <unix time>`` when it passes SIGUSR1 on to the step.
+A rank still starting then has the signal ignored (inherited from the script's ``trap ''``), or
+has not been started by its launcher yet; each rank reads the line once its stop handlers are
+in place (:func:`stop_asked`), so such a stop is not lost.
 """
 from __future__ import annotations
 
