@@ -33,11 +33,29 @@ def try_lock(path: Path, children_hold: bool = True) -> Optional[IO]:
         log.warning("cannot lock %s (%s): nothing keeps a second process out of %s", path, e,
                     path.parent)
     f.truncate(0)
-    f.write(f"{os.getpid()} {socket.gethostname()}\n")
+    line = f"{os.getpid()} {socket.gethostname()}"
+    job = os.environ.get("SLURM_JOB_ID")  # a requeue keeps the id, and counts its restarts
+    if job:
+        line += f" slurm {job}.{os.environ.get('SLURM_RESTART_COUNT', '0')}"
+    f.write(line + "\n")
     f.flush()
     if not children_hold:  # (closing a copy never releases the lock; a closed file: no-op)
         os.register_at_fork(after_in_child=f.close)
     return f
+
+
+def earlier_allocation(path: Path) -> bool:
+    """Whether the holder of ``path`` is an earlier allocation of this very SLURM job (same job
+    id, fewer restarts): a requeue that started while a node of the old one, cut off, still
+    holds the lock on shared storage until its lease runs out."""
+    job = os.environ.get("SLURM_JOB_ID")
+    try:
+        fields = Path(path).read_text().split()
+        their_job, _, their_restarts = fields[fields.index("slurm") + 1].partition(".")
+        return bool(job) and their_job == job and \
+            int(their_restarts) < int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def holder(path: Path) -> str:

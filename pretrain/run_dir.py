@@ -53,24 +53,43 @@ RUN_FILES = ("config.yaml", "config.resume_step_*.yaml", "checkpoints", "metrics
 # how a run was launched, not how it trains: the same folder named anew, a fresh start's flag
 HOW_LAUNCHED = ("output_dir", "checkpoint.resume")
 JOB_LOCK = ".job.lock"  # in output_dir: held by the rank 0 of the job running there
+# how long a requeued SLURM job waits for its earlier allocation's lock: a node cut off from the
+# cluster keeps it on NFS until the server's lease for it runs out (90 s by default)
+REQUEUE_LOCK_WAIT_S = 300.0
 
 
 def hold_output_dir(out: Path) -> Optional[IO]:
     """Lock ``out`` for this job: rank 0 returns the file that holds the lock until closed
     (None elsewhere); the loader workers it forks do not hold it (a rank killed outright must
-    not leave a requeued job refused by its orphans). Collective: every rank raises when
-    another job still holds it."""
-    from pretrain.file_lock import holder, try_lock
+    not leave a requeued job refused by its orphans), and a requeued SLURM job waits a while for
+    its own earlier allocation to let go. Collective: every rank raises when another job still
+    holds it."""
+    from pretrain.file_lock import earlier_allocation, holder, try_lock
     me, world = rank_world()
     held, error = None, None
     if me == 0:
         try:
             held = try_lock(out / JOB_LOCK, children_hold=False)
+            if held is None and earlier_allocation(out / JOB_LOCK):
+                wait_s = float(os.environ.get("VITSCALE_REQUEUE_LOCK_WAIT_S",
+                                              REQUEUE_LOCK_WAIT_S))
+                log.warning("%s holds %s: an earlier allocation of this job; waiting up to "
+                            "%.0f s for it to let go", holder(out / JOB_LOCK), out / JOB_LOCK,
+                            wait_s)
+                deadline = time.monotonic() + wait_s
+                while held is None and time.monotonic() < deadline:
+                    time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+                    held = try_lock(out / JOB_LOCK, children_hold=False)
+                if held is None:
+                    error = (f"an earlier allocation of this job still holds {out / JOB_LOCK} "
+                             f"({holder(out / JOB_LOCK)}) after {wait_s:.0f} s; end its "
+                             f"processes there (or take that node down), then scontrol "
+                             f"requeue {os.environ.get('SLURM_JOB_ID')}")
         except OSError as e:  # another user's lock file, a quota
             error = (f"cannot lock {out / JOB_LOCK} ({e.strerror or e}); pick an output_dir "
                      f"you can write to")
         else:
-            if held is None:
+            if held is None and error is None:
                 error = (f"a job is still running in '{out}' ({holder(out / JOB_LOCK)} holds "
                          f"{out / JOB_LOCK}); let it finish, or stop it, before starting "
                          f"another there")

@@ -2,10 +2,12 @@
 size, and the multi-node launcher path. Kills, failing writes and bad data: test_faults.py."""
 import gc
 import json
+import logging
 import math
 import os
 import re
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -527,6 +529,70 @@ def test_the_job_lock_ends_with_its_process_not_with_the_workers_it_forked(tmp_p
         os.kill(pid, signal.SIGKILL)
     lock.write_text("123 gpu-node-7\n")
     assert holder(lock) == "pid 123 on gpu-node-7"
+
+
+def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output_dir(
+        tmp_path, monkeypatch, caplog):
+    """A requeue (same SLURM job id, one restart more) can start while a cut-off node of the
+    earlier allocation still holds the job lock on shared storage: it waits for it, where
+    another job's lock is refused at once, as before."""
+    import sys
+
+    from pretrain.config import ConfigError
+    from pretrain.run_dir import JOB_LOCK, hold_output_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    go = tmp_path / "release"
+
+    def held_by(job: str, restarts: str, until_s: float) -> subprocess.Popen:
+        script = (f"import pathlib, sys, time\n"
+                  f"from pretrain.file_lock import try_lock\n"
+                  f"held = try_lock(pathlib.Path({str(out / JOB_LOCK)!r}))\n"
+                  f"print('held', flush=True)\n"
+                  f"end = time.time() + {until_s}\n"
+                  f"while time.time() < end and not pathlib.Path({str(go)!r}).exists():\n"
+                  f"    time.sleep(0.05)\n")
+        env = dict(os.environ, SLURM_JOB_ID=job, SLURM_RESTART_COUNT=restarts)
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "held\n"
+        return proc
+
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("VITSCALE_REQUEUE_LOCK_WAIT_S", "60")
+    # the earlier allocation lets go after 2 s: the requeue takes the folder
+    old = held_by("77", "0", until_s=2)
+    assert (out / JOB_LOCK).read_text().split()[2:] == ["slurm", "77.0"]
+    with caplog.at_level(logging.WARNING, logger="pretrain.run_dir"):
+        held = hold_output_dir(out)
+    assert held is not None and old.wait(timeout=30) == 0
+    assert "an earlier allocation of this job; waiting up to 60 s" in caplog.text
+    assert (out / JOB_LOCK).read_text().split() == [str(os.getpid()), socket.gethostname(),
+                                                    "slurm", "77.1"]
+    held.close()
+    # another job (or another step of this allocation) there: refused without waiting
+    for job, restarts in (("78", "0"), ("77", "1")):
+        other = held_by(job, restarts, until_s=60)
+        try:
+            with pytest.raises(ConfigError, match=rf"^a job is still running in '{out}'"):
+                hold_output_dir(out)
+        finally:
+            go.touch()
+            other.wait(timeout=30)
+            go.unlink()
+    # an earlier allocation that does not let go: said, after the wait, with what to do
+    monkeypatch.setenv("VITSCALE_REQUEUE_LOCK_WAIT_S", "1")
+    stuck = held_by("77", "0", until_s=60)
+    try:
+        with pytest.raises(ConfigError, match=rf"^an earlier allocation of this job still holds "
+                                              rf"{out}/{JOB_LOCK} \(pid {stuck.pid}\) after 1 s; "
+                                              rf"end its processes there .*requeue 77$"):
+            hold_output_dir(out)
+    finally:
+        go.touch()
+        stuck.wait(timeout=30)
 
 
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
