@@ -320,6 +320,15 @@ def _takes(field: Any, key: str) -> Optional[str]:
         f"a list, e.g. {example}"
 
 
+def _whole_number(got) -> Optional[int]:
+    """A whole number written as a float ('1e3', 2.5e4): the int it means."""
+    try:
+        value = float(got)
+    except (TypeError, ValueError):
+        return None
+    return int(value) if value.is_integer() and abs(value) < 1e18 else None
+
+
 def _describe(err: ValidationError, schema: Type[Section]) -> str:
     errors = err.errors()
     first = errors[0]
@@ -356,6 +365,9 @@ def _describe(err: ValidationError, schema: Type[Section]) -> str:
         got = first.get("input")
         shown = "" if isinstance(got, dict) else f" (got {got!r})"
         msg = f"config key '{key}': {first['msg'][0].lower()}{first['msg'][1:]}{shown}"
+        whole = _whole_number(got) if first["type"].startswith("int_") else None
+        if whole is not None:  # YAML reads 1e3 as a string, and 1.0e3 as a float
+            msg += f"; write it as {whole}"
     if len(errors) > 1:
         msg += f" (+{len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return msg

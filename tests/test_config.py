@@ -255,6 +255,8 @@ def test_a_bad_key_or_value_in_a_recipe_names_the_file_that_sets_it(tmp_path):
         load_config(PretrainConfig, tmp_path / "mine.yaml", ["train.total_steps=six"])
     assert str(e.value).startswith("config key 'train.total_steps': input should be a valid "
                                    "integer")
+    with pytest.raises(ConfigError, match=r"\(got '1e5'\); write it as 100000$"):
+        load_config(PretrainConfig, tmp_path / "mine.yaml", ["train.total_steps=1e5"])
     # a section's own check reports the section: a bad value given on the command line is not
     # pinned on a recipe that merely has that section
     with pytest.raises(ConfigError) as e:
