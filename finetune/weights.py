@@ -196,8 +196,15 @@ def check_init(init: str | os.PathLike) -> str:
                         f"fetch it first, e.g. with huggingface-cli download")
     path = Path(text).expanduser()
     if not path.exists():
-        none = " (no init, from scratch, is init=null)" if text.lower() == "none" else ""
-        raise InitError(f"init '{text}' not found{none}")
+        hint = ""
+        if text.lower() == "none":
+            hint = " (no init, from scratch, is init=null)"
+        elif not path.is_absolute():
+            hint = f" in {Path.cwd()}"
+            if path == Path("runs/demo"):  # configs/finetune/demo.yaml's, before the pretraining
+                hint += ("; the demo fine-tune starts from the demo pretraining: run "
+                         "'deepspeed launch/pretrain.py' first, or add init=null (from scratch)")
+        raise InitError(f"init '{text}' not found{hint}")
     if path.is_dir() and (path / "config.json").is_file() and \
             (path / "model.safetensors").is_file():
         return "timm folder"  # timm's layout (export.py --out FOLDER, a Hugging Face download)

@@ -635,6 +635,13 @@ def test_a_stopped_fine_tune_resumes_though_its_init_is_gone(tmp_path, tiny_cifa
                         *finetune_args(tmp_path / "c", tiny_cifar, init))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: init '{init}' not found"), proc.stderr[-2000:]
+    # the demo fine-tune before the demo pretraining, from another folder: both said
+    proc = run_launcher("finetune.py", "--config", str(REPO / "configs/finetune/demo.yaml"),
+                        "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: init 'runs/demo' not found in {tmp_path}; the demo fine-tune starts from the "
+        f"demo pretraining: run 'deepspeed launch/pretrain.py' first, or add init=null (from "
+        f"scratch)"), proc.stderr[-2000:]
     # an unset shell variable (init=$INIT) is not a fine-tune from scratch
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml", "init=",
                         "--dry-run")
