@@ -417,6 +417,10 @@ def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monk
     assert f"Could not connect to the endpoint URL: \"http://127.0.0.1:{port}/datasets/pets/" \
            f"_info.json\"); is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})" \
         in proc.stdout, proc.stdout[-2000:]
+    # ... and a run's first retry says it, not only its last, minutes later
+    assert re.search(r"retrying at byte 0 in [\d.]+ s \(failure 1 of 2\); is the endpoint "
+                     rf"right\? AWS_ENDPOINT_URL=http://127.0.0.1:{port}\n",
+                     proc.stderr), proc.stderr[-2000:]
     up = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "s3://datasets/pets")
     assert up.returncode == 2 and not list((tmp_path / "stage").glob("*.tar")), up.stderr
     [line] = [line for line in up.stderr.splitlines() if line.startswith("error: ")]

@@ -396,9 +396,10 @@ class RetryingReader(io.RawIOBase):
                                       f"at byte {self.pos} (last: {type(e).__name__}: {e})"
                                       f"{_endpoint_hint(self.location, e)}") from None
                 wait = self.policy.wait(failures)
-                log.warning("%s: %s: %s; retrying at byte %d in %.1f s (failure %d of %d)",
+                log.warning("%s: %s: %s; retrying at byte %d in %.1f s (failure %d of %d)%s",
                             self.location, type(e).__name__, e, self.pos, wait, failures,
-                            self.policy.attempts)
+                            self.policy.attempts,
+                            _endpoint_hint(self.location, e) if failures == 1 else "")
                 time.sleep(wait)
 
     def _drop(self) -> None:
