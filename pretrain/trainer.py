@@ -183,6 +183,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
             set_rng_state(client["rng"][rank])
         guard.skipped = int(client.get("nonfinite_skipped", 0))
         stage.load_state_dict(client.get("stage") or {})
+        if step >= steps and not carried_metrics:  # stopped after the last step: its figures
+            carried_metrics = dict(client.get("eval_figures") or {})
         log.info("resumed from %s at step %d", resume.path, step)
         if changed and rank == 0:  # config.yaml stays the start's, as the MLflow params do
             kept = save_config(cfg, out / f"config.resume_step_{step:08d}.yaml")
@@ -372,7 +374,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                 started = time.monotonic()
                 saved = save(store, backend, loader, stage, cfg, step, steps, world,
                              tracker.run_id, guard, must_succeed=bool(signame),
-                             loss_window=(float(loss_sum), window))
+                             loss_window=(float(loss_sum), window),
+                             figures={k: v for k, v in metrics.items() if k.startswith("eval/")})
                 failed_saves += not saved
                 if saved and not signame and step < steps:  # signalled while it was written?
                     signame = stop.agreed_now()  # then it is the stop checkpoint
@@ -436,15 +439,16 @@ def roll_back(store: CheckpointStore, backend, guard: NonFiniteGuard, step: int)
 
 def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: int, steps: int,
          world: int, run_id: Optional[str], guard: NonFiniteGuard, must_succeed: bool,
-         loss_window: tuple = (0.0, 0)) -> bool:
+         loss_window: tuple = (0.0, 0), figures: Optional[dict] = None) -> bool:
     """Write checkpoint ``step``; False if the write failed and ``checkpoint.on_write_error``
     lets the run go on (never for the last one, nor for the one a stop signal asked for).
-    ``loss_window``: this rank's (loss sum, micro-batches) since the last log line."""
+    ``loss_window``: this rank's (loss sum, micro-batches) since the last log line;
+    ``figures``: the latest evaluations', which a relaunch after the last step reports."""
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
               "nonfinite_skipped": guard.skipped, "stage": stage.state_dict(),
-              "loss_window": gather(list(loss_window), world)}
+              "loss_window": gather(list(loss_window), world), "eval_figures": figures or {}}
     started = time.monotonic()
     try:
         ckpt = store.save(backend, step, client)

@@ -224,6 +224,14 @@ def test_sigterm_in_the_final_evaluation_stops_before_the_exports_and_the_relaun
     run = mlflow_run(out)
     assert run.info.status == "FINISHED"
     fault_ledger.record(1, 1, samples_lost, metrics_lost + mlflow_steps_lost(out))
+    # the last step's evaluations, done before the stop, are the relaunch's figures too (its
+    # closing line and finished.json had the test split's alone)
+    def figures(folder):
+        return {k: v for k, v in json.loads((folder / "finished.json").read_text())[
+            "metrics"].items() if k.startswith("eval/")}
+    assert figures(out) == figures(finetune_reference) and "eval/dev/top1" in figures(out)
+    [done] = [line for line in again.splitlines() if "done: " in line]
+    assert f" eval/dev/top1 {figures(out)['eval/dev/top1']:.4f};" in done, done
 
     # its end done, a relaunch does nothing: no test split evaluated again, no export rewritten
     def written():  # by the end: the test split's per-class figures and the final export
