@@ -437,6 +437,40 @@ def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path):
         assert (s["meta"]["width"], s["meta"]["height"]) == (64, 48)  # the original size
 
 
+def test_a_dataset_whose_images_mostly_do_not_decode_is_refused_and_the_mended_rerun_writes_it(
+        tmp_path):
+    """A dataset cloned without Git LFS (every .jpg a pointer file), a folder of iPhone HEICs:
+    "wrote 0 train ... skipped 6", exit 0, and the output was complete; a rerun after the files
+    were mended said "already complete" and kept the empty shards."""
+    src = tmp_path / "src"
+    for c in ("cat", "dog"):
+        (src / "train" / c).mkdir(parents=True)
+        for i in range(4):
+            (src / "train" / c / f"{i}.jpg").write_bytes(
+                b"version https://git-lfs.github.com/spec/v1\noid sha256:%d\nsize 9\n" % i)
+    (src / "train" / "dog" / "3.jpg").write_bytes(b"\0\0\0\x18ftypheic" + bytes(16))
+    out = tmp_path / "out"
+    with pytest.raises(PrepareError) as e:
+        prepare("imagefolder", str(src), str(out), shard_size=4, progress=False)
+    assert re.fullmatch(rf"8 of 8 images could not be read \(split 'train' left empty\); 7 of "
+                        rf"them: a Git LFS pointer, not the image \(git lfs pull\) \(e.g. "
+                        rf"{src}/train/(cat|dog)/\d.jpg; all in {out}/_skipped.json\); mend "
+                        rf"them and rerun the same command", str(e.value)), str(e.value)
+    assert not (out / "_info.json").exists() and not list(out.glob("*.tar"))
+    report = json.loads((out / "_skipped.json").read_text())
+    assert "a HEIF/AVIF image (heic), which this PIL does not read; convert it to JPEG" in \
+        [item["error"] for item in report["skipped"]]
+    # mended in place (git lfs pull): the same command writes the dataset
+    for i, f in enumerate(sorted((src / "train").rglob("*.jpg"))):
+        Image.new("RGB", (16, 16), (30 * i, 0, 0)).save(f, format="JPEG")
+    info = prepare("imagefolder", str(src), str(out), shard_size=4, progress=False)
+    assert info.split("train").num_samples == 8 and len(read_output(out)) == 8
+    # a few broken files among many are skipped and reported, as before
+    (src / "train" / "cat" / "0.jpg").write_bytes(b"not an image")
+    info = prepare("imagefolder", str(src), str(tmp_path / "out2"), shard_size=4, progress=False)
+    assert info.split("train").num_samples == 7 and info.extra["num_skipped"] == 1
+
+
 @pytest.mark.parametrize("flat_val", [False, True], ids=["val-in-folders", "flat-val-with-csv"])
 def test_imagenet1k_uses_timms_synset_order(tmp_path, flat_val, caplog):
     order = timm_info_file("imagenet_synsets.txt").read_text().split()

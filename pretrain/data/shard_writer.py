@@ -186,7 +186,20 @@ def _init_worker(source: Source, out: str, max_size: Optional[int]) -> None:
 
 
 
-def _reason(e: Exception) -> str:
+# what a file that is no image often is: what PIL says of it ("cannot identify image file")
+# names neither
+NOT_IMAGES = ((b"version https://git-lfs", "a Git LFS pointer, not the image (git lfs pull)"),
+              (b"<", "an HTML or XML page, not an image (a failed download?)"))
+HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"mif1", b"msf1", b"avif")
+
+
+def _reason(e: Exception, data: bytes = b"") -> str:
+    for start, what in NOT_IMAGES:
+        if data.lstrip()[:len(start)] == start:
+            return what
+    if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS:
+        return (f"a HEIF/AVIF image ({data[8:12].decode()}), which this PIL does not read; "
+                f"convert it to JPEG")
     # PIL names the buffer it was handed ("cannot identify image file <_io.BytesIO object at
     # 0x7f...>"); the report names the file already
     text = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", str(e))
@@ -219,7 +232,8 @@ def write_shard(job: Tuple[str, str, Index]) -> Tuple[str, int, list]:
                 # and one broken file among millions must not stop the run: it is reported.
                 except Exception as e:  # noqa: BLE001
                     skipped.append(dict(key=entry.key, split=split, shard=filename,
-                                        source=source.describe(entry), error=_reason(e)))
+                                        source=source.describe(entry),
+                                        error=_reason(e, data)))
                     continue
                 meta = dict(label=entry.label, class_name=source.classes[entry.label],
                             width=width, height=height)
@@ -327,6 +341,7 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         _run(jobs, raw, out_dir, max_size, workers, ledger, progress)
 
         done = _read_ledger(ledger)
+        _check_enough_read(out_dir, shards, done, ledger)
         # ImageNet-21k lists every synset of its list, prepared or not; the other layouts list
         # their own classes, an empty class folder included (its label is kept: a head of
         # fewer outputs would lose its name in exports)
@@ -336,6 +351,39 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
         shutil.rmtree(work / "spill", ignore_errors=True)
         (work / "index.npz").unlink(missing_ok=True)  # (scan.json stays: load_or_build_index)
         return info
+
+
+def _check_enough_read(out: Path, shards: List[Shard], done: Dict[str, dict],
+                       ledger: Path) -> None:
+    """Refuse to call a preparation complete that lost a whole split, or most of its images:
+    a dataset cloned without Git LFS, a folder of HEIC photos. The shards that lost images are
+    dropped from the ledger and removed, so that the same command, rerun once the files are
+    mended, writes them again (a mended image keeps its name: the source counts as unchanged)."""
+    total, skipped, per_split = 0, [], {}
+    for shard in shards:
+        record = done[shard.filename]
+        total += record["count"] + len(record["skipped"])
+        skipped.extend(record["skipped"])
+        per_split[shard.split] = per_split.get(shard.split, 0) + record["count"]
+    empty = [name for name, count in per_split.items() if count == 0]
+    if not skipped or (not empty and 2 * len(skipped) <= total):
+        return
+    reasons: Dict[str, int] = {}
+    for item in skipped:
+        reasons[item["error"]] = reasons.get(item["error"], 0) + 1
+    common, times = max(reasons.items(), key=lambda kv: kv[1])
+    write_atomic(out / REPORT_NAME, json.dumps(dict(num_skipped=len(skipped), skipped=skipped),
+                                               indent=1))
+    lost = {item["shard"] for item in skipped}
+    kept = [json.dumps(r) for name, r in done.items() if name not in lost]
+    write_atomic(ledger, "".join(line + "\n" for line in kept))
+    for name in lost:
+        (out / name).unlink(missing_ok=True)
+    example = next(item["source"] for item in skipped if item["error"] == common)
+    left = f" (split {', '.join(map(repr, empty))} left empty)" if empty else ""
+    raise PrepareError(f"{len(skipped)} of {total} images could not be read{left}; {times} of "
+                       f"them: {common} (e.g. {example}; all in {out / REPORT_NAME}); mend "
+                       f"them and rerun the same command")
 
 
 def _finish(out: Path, settings: dict, source: Source, shards: List[Shard],
