@@ -615,6 +615,16 @@ def test_a_different_configuration_on_the_same_dir_is_refused(i21k, tmp_path):
     with pytest.raises(PrepareError, match=r"--seed 0 \(now 1\)"):
         prepare("imagenet21k", str(raw.root), str(out), shard_size=16, val_count=20, seed=1, progress=False)
     assert snapshot(out) == before
+    # the same source by another path (a symlinked mount): the unfinished run goes on...
+    (tmp_path / "mnt").symlink_to(raw.root)
+    prepare("imagenet21k", str(tmp_path / "mnt"), str(out), shard_size=16, val_count=20,
+            progress=False)
+    assert snapshot(out).keys() == {*before, out / "_info.json"}
+    # ... and a finished one is complete, the source moved since (it is not read again)
+    done = snapshot(out)
+    prepare("imagenet21k", str(tmp_path / "moved"), str(out), shard_size=16, val_count=20,
+            progress=False)
+    assert snapshot(out) == done
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "mine.txt").write_text("keep me")
     with pytest.raises(PrepareError, match=r"other is not empty \(mine.txt\) and holds no "):

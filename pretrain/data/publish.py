@@ -32,7 +32,8 @@ from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoEr
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable,
                                   _endpoint_hint, _s3_client, _s3_parts, fsspec_location,
                                   fsspec_refusal, http_request, read_bytes)
-from pretrain.data.shard_writer import STAGE_ID, STAGE_MARKER, UPLOAD_LOG, settings_diff
+from pretrain.data.shard_writer import (STAGE_ID, STAGE_MARKER, UPLOAD_LOG, same_settings,
+                                        settings_diff)
 from pretrain.data.sources import PrepareError
 
 log = logging.getLogger(__name__)
@@ -279,7 +280,7 @@ def _check_prefix(location: str, settings: dict, policy: RetryPolicy,
         recorded, what = marker.get("prepare"), "an unfinished upload"
         if recorded is None or marker.get("stage_id") == stage_id:  # (older markers: no
             return None  # settings to compare)
-    if recorded != settings:
+    if not same_settings(recorded, settings):
         raise PrepareError(f"{location} holds {what} prepared with "
                            f"{settings_diff(recorded, settings)}; rerun with the same options, "
                            f"or choose another --out (or delete what is there first)")

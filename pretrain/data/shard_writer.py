@@ -91,7 +91,7 @@ def claim_out_dir(out: Path, settings: dict) -> IO:
                            f"{out}; wait for it to finish, or stop it and rerun to resume")
     try:
         recorded = _recorded(out, settings)  # again: the other run may have ended in between
-        if recorded is not None and recorded != settings:
+        if recorded is not None and not same_settings(recorded, settings):
             # Nothing was written yet (say the first try stopped at an unknown synset): start
             # afresh, but keep the listing (hours for ImageNet-21k) where it still holds
             keep = {LOCK} | (INDEX_FILES if _same_listing(recorded, settings) else set())
@@ -121,7 +121,7 @@ def _same_listing(recorded: dict, settings: dict) -> bool:
     added (a listing that went on had met no unknown synset)."""
     def of(s):
         return {k: s.get(k) for k in ("source", "src", "synsets")}
-    return of(recorded) == of(settings) and (
+    return same_settings(of(recorded), of(settings)) and (
         recorded.get("skip_unknown") == settings.get("skip_unknown")
         or settings.get("skip_unknown"))
 
@@ -142,7 +142,7 @@ def _recorded(out: Path, settings: dict, option: str = "--out") -> Optional[dict
                                             if p.name not in BOOKKEEPING + OS_LITTER)):
         raise PrepareError(f"{out} is not empty ({other[0]}{', ...' if other[1:] else ''}) and "
                            f"holds no prepare_data output; choose a new or empty {option}")
-    if recorded is not None and recorded != settings and _shards_started(out):
+    if recorded is not None and not same_settings(recorded, settings) and _shards_started(out):
         raise PrepareError(f"{out} was written with {settings_diff(recorded, settings)}; rerun "
                            f"with the same options or choose another {option}")
     return recorded
@@ -152,6 +152,18 @@ def check_stage_folder(stage: str, settings: dict) -> None:
     """A remote --out's --stage, checked as an output folder before the prefix is claimed
     (the claim writes into it): one holding a user's files is refused untouched."""
     _recorded(Path(stage), settings, "--stage")
+
+
+def same_settings(recorded: dict, settings: dict, but: tuple = ()) -> bool:
+    """Whether a preparation's recorded settings are these, but for the keys ``but``; --src
+    counts as the same where both paths lead to one folder (a symlinked mount, a path with
+    '..'), as a cluster's paths to one file system often differ."""
+    def of(s: dict) -> dict:
+        s = {k: v for k, v in s.items() if k not in but}
+        if isinstance(s.get("src"), str):
+            s["src"] = os.path.realpath(s["src"])
+        return s
+    return of(recorded) == of(settings)
 
 
 def settings_diff(recorded: dict, settings: dict) -> str:
@@ -172,7 +184,10 @@ def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
         return None
     info = read_info(out)
     present = all((out / f).is_file() for s in info.splits.values() for f in s.filenames)
-    return info if present and info.extra.get("prepare") == settings else None
+    # not --src: the source may have been moved, or deleted, since (not read again)
+    recorded = info.extra.get("prepare")
+    return info if present and isinstance(recorded, dict) and \
+        same_settings(recorded, settings, but=("src",)) else None
 
 
 # --------------------------------------------------------------------------------------------
