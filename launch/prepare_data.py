@@ -43,8 +43,10 @@ SOURCE and what --src points at:
                splits (split folder names in any case); other files and folders are left
                out with a warning
   imagenet1k   ROOT/train/<synset>/*.JPEG and ROOT/val/, either in synset folders or flat with
-               LOC_val_solution.csv, val_labels.txt or val.txt (file name, synset or index);
-               labels in timm's 1000-synset order
+               LOC_val_solution.csv, val_labels.txt or val.txt (file name, synset or index)
+               in ROOT or val/ (Kaggle's CSV also up to three folders above ROOT, where its
+               download puts it); labels in timm's 1000-synset order. The per-synset tars
+               of ILSVRC2012_img_train.tar are extracted into folders of their names first
   cifar10      cifar-10-batches-py (the python version), splits train and test
   cifar100     cifar-100-python (fine labels), splits train and test
 

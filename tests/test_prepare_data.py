@@ -507,6 +507,44 @@ def test_a_flat_val_label_index_beyond_the_1000_classes_is_one_line(tmp_path):
         prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), progress=False)
 
 
+def test_imagenet1k_as_it_is_downloaded(tmp_path):
+    """Kaggle's download (LOC_val_solution.csv three levels above CLS-LOC/, saved again with a
+    BOM), ILSVRC2012_img_train.tar unpacked once (a tar per synset), the devkit's one-column
+    ground truth given as val.txt: each was refused with a line that missed the point, one only
+    after train/ was listed (an hour over 1.28 M files on a network file system)."""
+    order = timm_info_file("imagenet_synsets.txt").read_text().split()
+    kaggle = tmp_path / "kaggle"
+    raw = synthetic.write_imagenet1k(kaggle / "ILSVRC" / "Data" / "CLS-LOC", order[:2], 2, 2,
+                                     flat_val=True, all_synsets=order)
+    csv_file = raw.root / "LOC_val_solution.csv"
+    (kaggle / csv_file.name).write_text("\ufeff" + csv_file.read_text(), encoding="utf-8")
+    csv_file.unlink()
+    info = prepare("imagenet1k", str(raw.root), str(tmp_path / "out"), progress=False)
+    assert info.split("validation").num_samples == 4
+    samples = assert_matches_raw(tmp_path / "out", raw)
+    assert len(samples) == 8
+
+    (kaggle / csv_file.name).unlink()
+    (raw.root / "val.txt").write_text("65\n970\n230\n809\n")  # ids, in the devkit's order
+    with pytest.raises(PrepareError, match=r"val.txt has one value per line and no file names "
+                                           r"\(the devkit's ILSVRC2012_validation_ground_truth"):
+        prepare("imagenet1k", str(raw.root), str(tmp_path / "out2"), progress=False)
+
+    train = raw.root / "train"
+    for synset in order[:2]:
+        with tarfile.open(train / f"{synset}.tar", "w") as tar:
+            tar.add(train / synset, arcname=".")
+        shutil.rmtree(train / synset)
+    with pytest.raises(PrepareError, match=rf"^{train} holds per-synset tars \({order[0]}.tar, "
+                                           rf"... 2 of them\), as ILSVRC2012_img_train.tar "
+                                           rf"unpacks; extract each"):
+        prepare("imagenet1k", str(raw.root), str(tmp_path / "out3"), progress=False)
+    (tmp_path / "ILSVRC2012_img_train.tar").write_bytes(b"")
+    with pytest.raises(PrepareError, match=r"is a tar; extract it into train/"):
+        prepare("imagenet1k", str(tmp_path / "ILSVRC2012_img_train.tar"), str(tmp_path / "out4"),
+                progress=False)
+
+
 @pytest.mark.parametrize("kind", ["cifar10", "cifar100"])
 def test_cifar_pickles_keep_labels_and_pixels(tmp_path, kind):
     raw = synthetic.write_cifar(tmp_path / "raw", kind, n_train=40, n_test=12)

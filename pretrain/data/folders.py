@@ -250,19 +250,37 @@ class ImageFolder(Source):
 class ImageNet1k(ImageFolder):
     """``train/<synset>/*.JPEG`` with timm's 1000-synset order; ``val/`` in synset folders or flat.
 
-    A flat ``val/`` needs a label file in ``ROOT`` or ``ROOT/val``: Kaggle's ``LOC_val_solution.csv``
-    (``ImageId,PredictionString`` with the synset first) or ``val_labels.txt`` / ``val.txt`` with
-    lines ``<file name> <synset or class index>``.
+    A flat ``val/`` needs a label file in ``ROOT/val``, ``ROOT`` or a folder above it (Kaggle
+    puts ``LOC_val_solution.csv``, ``ImageId,PredictionString`` with the synset first, three
+    levels above ``ILSVRC/Data/CLS-LOC``), or ``val_labels.txt`` / ``val.txt`` with lines
+    ``<file name> <synset or class index>``.
     """
 
     name = "imagenet1k"
 
     def __init__(self, src: str, skip_unknown: bool = False) -> None:
+        if os.path.isfile(src) and src.endswith(".tar"):  # ILSVRC2012_img_train.tar as it came
+            raise PrepareError(f"--src {src} is a tar; extract it into train/ (a tar per synset "
+                               f"inside: extract each into a folder of its name) beside val/, "
+                               f"and point --src at their folder")
         synsets = timm_info_file(IMAGENET1K_SYNSETS).read_text().split()
+        self._val_labels_read: dict = {}
         super().__init__(src, classes=synsets, skip_unknown=skip_unknown)
         if "validation" not in self.split_dirs:
             raise PrepareError(f"{src} needs train/ and val/ folders (ImageNet-1k layout); use "
                                f"'imagefolder' for a single folder of classes")
+        train = self.split_dirs["train"]
+        tars = sorted(e.name for e in os.scandir(train) if e.is_file() and _visible(e.name)
+                      and e.name.endswith(".tar") and e.name[:-4] in self._label)
+        if tars:  # ILSVRC2012_img_train.tar unpacked once: its synsets are tars still
+            raise PrepareError(
+                f"{train} holds per-synset tars ({tars[0]}, ... {len(tars)} of them), as "
+                f"ILSVRC2012_img_train.tar unpacks; extract each into a folder of its name "
+                f"first: cd {train} && for f in n*.tar; do mkdir ${{f%.tar}} && tar -xf $f "
+                f"-C ${{f%.tar}} && rm $f; done")
+        val = self.split_dirs["validation"]
+        if not _subfolders(val):  # a missing label file said now, not after listing train/
+            self._val_labels(val)
 
     def reads(self, name: str) -> bool:
         return name in VAL_LABEL_FILES
@@ -298,19 +316,23 @@ class ImageNet1k(ImageFolder):
 
     def _val_labels(self, root: Path) -> dict:
         """File stem -> synset, from whichever known label file is present."""
-        for folder in (root.parent, root):
-            for filename in VAL_LABEL_FILES:
-                path = folder / filename
-                if path.is_file():
-                    return self._parse_val_labels(path)
+        if root in self._val_labels_read:
+            return self._val_labels_read[root]
+        # Kaggle's download: LOC_val_solution.csv beside ILSVRC/, val/ in ILSVRC/Data/CLS-LOC/
+        kaggle = [folder / VAL_LABEL_FILES[0] for folder in root.resolve().parents[1:4]]
+        for path in [f / n for f in (root.parent, root) for n in VAL_LABEL_FILES] + kaggle:
+            if path.is_file():
+                self._val_labels_read[root] = self._parse_val_labels(path)
+                return self._val_labels_read[root]
         raise PrepareError(f"{root} is flat but no label file was found; put one of "
                            f"{', '.join(VAL_LABEL_FILES)} next to it, or sort val/ into synset folders")
 
     def _parse_val_labels(self, path: Path) -> dict:
-        labels = {}
-        with open(path, newline="") as f:
+        labels, single = {}, 0
+        with open(path, newline="", encoding="utf-8-sig") as f:  # (a BOM: Excel's CSV)
             rows = csv.reader(f) if path.suffix == ".csv" else (line.split() for line in f)
             for row in rows:
+                single += len(row) == 1
                 if len(row) < 2 or row[0] == "ImageId":
                     continue
                 stem, label = os.path.splitext(row[0])[0], row[1].split()[0]
@@ -320,4 +342,9 @@ class ImageNet1k(ImageFolder):
                                        f"timm's synset order (the devkit's ids count from 1 in "
                                        f"another order: give synsets instead)")
                 labels[stem] = self.classes[int(label)] if label.isdigit() else label
+        if single and not labels:  # ILSVRC2012_validation_ground_truth.txt: ids, no names
+            raise PrepareError(f"{path} has one value per line and no file names (the devkit's "
+                               f"ILSVRC2012_validation_ground_truth.txt, whose ids follow "
+                               f"another class order?); give lines '<file name> <synset>', or "
+                               f"Kaggle's LOC_val_solution.csv")
         return labels
