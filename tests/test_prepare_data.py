@@ -407,6 +407,8 @@ def test_the_index_bar_says_how_far_through_the_outer_tar_it_is(i21k, tmp_path):
 def test_fall11_list_and_unknown_synsets(tmp_path, caplog):
     synsets = [FALL11[i] for i in (0, 777, 21840)]
     raw = synthetic.write_synset_tars(tmp_path / "raw", synsets + ["n99999999"], 6)
+    # a copy from a Mac: an AppleDouble file beside each tar, no synset of its own
+    (raw.root / f"._{synsets[0]}.tar").write_bytes(b"\0\5\26\7 resource fork")
     out = tmp_path / "out"
     with pytest.raises(PrepareError, match="n99999999.*--skip-unknown"):
         prepare("imagenet21k", str(raw.root), str(out), synsets="fall11", shard_size=8, val_count=3,
@@ -423,6 +425,14 @@ def test_fall11_list_and_unknown_synsets(tmp_path, caplog):
     assert_matches_raw(out, raw)
     assert len(info.classes) == 21841
     assert json.loads((out / "_skipped.json").read_text())["unknown_classes"] == ["n99999999"]
+    # the outer tar's folder given as --src: the tar is named as the --src to give
+    (tmp_path / "download").mkdir()
+    (tmp_path / "download" / "fall11_whole.tar").write_bytes(b"")
+    with pytest.raises(PrepareError, match=rf"holds fall11_whole.tar, not per-synset tars "
+                                           rf"\(n01440764.tar ...\); an outer tar is read as "
+                                           rf"--src itself: --src {tmp_path}/download/"):
+        prepare("imagenet21k", str(tmp_path / "download"), str(tmp_path / "out2"),
+                progress=False)
 
 
 def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path):

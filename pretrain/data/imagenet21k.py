@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Iterator, List, Optional, Tuple
 
 from pretrain.atomic_write import fsync_path
-from pretrain.data.sources import Entry, PrepareError, Source, is_image, load_synsets, sample_key
+from pretrain.data.sources import (Entry, PrepareError, Source, is_image, load_synsets,
+                                   sample_key, visible)
 from pretrain.helper_processes import pool_map
 
 if TYPE_CHECKING:
@@ -132,10 +133,16 @@ class SynsetTars(_SynsetLabels):
         self.workers = workers
 
     def _tars(self) -> List[Path]:
-        tars = sorted(p for p in Path(self.src).iterdir() if p.name.endswith(".tar"))
+        # (hidden ones left out: macOS's ._n00004475.tar beside each tar copied from a Mac)
+        tars = sorted(p for p in Path(self.src).iterdir()
+                      if p.name.endswith(".tar") and visible(p.name))
         if not tars:
             raise PrepareError(f"no per-synset tars (n01440764.tar ...) in {self.src}; point --src at "
                                f"their folder or at fall11_whole.tar / winter21_whole.tar.gz")
+        if not any(p.name[:-4] in self._label for p in tars) and len(tars) <= 2:
+            raise PrepareError(f"{self.src} holds {tars[0].name}, not per-synset tars "
+                               f"(n01440764.tar ...); an outer tar is read as --src itself: "
+                               f"--src {tars[0]}")
         return tars
 
     def scan_size(self) -> Tuple[Optional[int], str]:
