@@ -160,6 +160,12 @@ def main(argv=None) -> int:
             # the rerun would find the source changed, and say so
             _error(f"{e}: gone from --src during the run; put it back and rerun the same "
                    f"command to resume, or start afresh in a new output folder")
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR) and \
+                _below(e.filename, args.stage if remote else args.out):
+            _error(f"cannot write {e.filename} ({e.strerror}); choose "
+                   f"{'a --stage' if remote else 'an --out'} folder you can write to, in place "
+                   f"of {args.stage if remote else args.out}")
+            return 2
         elif e.errno in DISK_FULL:
             _error(f"{e}, {out_of_room(args.stage if remote else args.out)}; make room "
                    f"there (or raise the quota or the file-size limit, `ulimit -f`) and "
@@ -174,6 +180,14 @@ def main(argv=None) -> int:
         sys.stderr.write("interrupted; rerun the same command to resume\n")
         return 130
     return 0
+
+
+def _below(path, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it."""
+    if not path:
+        return False
+    path, folder = os.path.abspath(str(path)), os.path.abspath(folder)
+    return path == folder or path.startswith(folder + os.sep)
 
 
 # what only a write gets, whose message may name no file (a write to a shard being made)

@@ -380,6 +380,14 @@ def test_an_output_folder_inside_the_source_is_refused(tmp_path):
     proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
                         "--out", str(tmp_path / "out"), "--stage", str(tmp_path / "stage"))
     assert proc.returncode == 2 and "--stage is for a remote --out" in proc.stderr
+    # an --out that cannot be made: a bad input, not "fix it and rerun to resume" (exit 1)
+    (tmp_path / "notes").write_text("a file")
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", str(tmp_path / "notes" / "shards"))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot write {tmp_path / 'notes' / 'shards' / '.prepare'} (Not a directory); "
+        f"choose an --out folder you can write to, in place of {tmp_path / 'notes' / 'shards'}"
+    ), proc.stderr
 
 
 @pytest.mark.parametrize("files, where, problem", [

@@ -435,11 +435,15 @@ def test_fall11_list_and_unknown_synsets(tmp_path, caplog):
                 progress=False)
 
 
-def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path):
+def test_imagefolder_any_extension_sorted_classes_and_max_size(tmp_path, caplog):
     raw = synthetic.write_image_folder(tmp_path / "raw", ["zebra", "cat", "dog"], 10)
-    info = prepare("imagefolder", str(raw.root), str(tmp_path / "out"), shard_size=8, max_size=40,
-                   progress=False)
+    with caplog.at_level("WARNING", logger="pretrain.data.shard_writer"):
+        info = prepare("imagefolder", str(raw.root), str(tmp_path / "out"), shard_size=8,
+                       max_size=40, progress=False)
     assert info.classes == ["cat", "dog", "zebra"]
+    # one split, no --val-count: said at once (a run evaluating 'validation' stops at its start)
+    assert f"{raw.root} has no held-out images: the dataset gets a train split only" in \
+        caplog.text and list(info.splits) == ["train"]
     samples = assert_matches_raw(tmp_path / "out", raw)
     assert len(samples) == 30  # the stray notes.txt files are no images
     for s in samples:

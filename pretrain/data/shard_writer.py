@@ -344,6 +344,10 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
             raise PrepareError(f"no images found in {src}; check --src and SOURCE")
         if settings["val_count"]:
             hold_out(index, settings["val_count"], seed)
+        elif not (index["split"] != 0).any():  # said now, not when a run looks for it
+            log.warning("%s has no held-out images: the dataset gets a train split only, and a "
+                        "run evaluating one stops at its start; --val-count N holds N images "
+                        "out as 'validation' (or train with data.val_split=null)", src)
         index = sort_by_key(index, raw)
         shards = plan_shards(index, settings["name"], shard_size, seed)
 
