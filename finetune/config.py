@@ -33,8 +33,9 @@ class FinetuneOptimizerConfig(OptimizerConfig):
 class FinetuneScheduleConfig(ScheduleConfig):
     warmup_steps: int = Field(500, ge=0, description="linear warmup from 0 to optimizer.lr")
     decay: Literal["linear", "cosine"] = Field("cosine", description="decay after the warmup, "
-                                               "to schedule.min_lr at the last step")
-    min_lr: float = Field(0.0, ge=0, description="learning rate at the last step")
+                                               "to schedule.min_lr where the run ends")
+    min_lr: float = Field(0.0, ge=0, description="learning rate the decay ends at, after the "
+                          "last step")
 
 
 class FinetuneDataConfig(DataConfig):

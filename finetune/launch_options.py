@@ -3,7 +3,7 @@ anything starts.
 
 ``accelerate launch`` passes its choices (flags, or the file of ``accelerate config``) to every
 rank in ``ACCELERATE_*`` variables, which a torchrun job may set itself; the Accelerator reads
-them where the program does not say otherwise. Three of them would not do here what they say,
+them where the program does not say otherwise. Four of them would not do here what they say,
 so a run they reach stops at its start, in one line that names the way out:
 
 * ``mixed_precision``: the run's ``train.precision`` decides (the backend passes it to the
@@ -13,6 +13,10 @@ so a run they reach stops at its start, in one line that names the way out:
 * ``dynamo_backend``: Accelerate would wrap the model in ``torch.compile``'s module, whose state
   dict names every tensor ``_orig_mod.*``: the checkpoints would hold those names and the
   exports at the end of the run would fail. ``train.compile`` compiles the same model in place.
+* ``gradient_accumulation_steps`` (without DeepSpeed, whose config is checked against the run's
+  in :mod:`finetune.accelerate_deepspeed`): the backend accumulates ``train.grad_accum_steps``
+  micro-batches itself and divides each loss by their count; Accelerate would divide it again,
+  and the updates would shrink by its count without a word.
 * FSDP on a machine without GPUs: Accelerate shards only on GPUs and would train under DDP,
   unsharded, without a word. DeepSpeed ZeRO-3 shards on CPU ranks too
   (:mod:`finetune.accelerate_deepspeed`).
@@ -43,6 +47,13 @@ def check(precision: str, on_gpu: bool) -> None:
                           f"{dynamo}), which would rename its tensors _orig_mod.* in checkpoints "
                           f"and exports; set train.compile=true instead (the same compile, in "
                           f"place) and launch with --dynamo_backend no")
+    accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1").strip() or "1"
+    if accum != "1" and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        raise ConfigError(f"the launcher asks Accelerate to accumulate gradients over {accum} "
+                          f"micro-batches (its ACCELERATE_GRADIENT_ACCUMULATION_STEPS), which "
+                          f"would scale every update down by {accum}: "
+                          f"the run accumulates train.grad_accum_steps itself; set "
+                          f"train.grad_accum_steps={accum} and launch without it")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not on_gpu:
         raise ConfigError("the launcher asks for FSDP, which Accelerate runs on GPUs only (here it "
                           "would train under DDP, unsharded); launch without it on this machine, "

@@ -147,6 +147,9 @@ class FinetuneStage(Stage):
                         "data.dev_fraction=0 holds none out; %s", cfg.eval.every_steps,
                         f"'{cfg.data.val_split}' is evaluated once, after the last step"
                         if cfg.data.val_split else "no split is evaluated")
+        if not dev and not cfg.data.val_split and rank == 0:
+            warn_unused(cfg, ("max_samples",) + (() if cfg.eval.fewshot_root else ("batch_size",)),
+                        "data.val_split=null and data.dev_fraction=0: no split is evaluated")
         return dev + fewshot_evaluators(cfg, spec, rank, world, **common)
 
     def evaluated(self, backend):

@@ -85,8 +85,8 @@ class ModelConfig(Section):
     mlp_ratio: Optional[float] = Field(None, gt=0, description="MLP width / token width")
     drop_path_rate: float = Field(0.1, ge=0.0, lt=1.0,
                                   description="stochastic depth, linear over depth up to this")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout after the MLP and "
-                           "attention projections")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the embedded tokens, "
+                           "in the MLP (hidden and out) and after the attention projection")
     attn_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on attention weights")
     # ViT paper: the i21k models carry a Linear(D, D) + tanh "pre-logits" layer before the head.
     representation_size: Optional[int] = Field(

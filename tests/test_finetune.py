@@ -164,10 +164,13 @@ def test_eval_keys_without_a_split_to_act_on_are_said_to_do_nothing(tmp_path, ti
     proc = run_launcher("finetune.py", "--config", "configs/finetune/demo.yaml",
                         *finetune_args(tmp_path / "ft", tiny_cifar, "null"),
                         "data.val_split=null", "data.dev_fraction=0", "eval.val_name=reported",
-                        "train.total_steps=2", "eval.every_steps=1")
+                        "train.total_steps=2", "eval.every_steps=1", "eval.max_samples=5",
+                        "eval.batch_size=7")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "eval.val_name=reported does nothing: data.val_split=null: no split is evaluated " \
            "after the last step" in proc.stderr, proc.stderr[-3000:]
+    assert "eval.max_samples=5, eval.batch_size=7 do nothing: data.val_split=null and " \
+           "data.dev_fraction=0: no split is evaluated" in proc.stderr
     assert "eval.every_steps=1 evaluates nothing: the fine-tune's periodic evaluation (and its " \
            "best export) is on the dev split, and data.dev_fraction=0 holds none out; no split " \
            "is evaluated" in proc.stderr
@@ -274,6 +277,26 @@ def test_polyak_averaging_under_a_sharding_accelerate_config_is_refused_in_one_l
     monkeypatch.setattr(AccelerateBackend, "_sharded", lambda self: True)
     with pytest.raises(ConfigError, match="train.ema_decay needs every rank to hold the whole"):
         backend.build(cfg, micro=8, accum=1, resume=None, store=None)
+
+
+def test_accelerates_own_accumulation_outside_deepspeed_is_refused(monkeypatch):
+    """ACCELERATE_GRADIENT_ACCUMULATION_STEPS (set by a job script, or left over from a
+    DeepSpeed launch's environment) made Accelerate divide each loss a second time: the grad
+    norm fell 4x at 4, without a word. Under DeepSpeed its config is checked against the run's."""
+    from finetune import launch_options
+    from pretrain.config import ConfigError
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(ConfigError, match=r"^the launcher asks Accelerate to accumulate "
+                                          r"gradients over 4 micro-batches \(its "
+                                          r"ACCELERATE_GRADIENT_ACCUMULATION_STEPS\), which "
+                                          r"would scale every update down by 4.*set "
+                                          r"train.grad_accum_steps=4 and launch without it$"):
+        launch_options.check("fp32", on_gpu=False)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    launch_options.check("fp32", on_gpu=False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+    launch_options.check("fp32", on_gpu=False)
 
 
 @pytest.mark.parametrize("option,refusal", [
