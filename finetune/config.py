@@ -25,7 +25,8 @@ class FinetuneModelConfig(ModelConfig):
 
 class FinetuneOptimizerConfig(OptimizerConfig):
     name: Literal["adamw", "sgd"] = Field("sgd", description="sgd with momentum (paper), or adamw")
-    lr: float = Field(0.01, gt=0, description="paper grid: 0.003-0.06 ImageNet, 0.001-0.03 CIFAR")
+    lr: float = Field(0.01, gt=0, description="peak learning rate, reached after warmup (paper "
+                      "grid: 0.003-0.06 ImageNet, 0.001-0.03 CIFAR)")
     weight_decay: float = Field(0.0, ge=0, description="weight decay (paper: none; sgd: L2 "
                                 "added to the gradient, adamw: decoupled)")
 

@@ -453,8 +453,8 @@ class TrackingConfig(Section):
     # from code" whose weights are the timm folder's safetensors, so loading unpickles nothing.
     log_model: Optional[bool] = Field(None, description="log the exported model to the run as "
                                       "an MLflow model (unset: fine-tunes log their best weights, "
-                                      "pretraining logs nothing; true in pretraining: its "
-                                      "backbone)")
+                                      "but one that keeps its pre-logits; pretraining logs "
+                                      "nothing; true in pretraining: its backbone)")
     register_as: Optional[str] = Field(None, min_length=1, description="also register that model "
                                        "in the MLflow Model Registry as a new version of this "
                                        "name (implies log_model)")
