@@ -23,6 +23,11 @@ records=$out/train.jsonl
 log=$out/suite.log
 export PYTHONUNBUFFERED=1
 start=$SECONDS
+# the photos' shards and the profiler's folders: this run's own (a set an earlier run left in a
+# fixed place would be refused, or read with another size), out of OUT (which comes back whole)
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu-suite.XXXXXX") || exit 1
+trap 'rm -rf "$scratch"' EXIT
+photos_dir=$scratch/photos
 
 say() { echo "$@" | tee -a "$log"; }
 
@@ -65,6 +70,10 @@ step() {
     local name=$1 limit=$2; shift 2
     run "$name" "$limit" "${bench[@]}" "$@"
 }
+SHARDS_OK=1
+shard_step() {  # a step reading the photos' shards: not run without them
+    if ((SHARDS_OK)); then step "$@"; else say "== $1: not run (no shards)"; fi
+}
 # run NAME LIMIT_S COMMAND...: any command under its own limit, cut to what is left
 run() {
     local name=$1 limit=$2; shift 2
@@ -88,7 +97,7 @@ keep_trace() {  # keep_trace PROFILE_DIR NAME: the trace, gzipped, beside the re
 }
 
 # the shards for the end-to-end step are written while the first model compiles
-"${bench[@]}" photos --count "$PHOTOS" --shard-size "$SHARD" --out /tmp/gpu-suite-photos \
+"${bench[@]}" photos --count "$PHOTOS" --shard-size "$SHARD" --out "$photos_dir" \
     >>"$log" 2>&1 &
 photos=$!
 
@@ -96,34 +105,34 @@ photos=$!
 # of a model: seconds)
 [ -z "${SMOKE:-}" ] && run kernels 45 python3 benchmarks/block_kernels.py
 step l16 200 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${STEPS[@]}" \
-    --profile /tmp/gpu-suite-prof-l16 --record "$records"
-keep_trace /tmp/gpu-suite-prof-l16 l16
+    --profile "$scratch/prof-l16" --record "$records"
+keep_trace "$scratch/prof-l16" l16
 # a real run at batch 4096 on one GPU: ViT-L/16 makes 16 micro-batches of 256 per update,
 # ViT-H/14 32 of 128 (here 16: what changes is the update's share)
 step h14-accum 110 train "${H[@]}" --batch "$HB" --accum "$ACCUM" --no-activation-checkpointing \
     "${COMPILE[@]}" "${ACCUM_STEPS[@]}" --record "$records"
 step l16-accum 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
     "${ACCUM_STEPS[@]}" --record "$records"
-wait "$photos" || say "photos failed (see above)"
-step h14-accum-shards 110 train "${H[@]}" --batch "$HB" --accum "$ACCUM" \
+wait "$photos" || { say "photos failed (see above): the shard steps are not run"; SHARDS_OK=0; }
+shard_step h14-accum-shards 110 train "${H[@]}" --batch "$HB" --accum "$ACCUM" \
     --no-activation-checkpointing "${COMPILE[@]}" "${ACCUM_STEPS[@]}" \
-    --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
-step l16-accum-shards 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
-    "${ACCUM_STEPS[@]}" --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
+    --shards "$photos_dir" --workers "$WORKERS" --record "$records"
+shard_step l16-accum-shards 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
+    "${ACCUM_STEPS[@]}" --shards "$photos_dir" --workers "$WORKERS" --record "$records"
 # row l16-accum with the gradients summed in bf16 (DeepSpeed's default) instead of fp32 (ours,
 # pretrain/grad_accum.py): what the exact sums cost
 step l16-accum-bf16 100 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
     "${ACCUM_STEPS[@]}" "${BF16SUM[@]}" --record "$records"
 step h14 130 train "${H[@]}" --batch "$HB" --no-activation-checkpointing "${COMPILE[@]}" \
-    "${STEPS[@]}" --profile /tmp/gpu-suite-prof-h14 --record "$records"
-keep_trace /tmp/gpu-suite-prof-h14 h14
+    "${STEPS[@]}" --profile "$scratch/prof-h14" --record "$records"
+keep_trace "$scratch/prof-h14" h14
 # ViT-H/14 at batch 192 (~72 GiB of the H100's ~79, scaling batch 128's 50.8 with 16
 # micro-batches): the per-micro-batch overheads (idle gaps, launches) over 1.5x the images,
 # the one lever left short of new kernels
 step h14-b192-accum 130 train "${H[@]}" --batch "$HB3" --accum "$ACCUM" \
     --no-activation-checkpointing "${COMPILE[@]}" "${ACCUM_STEPS[@]}" --record "$records"
-step l16-shards 90 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
-    --shards /tmp/gpu-suite-photos --workers "$WORKERS" --record "$records"
+shard_step l16-shards 90 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
+    --shards "$photos_dir" --workers "$WORKERS" --record "$records"
 # the same as row l16 with timm's own backward in the blocks: what the kernels give
 step l16-timm-backward 120 train "${L[@]}" --batch "$LB" "${COMPILE[@]}" "${TIMED[@]}" \
     --set train.block_kernels=false --record "$records"
@@ -139,7 +148,7 @@ step h14-ckpt 150 train "${H[@]}" --batch "$HB2" --activation-checkpointing \
 # with the same accumulation, so row l16-accum is its baseline. Compiling took over 240 s on an
 # H100 (2,000 template kernels made): last, with whatever the budget leaves
 step l16-accum-autotune 600 train "${L[@]}" --batch "$LB" --accum "$ACCUM" "${COMPILE[@]}" \
-    "${ACCUM_STEPS[@]}" "${AUTOTUNE[@]}" --profile-steps 1 --profile /tmp/gpu-suite-prof-l16at \
+    "${ACCUM_STEPS[@]}" "${AUTOTUNE[@]}" --profile-steps 1 --profile "$scratch/prof-l16at" \
     --record "$records"
-keep_trace /tmp/gpu-suite-prof-l16at l16at
+keep_trace "$scratch/prof-l16at" l16at
 say "suite done in $((SECONDS - start)) s"
