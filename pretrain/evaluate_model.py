@@ -24,7 +24,7 @@ import torch
 
 from pretrain.config import ConfigError
 from pretrain.metrics import format_duration
-from pretrain.model_files import ModelFile
+from pretrain.model_files import ModelFile, trained_classes
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     info = dataset_info(root, source, with_dev=mf.stage == "finetune"
                         and bool(run_data.get("dev_fraction")))
     classes, notes = info.classes, list(mf.notes)
-    trained_on = run_data.get("root")
+    trained_on = mf.trained_on
     same_data = bool(trained_on) and os.path.realpath(trained_on) == os.path.realpath(root)
     if split == run_data.get("train_split", "train") and same_data:
         notes.append(f"the model was trained on '{split}': its figure there is a training "
@@ -103,11 +103,12 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                          f"{mf.num_classes}: the split's labels must all be below "
                          f"{mf.num_classes}")
         classes = classes[:mf.num_classes]
-    names = mf.label_names or classes
-    if mf.label_names and classes and list(mf.label_names) != list(classes):
-        c = next(i for i, (a, b) in enumerate(zip(mf.label_names, classes)) if a != b)
+    own = trained_classes(mf)
+    names = own or classes
+    if own and classes and list(own) != list(classes):
+        c = next(i for i, (a, b) in enumerate(zip(own, classes)) if a != b)
         notes.append(f"the model's label names differ from {root}'s classes (class {c}: "
-                     f"'{mf.label_names[c]}' vs '{classes[c]}'); is it the same dataset?")
+                     f"'{own[c]}' vs '{classes[c]}'); is it the same dataset?")
     if run_eval.get("max_samples") and split == run_data.get("val_split"):
         notes.append(f"the run evaluated only the first {run_eval['max_samples']} samples "
                      f"(eval.max_samples); this evaluates the whole split")
@@ -207,7 +208,7 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
 
     data = mf.run_config.get("data") or {}
     if mf.run_dir is None or split not in (data.get("val_split"), "dev") \
-            or not data.get("root") or os.path.realpath(data["root"]) != os.path.realpath(root):
+            or not mf.trained_on or os.path.realpath(mf.trained_on) != os.path.realpath(root):
         return None
     # a fine-tune's figure is named after its split unless eval.val_name is set (fine-tunes from
     # before it took effect there saved an unused "i21k_val": the split's name is tried next)

@@ -108,7 +108,7 @@ def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
     mf = ev.mf
     metrics = {"model": str(mf.path), "kind": mf.kind, "architecture": mf.name,
                "step": mf.step, "img_size": mf.img_size, "normalize": mf.normalize,
-               "data": redacted(ev.root), "dataset": ev.dataset, "split": ev.split,
+               "data": redacted(_absolute(ev.root)), "dataset": ev.dataset, "split": ev.split,
                "samples": ev.samples, "top1": ev.top1, "top5": ev.top5, "device": ev.device,
                "precision": ev.precision, "batch_size": ev.batch_size,
                "source_run_id": mf.source_run_id, "reported": ev.reported,
@@ -305,11 +305,16 @@ def _source_run(uri: str, run_id: str) -> tuple[Optional[str], str]:
     return run_id, client.get_experiment(run.info.experiment_id).name
 
 
+def _absolute(root: str) -> str:
+    """A local --data as a path that names it from anywhere (the report outlives the shell)."""
+    return root if "://" in root or root.startswith("pipe:") else os.path.abspath(root)
+
+
 def _params(ev: Evaluation) -> dict:
     mf = ev.mf
     return {k: str(v) for k, v in {
         "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
-        "model.img_size": mf.img_size, "data.root": redacted(ev.root), "data.split": ev.split,
+        "model.img_size": mf.img_size, "data.root": redacted(_absolute(ev.root)), "data.split": ev.split,
         "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
         "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -69,6 +70,18 @@ class ModelFile:
         if not self.run_config:
             return None
         return "finetune" if "init" in self.run_config else "pretrain"
+
+    @property
+    def trained_on(self) -> Optional[str]:
+        """The run's data.root; a relative one as the run saw it, from the folder it was
+        launched in (where its run_dir ends in its relative output_dir), else as is (from here).
+        """
+        root = (self.run_config.get("data") or {}).get("root")
+        if not root or "://" in str(root) or str(root).startswith("pipe:") or \
+                os.path.isabs(root) or self.run_dir is None:
+            return root
+        base = launch_dir(self.run_dir, self.run_config.get("output_dir"))
+        return os.path.normpath(base / root) if base is not None else root
 
     @property
     def precision(self) -> str:
@@ -381,8 +394,25 @@ def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_confi
     return ModelFile(model=model.eval(), kind=kind, path=path, name=spec.name,
                      img_size=spec.img_size, num_classes=spec.num_classes,
                      normalize=data.get("normalize", "minus_one_one"),
-                     step=step, run_config=run_config,
-                     label_names=_trained_classes(data.get("root"), spec.num_classes))
+                     step=step, run_config=run_config)
+
+
+def launch_dir(run_dir: Path, output_dir) -> Optional[Path]:
+    """The folder a run was launched in, where its relative ``output_dir`` is how ``run_dir``
+    ends (``runs/demo`` of ``/home/me/vitscale/runs/demo``); None where that cannot be told."""
+    if not output_dir or os.path.isabs(output_dir):
+        return None
+    parts = [p for p in Path(output_dir).parts if p != "."]
+    full = Path(os.path.abspath(run_dir))
+    if not parts or ".." in parts or list(full.parts[-len(parts):]) != parts:
+        return None
+    return full.parents[len(parts) - 1]
+
+
+def trained_classes(mf: "ModelFile") -> Optional[list]:
+    """The model's class names: its own (a timm folder's), else those of the dataset its run
+    trained on."""
+    return mf.label_names or _trained_classes(mf.trained_on, mf.num_classes)
 
 
 def _trained_classes(root, num_classes: int) -> Optional[list]:

@@ -131,6 +131,29 @@ def test_the_safetensors_file_and_the_checkpoint_give_the_same_figure(ft):
     assert not torch.equal(trained["head.weight"], final["head.weight"])
 
 
+def test_a_run_launched_with_relative_paths_is_matched_from_any_folder(ft, tmp_path,
+                                                                        monkeypatch):
+    """`output_dir=runs/x data.root=runs/data` (the demo's way): the run's figure and the
+    training-split note came only when evaluate.py ran from the folder the run was launched
+    in; from runs/ or with absolute paths they went missing without a word."""
+    import os
+
+    from pretrain import evaluate_model, model_files
+
+    mf = model_files.load_model(ft.out)
+    mf.run_config["output_dir"] = ft.out.name  # as launched from ft.out's parent
+    mf.run_config["data"]["root"] = os.path.relpath(ft.data, ft.out.parent)
+    monkeypatch.chdir(tmp_path)
+    assert mf.trained_on == os.path.normpath(str(ft.out.parent / mf.run_config["data"]["root"]))
+    ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
+    assert ev.reported["value"] == ft.top1
+    ev = evaluate_model.evaluate(mf, str(ft.data), "train", workers=0)
+    assert any("its figure there is a training accuracy" in n for n in ev.notes), ev.notes
+    # a run dir that does not end in its output_dir (moved since): taken from here, as before
+    mf.run_config["output_dir"] = "elsewhere/ft"
+    assert mf.trained_on == mf.run_config["data"]["root"]
+
+
 def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_note(ft, tmp_path):
     """A checkpoint keeps no class names: evaluated on another 10-class dataset, its figure
     came with no word that the labels may mean other classes. The names of the dataset its
