@@ -13,14 +13,15 @@ DeepSpeed's zero-to-fp32 utilities. A fine-tune's checkpoint dir (RUN/checkpoint
 exported too, as the fine-tune exports its best and final weights (the EMA's where the run
 averaged them; its head goes into the folder); a fine-tune's output dir holds those already.
 The full file is what `finetune init=FILE` takes; the timm file loads with
-timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE), num_classes=0)
-(plus the architecture arguments this command prints once it has written the file, when the
-model is not a stock timm size).
+timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=FILE, ...),
+num_classes=0, ...): the whole call, with the run's architecture and eval preprocessing (timm's
+defaults for NAME are another model's), is printed once the file is written.
 
 An --out that does not end in .safetensors is a folder (config.json, model.safetensors,
 README.md) that loads with nothing else: timm.create_model("local-dir:FOLDER", pretrained=True),
 and timm.data.resolve_model_data_config(model) gives the run's eval preprocessing. It holds the
-backbone (num_classes=0): timm's ViT has no pre-logits layer to put a head behind.
+whole classifier, or, for a model with pre-logits (the ViT paper's i21k models), the backbone
+(num_classes=0): timm's ViT has no pre-logits layer to put a head behind.
 """
 from __future__ import annotations
 
@@ -148,7 +149,11 @@ def main(argv=None) -> None:
             ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
             print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
             c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
-            full = write_timm_folder(c, args.out) if folder else export_full(c, args.out)
+            # the head goes in where nothing stands between it and the backbone: timm's ViT
+            # has no pre-logits layer to put it behind
+            head = bool(c.spec.num_classes and not c.spec.representation_size)
+            full = write_timm_folder(c, args.out, head=head) if folder else \
+                export_full(c, args.out)
             ranks = f"{c.world_size} rank{'s' * (c.world_size != 1)}" if c.world_size else \
                 "ranks not recorded"
             what = f"ZeRO-{c.zero_stage}, {ranks}"

@@ -127,6 +127,30 @@ def test_timms_eval_transform_is_the_runs_on_large_photos_too(decoder):
             assert d.mean() < 0.0001 and d.max() <= 1.01 / 255, (size, d.mean(), d.max() * 255)
 
 
+def test_a_pretraining_without_pre_logits_exports_its_head_into_the_folder(tmp_path):
+    """Nothing stands between its head and the backbone: the folder held the backbone alone
+    all the same (num_classes 0), which evaluate.py then refused."""
+    import timm
+    model = random_model(representation_size=None)
+    config = {"model": dict(ARCH, representation_size=None),
+              "data": {"normalize": "minus_one_one", "root": str(dataset_root(tmp_path))}}
+    ckpt = tmp_path / "ds"
+    (ckpt / "global_step4").mkdir(parents=True)
+    (ckpt / "latest").write_text("global_step4")
+    torch.save({"module": model.state_dict(), "config": yaml.safe_dump(config), "step": 4},
+               ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    folder = tmp_path / "timm_out"
+    proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(ckpt), "--out",
+                           str(folder)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"wrote {folder}/ (timm layout, with its head)" in proc.stdout, proc.stdout
+    vit = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    assert vit.pretrained_cfg["label_names"] == CLASSES
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(vit(x), model(x), atol=1e-6)
+
+
 def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
     model = random_model(representation_size=64)
