@@ -181,8 +181,10 @@ def dataset_info(root: str, split: str, with_dev: bool = False):
     from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, read_info
 
     if "://" not in root and not root.startswith("pipe:") and not os.path.isdir(root):
-        raise EvaluateError(f"--data '{root}' not found; point it at a folder written by "
-                            f"launch/prepare_data.py")
+        raise EvaluateError(f"--data '{root}' " + (
+            f"is a file; point it at the folder holding the dataset ({INFO_NAMES[0]})"
+            if os.path.isfile(root) else "not found; point it at a folder written by "
+                                         "launch/prepare_data.py"))
     try:
         info = read_info(root)
     except NoInfo:

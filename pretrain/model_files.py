@@ -109,7 +109,10 @@ def load_model(path) -> ModelFile:
     if not mf.num_classes:
         raise ModelFileError(
             f"MODEL '{path}' is a backbone without a classifier head (num_classes=0), nothing to "
-            f"take top-1 of; evaluate the run's checkpoint or its full .safetensors export")
+            f"take top-1 of; evaluate " + (
+                f"{p.with_suffix('.safetensors')}, beside it" if p.is_dir() and
+                p.with_suffix(".safetensors").is_file() else
+                "the run's checkpoint or its full .safetensors export"))
     find_source_run(mf)
     return mf
 

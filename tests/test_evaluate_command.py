@@ -509,6 +509,7 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         lambda: evaluation_report.output_dir("m", "test", str(ft.out / "final"), True),
         lambda: evaluate_model.evaluate(mf, str(twelve), "test"),  # labels beyond the head
         lambda: evaluate_model.evaluate(mf, str(tmp_path / "empty"), "test"),  # raw, say
+        lambda: evaluate_model.evaluate(mf, str(tmp_path / "notes.txt"), "test"),  # a shard
     ]
     messages = []
     for case in cases:
@@ -529,6 +530,8 @@ def test_bad_input_is_one_line_naming_the_fix(ft, tmp_path):
         f"info.json: point it at a folder written by launch/prepare_data.py (a folder " \
         f"of images is prepared first: launch/prepare_data.py imagefolder --src " \
         f"{tmp_path / 'empty'} ...)"
+    assert messages[10] == f"--data '{tmp_path / 'notes.txt'}' is a file; point it at the " \
+        f"folder holding the dataset (_info.json)"
     # a prefix on a web server: no prepare_data.py command to suggest (--src is a folder)
     import functools
     import threading

@@ -69,6 +69,14 @@ def test_backbone_folder_loads_in_timm_with_no_arguments(tmp_path):
     meta = card_metadata(folder)
     assert meta["library_name"] == "timm" and meta["datasets"] == ["tiny"]
     assert meta["vitscale"]["source"] == {"checkpoint": "run/step_4", "step": 4}
+    # given to evaluate.py (a fine-tune that kept its pre-logits writes final/ so): the whole
+    # model beside it is named
+    from pretrain.model_files import ModelFileError, load_model
+    (tmp_path / "bb.safetensors").write_bytes(b"")
+    with pytest.raises(ModelFileError, match=rf"is a backbone without a classifier head "
+                                             rf"\(num_classes=0\), nothing to take top-1 of; "
+                                             rf"evaluate {tmp_path}/bb.safetensors, beside it$"):
+        load_model(folder)
 
 
 def test_a_head_behind_pre_logits_is_refused_in_one_line(tmp_path):
