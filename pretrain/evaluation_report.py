@@ -314,8 +314,8 @@ def _params(ev: Evaluation) -> dict:
     mf = ev.mf
     return {k: str(v) for k, v in {
         "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
-        "model.img_size": mf.img_size, "data.root": redacted(_absolute(ev.root)), "data.split": ev.split,
-        "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
+        "model.img_size": mf.img_size, "data.root": redacted(_absolute(ev.root)),
+        "data.split": ev.split, "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
         "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
 
 
