@@ -56,6 +56,20 @@ class Evaluation:
     def samples(self) -> int:
         return sum(c["samples"] for c in self.per_class)
 
+    @property
+    def figure_name(self) -> str:
+        """What the figures are logged under, eval/<name>/top1: the name the model's run gave
+        this split (its eval.val_name) where this is the run's held-out split of its dataset,
+        so that the run and its evaluations share a chart and a column in MLflow; else the
+        split's name."""
+        if self.reported:
+            return self.reported["metric"].split("/")[1]
+        data, mf = self.mf.run_config.get("data") or {}, self.mf
+        if self.split == data.get("val_split") and mf.trained_on and \
+                os.path.realpath(mf.trained_on) == os.path.realpath(self.root):
+            return (mf.run_config.get("eval") or {}).get("val_name") or self.split
+        return self.split
+
 
 # --------------------------------------------------------------------------------------------
 # Evaluating

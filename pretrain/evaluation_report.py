@@ -265,7 +265,8 @@ def log_to_mlflow(ev: Evaluation, out: Path, written: list, uri: str) -> list[st
     for f in written:
         shutil.copy2(f, track / ARTIFACTS / f.name)
     record = {"step": mf.step or 0, "time": int(time.time() * 1000),
-              "metrics": {f"eval/{ev.split}/top1": ev.top1, f"eval/{ev.split}/top5": ev.top5}}
+              "metrics": {f"eval/{ev.figure_name}/top1": ev.top1,
+                          f"eval/{ev.figure_name}/top5": ev.top5}}
     write_atomic(track / SPOOL, (json.dumps(record) + "\n").encode())
     state.save(track)
     try:
@@ -315,8 +316,8 @@ def _params(ev: Evaluation) -> dict:
     return {k: str(v) for k, v in {
         "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
         "model.img_size": mf.img_size, "data.root": redacted(_absolute(ev.root)),
-        "data.split": ev.split, "data.normalize": mf.normalize, "eval.samples": ev.samples, "eval.device": ev.device,
-        "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
+        "data.split": ev.split, "data.normalize": mf.normalize, "eval.samples": ev.samples,
+        "eval.device": ev.device, "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
 
 
 def _tags(ev: Evaluation, parent: Optional[str]) -> dict:

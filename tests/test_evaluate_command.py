@@ -149,6 +149,13 @@ def test_a_run_launched_with_relative_paths_is_matched_from_any_folder(ft, tmp_p
     assert ev.reported["value"] == ft.top1
     ev = evaluate_model.evaluate(mf, str(ft.data), "train", workers=0)
     assert any("its figure there is a training accuracy" in n for n in ev.notes), ev.notes
+    # the name its figures go to MLflow under: the run's own for its held-out split (a
+    # pretraining's eval/i21k_val/top1 was eval/validation/top1 in its evaluations: two charts)
+    ev.split, ev.reported = "test", None
+    mf.run_config.setdefault("eval", {})["val_name"] = "cifar_test"
+    assert ev.figure_name == "cifar_test"
+    ev.root = str(tmp_path)  # another dataset: the split's own name
+    assert ev.figure_name == "test"
     # a run dir that does not end in its output_dir (moved since): taken from here, as before
     mf.run_config["output_dir"] = "elsewhere/ft"
     assert mf.trained_on == mf.run_config["data"]["root"]
