@@ -18,7 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # libraries whose INFO lines are theirs, not the job's ("Found credentials in environment
 # variables.", DeepSpeed's config dumps): shown from WARNING up
 NOISY_LOGGERS = ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "botocore",
-                 "boto3", "s3transfer")
+                 "boto3", "s3transfer",
+                 # "Waiting up to 300 seconds for model version to finish creation", per version
+                 "mlflow.store.model_registry.abstract_store")
 
 
 # loggers that log what they then raise, with its traceback (each write to an MLflow sqlite

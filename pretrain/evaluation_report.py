@@ -317,16 +317,17 @@ def _params(ev: Evaluation) -> dict:
         "model.path": Path(mf.path).resolve(), "model.kind": mf.kind, "model.step": mf.step,
         "model.img_size": mf.img_size, "data.root": redacted(_absolute(ev.root)),
         "data.split": ev.split, "data.normalize": mf.normalize, "eval.samples": ev.samples,
-        "eval.device": ev.device, "eval.precision": ev.precision, "eval.batch_size": ev.batch_size}.items()}
+        "eval.device": ev.device, "eval.precision": ev.precision,
+        "eval.batch_size": ev.batch_size}.items()}
 
 
 def _tags(ev: Evaluation, parent: Optional[str]) -> dict:
     from pretrain.cli import REPO_ROOT
-    from pretrain.run_info import git_info
+    from pretrain.run_info import git_info, source_tags
     mf = ev.mf
     tags = {"stage": "evaluate", "model": mf.name, "dataset": ev.dataset,
             "eval.split": ev.split, "eval.model_path": str(Path(mf.path).resolve()),
-            **git_info(REPO_ROOT)}
+            **git_info(REPO_ROOT), **source_tags(REPO_ROOT)}
     if mf.source_run_id:
         tags["eval.source_run_id"] = mf.source_run_id
     if parent:

@@ -122,6 +122,10 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
                                                                "vit_tiny_patch16_224", "tiny")
     assert tags["git.commit"] == commit and tags["git.dirty"] in ("true", "false")
     assert tags["world_size"] == "2" and tags["hosts"] == socket.gethostname()
+    # the UI's Source and User columns (blank for runs made through the client)
+    import getpass
+    assert (tags["mlflow.source.name"], tags["mlflow.source.type"], tags["mlflow.user"]) == \
+        ("launch/pretrain.py", "LOCAL", getpass.getuser())
 
     # every value the trainer logged is in MLflow, once, at its step
     logged = last_values(out)
