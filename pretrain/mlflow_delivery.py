@@ -15,9 +15,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from pretrain.spool import (ARTIFACTS, CURSOR, JOB_TAGS, RUN_NAME_TAG, SPOOL, STATE,
-                            TRACKING_DIR, RunState, TrackingError, lock, one_line, read_cursor,
-                            read_spool, redacted, write_cursor)
+from pretrain.spool import (ARTIFACTS, CONFIG_NOW, CURSOR, JOB_TAGS, RUN_NAME_TAG, SPOOL,
+                            STATE, TRACKING_DIR, RunState, TrackingError, lock, one_line,
+                            read_cursor, read_spool, redacted, write_cursor)
 from pretrain.system_metrics import PREFIX as SYSTEM_PREFIX, SYSTEM_DIR
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,8 @@ class Remote:
                                   if m.key.startswith(SYSTEM_PREFIX)}
                 # a resumed job's own tags (its ranks and hosts) replace the earlier job's; the
                 # others are left as they are in MLflow (a user may have corrected one there)
-                retag = {k: v for k, v in s.tags.items()
-                         if k in JOB_TAGS and run.data.tags.get(k) != v}
+                retag = {k: v for k, v in s.tags.items() if (k in JOB_TAGS or k.startswith(
+                    CONFIG_NOW)) and run.data.tags.get(k) != v}
                 if s.rename_to:  # once: a rename in the UI after it is the user's
                     retag[RUN_NAME_TAG] = s.rename_to
                 if retag:

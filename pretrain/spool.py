@@ -38,6 +38,7 @@ class TrackingError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
 JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs")
+CONFIG_NOW = "config.now."  # + a key a relaunch changed: its value now (pretrain.tracking)
 RUN_NAME_TAG = "mlflow.runName"  # the tag MLflow shows as a run's name
 
 

@@ -63,8 +63,8 @@ from typing import Iterable, Mapping, Optional, Sequence
 from pretrain.distributed import agreed, first_of_node, gather
 from pretrain.run_info import (PARENT_STORE, dataset_name, environment, flatten, git_info,
                                source_tags)
-from pretrain.spool import (STATE, TRACKING_DIR, RunState, TrackingError, lock, one_line,
-                            redacted, undelivered)
+from pretrain.spool import (CONFIG_NOW, STATE, TRACKING_DIR, RunState, TrackingError, lock,
+                            one_line, redacted, undelivered)
 from pretrain.system_metrics import NodeSampler, prefix_for
 from pretrain.tracker import MlflowTracker, NoTracking
 from pretrain.tracking_store import resolve_uri
@@ -186,6 +186,11 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
             while len(said) > 1 and len(" | ".join(said)) > MAX_TAG_CHARS:
                 said.pop(0)  # the oldest relaunch's changes: its resume_step_N/ still has them
             state.tags["config.changed"] = " | ".join(said)[-MAX_TAG_CHARS:]
+            # a param cannot change in MLflow: what a changed key is now, as a tag Compare can
+            # show beside the params ("optimizer.lr: 0.002 -> 0.0005", check_same_run's form)
+            for change in changed:
+                key, _, values = change.partition(": ")
+                state.tags[CONFIG_NOW + key] = values.rpartition(" -> ")[2][:MAX_TAG_CHARS]
     else:
         dataset = dataset or dataset_name(cfg.data.root)
         tags = {"stage": stage, "model": cfg.model.name,

@@ -478,6 +478,7 @@ def test_a_resumed_job_sends_only_steps_mlflow_does_not_hold(tmp_path, client, m
     # and its config an artifact beside the first
     assert run.data.params["optimizer.lr"] == "0.001"
     assert tags["config.changed"] == "from step 4: optimizer.lr: 0.001 -> 0.0005"
+    assert tags["config.now.optimizer.lr"] == "0.0005"  # beside the param, in Compare
     assert {"config.yaml", "resume_step_00000004"} <= {a.path for a in client.list_artifacts(rid)}
     # the same settings again: nothing to say; a run name given now renames the run
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
