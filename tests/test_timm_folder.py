@@ -135,18 +135,25 @@ def test_timms_eval_transform_is_the_runs_on_large_photos_too(decoder):
             assert d.mean() < 0.0001 and d.max() <= 1.01 / 255, (size, d.mean(), d.max() * 255)
 
 
-def test_a_pretraining_without_pre_logits_exports_its_head_into_the_folder(tmp_path):
-    """Nothing stands between its head and the backbone: the folder held the backbone alone
-    all the same (num_classes 0), which evaluate.py then refused."""
-    import timm
-    model = random_model(representation_size=None)
-    config = {"model": dict(ARCH, representation_size=None),
-              "data": {"normalize": "minus_one_one", "root": str(dataset_root(tmp_path))}}
+def deepspeed_checkpoint(tmp_path, model, normalize: str) -> Path:
+    """``model`` as a stage-0 DeepSpeed checkpoint at step 4 (DeepSpeed's own ``latest``
+    layout), written by hand, with the run config a pretraining keeps in it."""
+    config = {"model": dict(ARCH, representation_size=model.spec.representation_size),
+              "data": {"normalize": normalize, "root": str(dataset_root(tmp_path))}}
     ckpt = tmp_path / "ds"
     (ckpt / "global_step4").mkdir(parents=True)
     (ckpt / "latest").write_text("global_step4")
     torch.save({"module": model.state_dict(), "config": yaml.safe_dump(config), "step": 4},
                ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    return ckpt
+
+
+def test_a_pretraining_without_pre_logits_exports_its_head_into_the_folder(tmp_path):
+    """Nothing stands between its head and the backbone: the folder held the backbone alone
+    all the same (num_classes 0), which evaluate.py then refused."""
+    import timm
+    model = random_model(representation_size=None)
+    ckpt = deepspeed_checkpoint(tmp_path, model, "minus_one_one")
     folder = tmp_path / "timm_out"
     proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(ckpt), "--out",
                            str(folder)], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -162,13 +169,7 @@ def test_a_pretraining_without_pre_logits_exports_its_head_into_the_folder(tmp_p
 def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
     model = random_model(representation_size=64)
-    config = {"model": {k: v for k, v in ARCH.items()} | {"representation_size": 64},
-              "data": {"normalize": "imagenet", "root": str(dataset_root(tmp_path))}}
-    ckpt = tmp_path / "ds"
-    (ckpt / "global_step4").mkdir(parents=True)
-    (ckpt / "latest").write_text("global_step4")
-    torch.save({"module": model.state_dict(), "config": yaml.safe_dump(config), "step": 4},
-               ckpt / "global_step4" / "mp_rank_00_model_states.pt")
+    ckpt = deepspeed_checkpoint(tmp_path, model, "imagenet")
     folder = tmp_path / "timm_out"
     proc = subprocess.run([sys.executable, str(REPO / "launch/export.py"), str(ckpt), "--out",
                            str(folder), "--timm-backbone", str(tmp_path / "bb.safetensors")],
