@@ -50,6 +50,8 @@ class Evaluation:
     batch_size: int
     reported: Optional[dict] = None  # the run's own figure for this split, when it has one
     notes: list = field(default_factory=list)
+    # what puts the figure itself in doubt (labels that may mean other classes): shown with it
+    warnings: list = field(default_factory=list)
     started: Optional[float] = None  # unix time the evaluation began: its MLflow run's start
 
     @property
@@ -119,9 +121,10 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
         classes = classes[:mf.num_classes]
     own = trained_classes(mf)
     names = own or classes
+    warnings = []
     if own and classes and list(own) != list(classes):
         c = next(i for i, (a, b) in enumerate(zip(own, classes)) if a != b)
-        notes.append(f"the model's label names differ from {root}'s classes (class {c}: "
+        warnings.append(f"the model's label names differ from {root}'s classes (class {c}: "
                      f"'{own[c]}' vs '{classes[c]}'); is it the same dataset?")
     if run_eval.get("max_samples") and split == run_data.get("val_split"):
         notes.append(f"the run evaluated only the first {run_eval['max_samples']} samples "
@@ -171,7 +174,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                       top1=result["top1"], top5=result.get("top5", result["top1"]),
                       per_class=per_class, cells=evaluator.confusion, device=str(dev),
                       precision=precision, batch_size=batch_size,
-                      reported=reported_figure(mf, root, split), notes=notes,
+                      reported=reported_figure(mf, root, split), notes=notes, warnings=warnings,
                       started=started)
 
 

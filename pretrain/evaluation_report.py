@@ -112,6 +112,7 @@ def write_outputs(ev: Evaluation, out: Path) -> list[Path]:
                "samples": ev.samples, "top1": ev.top1, "top5": ev.top5, "device": ev.device,
                "precision": ev.precision, "batch_size": ev.batch_size,
                "source_run_id": mf.source_run_id, "reported": ev.reported,
+               "warnings": ev.warnings,
                "per_class": ev.per_class}
     files = {"metrics.json": json.dumps(metrics, indent=1),
              # the fine-tune's own per_class_top1.json layout: class index -> top-1
@@ -195,6 +196,7 @@ def report_lines(ev: Evaluation, out: Path, written: list) -> list[str]:
             f"differs by {100 * (ev.top1 - r['value']):+.2f} points"
         lines.append(f"        the run reported {r['metric']} = {100 * r['value']:.2f} % at step "
                      f"{r['step']}: {same}")
+    lines += [f"        warning: {w}" for w in ev.warnings]
     shown = [c for c in ev.per_class if c["samples"]]
     width = max([len(c["name"]) for c in shown] + [5])
 

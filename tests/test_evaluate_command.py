@@ -161,7 +161,8 @@ def test_a_run_launched_with_relative_paths_is_matched_from_any_folder(ft, tmp_p
     assert mf.trained_on == mf.run_config["data"]["root"]
 
 
-def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_note(ft, tmp_path):
+def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_warning(
+        ft, tmp_path):
     """A checkpoint keeps no class names: evaluated on another 10-class dataset, its figure
     came with no word that the labels may mean other classes. The names of the dataset its
     run trained on (still here) are compared now."""
@@ -176,11 +177,15 @@ def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_not
     info = json.loads((other / "_info.json").read_text())
     info["classes"] = [f"kind{i}" for i in range(len(info["classes"]))]
     (other / "_info.json").write_text(json.dumps(info))
-    notes = evaluate_model.evaluate(mf, str(other), "test", workers=0).notes
-    assert [n for n in notes if "label names differ" in n] == [
+    ev = evaluate_model.evaluate(mf, str(other), "test", workers=0)
+    assert ev.warnings == [
         f"the model's label names differ from {other}'s classes (class 0: "
         f"'{json.loads((ft.data / '_info.json').read_text())['classes'][0]}' vs 'kind0'); is it "
-        f"the same dataset?"], notes
+        f"the same dataset?"], ev.warnings
+    # said with the figures (a note before the report scrolled away above the per-class rows)
+    from pretrain import evaluation_report
+    lines = evaluation_report.report_lines(ev, tmp_path / "out", [])
+    assert lines[4] == f"        warning: {ev.warnings[0]}", lines[:6]
 
 
 def test_export_writes_a_fine_tunes_checkpoint_as_the_fine_tune_exports_it(ft, tmp_path):
