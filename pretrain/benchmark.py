@@ -64,17 +64,41 @@ def bench_config(model: Optional[str], batch: int, *, image_size: Optional[int] 
     the recipe says; ``accum``: micro-batches per update). ``overrides`` are the usual
     ``key=value``. ``model`` None: the recipe's (ViT-L/16 without one)."""
     from pretrain.config import ConfigError
-    from pretrain.model import _timm_arch
 
     for override in overrides:  # the config's own fix ("set it to null in the file") is no fix
         key = override.partition("=")[0].strip()
         if key in BENCH_OWNED:
             raise ConfigError(f"--set {key} is the benchmark's to set: give {BENCH_OWNED[key]}")
+    try:
+        sets = _settings(model, batch, image_size, zero, precision, ranks,
+                         activation_checkpointing, num_classes, recipe, compile, accum)
+        return load_config(PretrainConfig, recipe or DEFAULT_RECIPE, [*sets, *overrides])
+    except ConfigError as e:  # an option's value: named as the command line has it
+        text = str(e)
+        given = {"--model": model or (None if recipe else "its default"),
+                 "--image-size": image_size, "--batch": batch,
+                 "--zero": zero, "--precision": precision, "--num-classes": num_classes}
+        set_too = {o.partition("=")[0].strip() for o in overrides}
+        for key, option in OPTION_KEYS.items():
+            if given[option] is not None and key not in set_too:
+                text = text.replace(f"config key '{key}'", option)
+        raise ConfigError(text) from None
+
+
+# the config keys the options set, for the errors about their values
+OPTION_KEYS = {"model.name": "--model", "model.img_size": "--image-size",
+               "train.micro_batch_size": "--batch", "deepspeed.zero_stage": "--zero",
+               "train.precision": "--precision", "model.num_classes": "--num-classes"}
+
+
+def _settings(model, batch, image_size, zero, precision, ranks, activation_checkpointing,
+              num_classes, recipe, compile, accum) -> list:
+    """bench_config's options as key=value overrides of the recipe."""
+    from pretrain.model import _timm_arch
     sets = [f"train.micro_batch_size={batch}",
             f"train.global_batch_size={batch * ranks * accum}", f"train.grad_accum_steps={accum}",
             "train.total_steps=1000000", "data.val_split=null"]
     if recipe is None:
-        recipe = DEFAULT_RECIPE
         model = model or "vit_large_patch16_224"
         # The recipe's pre-logits width is ViT-L's; the paper makes it the model's width.
         sets.append(f"model.representation_size={_timm_arch(model)[2]}")
@@ -94,7 +118,7 @@ def bench_config(model: Optional[str], batch: int, *, image_size: Optional[int] 
         sets.append(f"model.num_classes={num_classes}")
     if compile:
         sets.append("train.compile=true")
-    return load_config(PretrainConfig, recipe, [*sets, *overrides])
+    return sets
 
 
 def build_engine(cfg: PretrainConfig, world: int = 1):

@@ -108,6 +108,9 @@ def test_bad_input_is_one_line_before_any_work_and_replaces_nothing(tmp_path):
          "error: --set train.epochs is the benchmark's to set: give --steps and --warmup"),
         (["train", "--batch", "2", "--set", "train.grad_accum_steps=4"],
          "error: --set train.grad_accum_steps is the benchmark's to set: give --accum"),
+        # an option's bad value is named as the option, not as the config key it sets
+        (["train", "--batch", "2", "--model", "vit_nope"],
+         "error: --model: 'vit_nope' is not a timm model; see timm.list_models('vit_*')"),
         (["table", str(empty)], f"error: {empty} holds no records; write them with `benchmark.py "
                                 f"train ... --record {empty}`"),
         (["overhead", "--repeats", "0"],
