@@ -64,39 +64,55 @@ def hold_output_dir(out: Path) -> Optional[IO]:
     not leave a requeued job refused by its orphans), and a requeued SLURM job waits a while for
     its own earlier allocation to let go. Collective: every rank raises when another job still
     holds it."""
+    from pretrain.distributed import rank_0_does
     from pretrain.file_lock import earlier_allocation, holder, try_lock
     me, world = rank_world()
-    held, error = None, None
+    lock = out / JOB_LOCK
+    held, error, wait_s = None, None, None
     if me == 0:
         try:
-            held = try_lock(out / JOB_LOCK, children_hold=False)
-            if held is None and earlier_allocation(out / JOB_LOCK):
-                wait_s = float(os.environ.get("VITSCALE_REQUEUE_LOCK_WAIT_S",
-                                              REQUEUE_LOCK_WAIT_S))
-                log.warning("%s holds %s: an earlier allocation of this job; waiting up to "
-                            "%.0f s for it to let go", holder(out / JOB_LOCK), out / JOB_LOCK,
-                            wait_s)
-                deadline = time.monotonic() + wait_s
-                while held is None and time.monotonic() < deadline:
-                    time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-                    held = try_lock(out / JOB_LOCK, children_hold=False)
-                if held is None:
-                    error = (f"an earlier allocation of this job still holds {out / JOB_LOCK} "
-                             f"({holder(out / JOB_LOCK)}) after {wait_s:.0f} s; end its "
-                             f"processes there (or take that node down), then scontrol "
-                             f"requeue {os.environ.get('SLURM_JOB_ID')}")
+            held = try_lock(lock, children_hold=False)
+            if held is None and earlier_allocation(lock):
+                wait_s = _requeue_wait_s()
+            elif held is None:
+                error = (f"a job is still running in '{out}' ({holder(lock)} holds {lock}); let "
+                         f"it finish, or stop it, before starting another there")
         except OSError as e:  # another user's lock file, a quota
-            error = (f"cannot lock {out / JOB_LOCK} ({e.strerror or e}); pick an output_dir "
-                     f"you can write to")
-        else:
-            if held is None and error is None:
-                error = (f"a job is still running in '{out}' ({holder(out / JOB_LOCK)} holds "
-                         f"{out / JOB_LOCK}); let it finish, or stop it, before starting "
-                         f"another there")
-    error = gather(error, world)[0]
+            error = (f"cannot lock {lock} ({e.strerror or e}); pick an output_dir you can "
+                     f"write to")
+        except ConfigError as e:
+            error = str(e)
+    error, wait_s = gather((error, wait_s), world)[0]
+    if wait_s is not None and error is None:
+        def wait() -> None:  # longer than a collective may wait: the others wait on the store
+            nonlocal held, error
+            log.warning("%s holds %s: an earlier allocation of this job; waiting up to %.0f s "
+                        "for it to let go", holder(lock), lock, wait_s)
+            deadline = time.monotonic() + wait_s
+            while held is None and time.monotonic() < deadline:
+                time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+                held = try_lock(lock, children_hold=False)
+            if held is None:
+                error = (f"{lock} is still held ({holder(lock)}) after {wait_s:.0f} s of waiting "
+                         f"for an earlier allocation of this job; end its processes there (or "
+                         f"take that node down), then scontrol requeue "
+                         f"{os.environ.get('SLURM_JOB_ID')}")
+        rank_0_does(wait, "job-lock", within_s=wait_s + 60)
+        error = gather(error, world)[0]
     if error:
         raise agreed(ConfigError(error))
     return held
+
+
+def _requeue_wait_s() -> float:
+    text = os.environ.get("VITSCALE_REQUEUE_LOCK_WAIT_S", str(REQUEUE_LOCK_WAIT_S))
+    try:
+        wait_s = float(text)
+    except ValueError:
+        wait_s = -1.0
+    if not wait_s >= 0:
+        raise ConfigError(f"VITSCALE_REQUEUE_LOCK_WAIT_S={text} is not a number of seconds")
+    return wait_s
 
 
 def release_output_dir(held: IO, out: Path, made: bool) -> None:

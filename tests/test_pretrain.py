@@ -576,7 +576,8 @@ def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output
     for job, restarts in (("78", "0"), ("77", "1")):
         other = held_by(job, restarts, until_s=60)
         try:
-            with pytest.raises(ConfigError, match=rf"^a job is still running in '{out}'"):
+            with pytest.raises(ConfigError, match=rf"^a job is still running in "
+                                                  rf"'{re.escape(str(out))}'"):
                 hold_output_dir(out)
         finally:
             go.touch()
@@ -586,9 +587,14 @@ def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output
     monkeypatch.setenv("VITSCALE_REQUEUE_LOCK_WAIT_S", "1")
     stuck = held_by("77", "0", until_s=60)
     try:
-        with pytest.raises(ConfigError, match=rf"^an earlier allocation of this job still holds "
-                                              rf"{out}/{JOB_LOCK} \(pid {stuck.pid}\) after 1 s; "
-                                              rf"end its processes there .*requeue 77$"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(out / JOB_LOCK))} is still held "
+                                              rf"\(pid {stuck.pid}\) after 1 s of waiting for an "
+                                              rf"earlier allocation of this job; end its processes "
+                                              rf"there .*requeue 77$"):
+            hold_output_dir(out)
+        monkeypatch.setenv("VITSCALE_REQUEUE_LOCK_WAIT_S", "5m")
+        with pytest.raises(ConfigError, match=r"^VITSCALE_REQUEUE_LOCK_WAIT_S=5m is not a number "
+                                              r"of seconds$"):
             hold_output_dir(out)
     finally:
         go.touch()
