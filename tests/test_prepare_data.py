@@ -483,6 +483,24 @@ def test_a_dataset_whose_images_mostly_do_not_decode_is_refused_and_the_mended_r
     (src / "train" / "cat" / "0.jpg").write_bytes(b"not an image")
     info = prepare("imagefolder", str(src), str(tmp_path / "out2"), shard_size=4, progress=False)
     assert info.split("train").num_samples == 7 and info.extra["num_skipped"] == 1
+    # per-synset tars, three of four of pointers: some shards kept images; the tars mended
+    # (rewritten: another size and time) are listed again, as no shard is left
+    tars = tmp_path / "i21k"
+    synthetic.write_synset_tars(tars, I21K_SYNSETS[:1], 4)
+    for synset in I21K_SYNSETS[1:4]:
+        with tarfile.open(tars / f"{synset}.tar", "w") as tar:
+            for i in range(4):
+                data = b"version https://git-lfs.github.com/spec/v1\n"
+                member = tarfile.TarInfo(f"{synset}_{i}.JPEG")
+                member.size = len(data)
+                tar.addfile(member, io.BytesIO(data))
+    with pytest.raises(PrepareError, match=r"^12 of 16 images could not be read"):
+        prepare("imagenet21k", str(tars), str(tmp_path / "out3"), shard_size=1, val_count=2,
+                progress=False)
+    synthetic.write_synset_tars(tars, I21K_SYNSETS[:4], 4)
+    info = prepare("imagenet21k", str(tars), str(tmp_path / "out3"), shard_size=1,
+                   val_count=2, progress=False)
+    assert info.split("train").num_samples == 14 and info.extra["num_skipped"] == 0
 
 
 @pytest.mark.parametrize("flat_val", [False, True], ids=["val-in-folders", "flat-val-with-csv"])

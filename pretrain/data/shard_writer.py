@@ -375,9 +375,9 @@ def prepare(source: str, src: str, out: str, *, name: Optional[str] = None,
 def _check_enough_read(out: Path, shards: List[Shard], done: Dict[str, dict],
                        ledger: Path) -> None:
     """Refuse to call a preparation complete that lost a whole split, or most of its images:
-    a dataset cloned without Git LFS, a folder of HEIC photos. The shards that lost images are
-    dropped from the ledger and removed, so that the same command, rerun once the files are
-    mended, writes them again (a mended image keeps its name: the source counts as unchanged)."""
+    a dataset cloned without Git LFS, a folder of HEIC photos. Its shards are removed and the
+    ledger emptied: with no shard written, the same command, rerun once the files are mended
+    (a tar or a pickle rewritten, files removed), lists the source again and writes them all."""
     total, skipped, per_split = 0, [], {}
     for shard in shards:
         record = done[shard.filename]
@@ -393,11 +393,9 @@ def _check_enough_read(out: Path, shards: List[Shard], done: Dict[str, dict],
     common, times = max(reasons.items(), key=lambda kv: kv[1])
     write_atomic(out / REPORT_NAME, json.dumps(dict(num_skipped=len(skipped), skipped=skipped),
                                                indent=1))
-    lost = {item["shard"] for item in skipped}
-    kept = [json.dumps(r) for name, r in done.items() if name not in lost]
-    write_atomic(ledger, "".join(line + "\n" for line in kept))
-    for name in lost:
-        (out / name).unlink(missing_ok=True)
+    write_atomic(ledger, "")
+    for shard in shards:
+        (out / shard.filename).unlink(missing_ok=True)
     example = next(item["source"] for item in skipped if item["error"] == common)
     left = f" (split {', '.join(map(repr, empty))} left empty)" if empty else ""
     raise PrepareError(f"{len(skipped)} of {total} images could not be read{left}; {times} of "
