@@ -23,7 +23,7 @@ from pretrain.cli import OneLineParser, positive_int, tame_logs
 from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import claim_prefix, publish
 from pretrain.data.remote import is_remote
-from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE,
+from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, WORK_DIR,
                                         check_stage_folder, make_settings, prepare)
 from pretrain.data.sources import SOURCES, PrepareError
 from pretrain.spool import redacted
@@ -160,8 +160,7 @@ def main(argv=None) -> int:
             # the rerun would find the source changed, and say so
             _error(f"{e}: gone from --src during the run; put it back and rerun the same "
                    f"command to resume, or start afresh in a new output folder")
-        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR) and \
-                _below(e.filename, args.stage if remote else args.out):
+        elif _cannot_make(e, args.stage if remote else args.out):
             _error(f"cannot write {e.filename} ({e.strerror}); choose "
                    f"{'a --stage' if remote else 'an --out'} folder you can write to, in place "
                    f"of {args.stage if remote else args.out}")
@@ -182,12 +181,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def _below(path, folder: str) -> bool:
-    """Whether ``path`` is ``folder`` or inside it."""
-    if not path:
+def _cannot_make(e: OSError, out: str) -> bool:
+    """Whether ``e`` says the output folder cannot be made or written: no permission there (or
+    a read-only file system), or a path to it that cannot be (a file on the way). Not a file
+    gone from inside it meanwhile, which a rerun mends."""
+    if not e.filename:
         return False
-    path, folder = os.path.abspath(str(path)), os.path.abspath(folder)
-    return path == folder or path.startswith(folder + os.sep)
+    failing, out = os.path.abspath(str(e.filename)), os.path.abspath(out)
+    above = out == failing or out.startswith(failing + os.sep) or \
+        failing == os.path.join(out, WORK_DIR)
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return above or failing.startswith(out + os.sep)
+    return e.errno in (errno.ENOENT, errno.ENOTDIR) and above
 
 
 # what only a write gets, whose message may name no file (a write to a shard being made)

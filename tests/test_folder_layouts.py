@@ -388,6 +388,13 @@ def test_an_output_folder_inside_the_source_is_refused(tmp_path):
         f"error: cannot write {tmp_path / 'notes' / 'shards' / '.prepare'} (Not a directory); "
         f"choose an --out folder you can write to, in place of {tmp_path / 'notes' / 'shards'}"
     ), proc.stderr
+    # ... and where a folder above it is the one that cannot be made (it was exit 1, "fix it
+    # and rerun the same command to resume")
+    proc = run_launcher("prepare_data.py", "imagefolder", "--src", str(tmp_path / "raw"),
+                        "--out", "/proc/vitscale-test/shards")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: cannot write /proc/vitscale-test (No such file or directory); choose an --out "
+        "folder you can write to, in place of /proc/vitscale-test/shards"), proc.stderr
 
 
 @pytest.mark.parametrize("files, where, problem", [
