@@ -24,7 +24,8 @@ from pretrain.data.info import INFO_NAMES, DatasetInfoError
 from pretrain.data.publish import claim_prefix, publish
 from pretrain.data.remote import is_remote
 from pretrain.data.shard_writer import (DEFAULT_I21K_VAL_COUNT, DEFAULT_SHARD_SIZE, WORK_DIR,
-                                        check_stage_folder, make_settings, prepare)
+                                        check_stage_folder, make_settings, prepare,
+                                        settings_if_complete)
 from pretrain.data.sources import SOURCES, PrepareError
 from pretrain.spool import redacted
 
@@ -142,6 +143,9 @@ def main(argv=None) -> int:
     try:
         if remote:  # before hours of work: a prefix holding something else, or taking no
             settings = make_settings(args.source, args.src, **options)  # uploads, is refused now
+            # a finished stage folder is its dataset, wherever its source is now: compared as it
+            # was prepared
+            settings = settings_if_complete(args.stage, settings) or settings
             check_stage_folder(args.stage, settings)
             claim_prefix(args.stage, args.out, settings)
         # a warning during a pass goes above its progress bar, not glued onto the bar's line

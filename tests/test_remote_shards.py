@@ -319,6 +319,14 @@ def test_prepare_data_writes_to_s3_through_a_stage_and_the_loader_reads_it_back(
         assert again.returncode == 0, again.stderr[-2000:]
         assert "already complete; nothing to do" in again.stderr
         assert f"uploaded 0 of {len(files)} files" in again.stderr
+    # ... and so does one with the source moved since (a complete dataset is not compared with
+    # its source again): it was refused, "written with --src ... (now ...)"
+    (tmp_path / "raw").rename(tmp_path / "moved")
+    moved = [a if a != str(tmp_path / "raw") else str(tmp_path / "moved") for a in args]
+    again = run_launcher("prepare_data.py", *moved, "--out", "s3://datasets/pets")
+    assert again.returncode == 0 and f"uploaded 0 of {len(files)} files" in again.stderr, \
+        again.stderr[-2000:]
+    (tmp_path / "moved").rename(tmp_path / "raw")
     relisted = s3.list_objects_v2(Bucket="datasets", Prefix="pets/")["Contents"]
     # (but the marker, put again by each start: the check that the prefix takes uploads)
     assert ({o["Key"]: o["LastModified"] for o in relisted if o["Key"] != "pets/_stage_id"}

@@ -178,6 +178,13 @@ def _shards_started(out: Path) -> bool:
         p.name.endswith((".tar", ".tar.tmp")) for p in out.iterdir())
 
 
+def settings_if_complete(out: str | os.PathLike, settings: dict) -> Optional[dict]:
+    """The settings a finished ``out`` was prepared with, where it is what ``settings`` would
+    prepare but for --src (:func:`_complete`); else None."""
+    info = _complete(Path(out), settings) if Path(out).is_dir() else None
+    return info.extra["prepare"] if info is not None else None
+
+
 def _complete(out: Path, settings: dict) -> Optional[DatasetInfo]:
     """The info of a finished ``DIR`` whose shards are all present, else None."""
     if not (out / INFO_NAMES[0]).is_file():
