@@ -168,7 +168,8 @@ def same_settings(recorded: dict, settings: dict, but: tuple = ()) -> bool:
 
 def settings_diff(recorded: dict, settings: dict) -> str:
     """The options that differ, as the command line spells them: '--seed 0 (now 1)'."""
-    diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
+    diff = [k for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)
+            and not (k == "src" and same_settings({k: recorded.get(k)}, {k: settings.get(k)}))]
     return ", ".join(f"{_option(k)} {recorded.get(k)!r} (now {settings.get(k)!r})" for k in diff)
 
 
