@@ -53,6 +53,7 @@ class Evaluation:
     # what puts the figure itself in doubt (labels that may mean other classes): shown with it
     warnings: list = field(default_factory=list)
     started: Optional[float] = None  # unix time the evaluation began: its MLflow run's start
+    run_name_of_split: Optional[str] = None  # eval/<this>/top1 in the run's metrics.jsonl
 
     @property
     def samples(self) -> int:
@@ -60,17 +61,11 @@ class Evaluation:
 
     @property
     def figure_name(self) -> str:
-        """What the figures are logged under, eval/<name>/top1: the name the model's run gave
-        this split (its eval.val_name) where this is the run's held-out split of its dataset,
-        so that the run and its evaluations share a chart and a column in MLflow; else the
-        split's name."""
-        if self.reported:
-            return self.reported["metric"].split("/")[1]
-        data, mf = self.mf.run_config.get("data") or {}, self.mf
-        if self.split == data.get("val_split") and mf.trained_on and \
-                os.path.realpath(mf.trained_on) == os.path.realpath(self.root):
-            return (mf.run_config.get("eval") or {}).get("val_name") or self.split
-        return self.split
+        """What the figures are logged under, eval/<name>/top1: the name the model's run logged
+        this split under, where this is the run's held-out split of its dataset (its
+        eval.val_name), so that the run and its evaluations share a chart and a column in
+        MLflow; else the split's name."""
+        return self.run_name_of_split or self.split
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,12 +165,13 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
     per_class = [{"class": c, "name": names[c] if names else str(c), "samples": int(n),
                   "correct": int(k), "top1": k / n if n else None}
                  for c, (k, n) in enumerate(zip(correct, total))]
+    reported, logged_as = reported_figure(mf, root, split)
     return Evaluation(mf=mf, root=root, split=split, dataset=info.name, names=names,
                       top1=result["top1"], top5=result.get("top5", result["top1"]),
                       per_class=per_class, cells=evaluator.confusion, device=str(dev),
                       precision=precision, batch_size=batch_size,
-                      reported=reported_figure(mf, root, split), notes=notes, warnings=warnings,
-                      started=started)
+                      reported=reported, run_name_of_split=logged_as, notes=notes,
+                      warnings=warnings, started=started)
 
 
 def dev_split(mf: ModelFile, split: str) -> tuple[str, float]:
@@ -221,23 +217,27 @@ def dataset_info(root: str, split: str, with_dev: bool = False):
     return info
 
 
-def reported_figure(mf: ModelFile, root: str, split: str) -> Optional[dict]:
-    """The top-1 the run logged for this split at the model's step (metrics.jsonl), if any."""
+def reported_figure(mf: ModelFile, root: str, split: str) -> tuple[Optional[dict], Optional[str]]:
+    """The top-1 the run logged for this split at the model's step (metrics.jsonl), if any, and
+    the name it logged the split under (eval/<name>/top1) at any step."""
     from pretrain.metrics import read_jsonl
 
     data = mf.run_config.get("data") or {}
     if mf.run_dir is None or split not in (data.get("val_split"), "dev") \
             or not mf.trained_on or os.path.realpath(mf.trained_on) != os.path.realpath(root):
-        return None
+        return None, None
     # a fine-tune's figure is named after its split unless eval.val_name is set (fine-tunes from
     # before it took effect there saved an unused "i21k_val": the split's name is tried next)
     val_name = (mf.run_config.get("eval") or {}).get("val_name") if split != "dev" else None
     try:
         records = read_jsonl(mf.run_dir / "metrics.jsonl")
     except OSError:
-        return None
-    for key in dict.fromkeys(f"eval/{n}/top1" for n in (val_name, split) if n):
+        return None, None
+    names = [n for n in dict.fromkeys((val_name, split)) if n
+             and any(f"eval/{n}/top1" in r for r in records)]
+    for name in names:
+        key = f"eval/{name}/top1"
         rows = [r for r in records if key in r and (mf.step is None or r.get("step") == mf.step)]
         if rows:
-            break
-    return {"metric": key, "step": rows[-1]["step"], "value": rows[-1][key]} if rows else None
+            return {"metric": key, "step": rows[-1]["step"], "value": rows[-1][key]}, name
+    return None, names[0] if names else None

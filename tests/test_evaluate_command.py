@@ -150,12 +150,25 @@ def test_a_run_launched_with_relative_paths_is_matched_from_any_folder(ft, tmp_p
     ev = evaluate_model.evaluate(mf, str(ft.data), "train", workers=0)
     assert any("its figure there is a training accuracy" in n for n in ev.notes), ev.notes
     # the name its figures go to MLflow under: the run's own for its held-out split (a
-    # pretraining's eval/i21k_val/top1 was eval/validation/top1 in its evaluations: two charts)
-    ev.split, ev.reported = "test", None
-    mf.run_config.setdefault("eval", {})["val_name"] = "cifar_test"
-    assert ev.figure_name == "cifar_test"
-    ev.root = str(tmp_path)  # another dataset: the split's own name
-    assert ev.figure_name == "test"
+    # pretraining's eval/i21k_val/top1 was eval/validation/top1 in its evaluations: two charts),
+    # at a step the run did not evaluate too; a val_name the run did not log under (older
+    # fine-tunes saved an unused one) is not taken
+    mf.run_config.setdefault("eval", {})["val_name"] = "i21k_val"
+    mf.step = 5
+    ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
+    assert ev.reported is None and ev.figure_name == "test"
+    records = read_jsonl(ft.out / "metrics.jsonl")
+    with open(ft.out / "metrics.jsonl", "a") as f:  # as a run naming it cifar_test logs it
+        f.write(json.dumps({"step": 24, "eval/cifar_test/top1": 0.5}) + "\n")
+    try:
+        mf.run_config["eval"]["val_name"] = "cifar_test"
+        ev = evaluate_model.evaluate(mf, str(ft.data), "test", workers=0)
+        assert ev.figure_name == "cifar_test"
+        ev = evaluate_model.evaluate(mf, str(ev.mf.trained_on), "train", workers=0)
+        assert ev.figure_name == "train"  # not its held-out split
+    finally:
+        (ft.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    mf.step = ft.step
     # a run dir that does not end in its output_dir (moved since): taken from here, as before
     mf.run_config["output_dir"] = "elsewhere/ft"
     assert mf.trained_on == mf.run_config["data"]["root"]
