@@ -172,6 +172,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                            cfg.train.max_rollbacks)
 
     step, run_id, carried = 0, None, None
+    last_eval: dict = {}  # each evaluation's latest figures, carried in the checkpoints
     if resume is not None:
         client = (store.load(backend, resume) if weights_from is not None
                   else backend.client_state(store.root, resume))
@@ -183,8 +184,9 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
             set_rng_state(client["rng"][rank])
         guard.skipped = int(client.get("nonfinite_skipped", 0))
         stage.load_state_dict(client.get("stage") or {})
+        last_eval = dict(client.get("eval_figures") or {})
         if step >= steps and not carried_metrics:  # stopped after the last step: its figures
-            carried_metrics = dict(client.get("eval_figures") or {})
+            carried_metrics = dict(last_eval)
         log.info("resumed from %s at step %d", resume.path, step)
         if changed and rank == 0:  # config.yaml stays the start's, as the MLflow params do
             kept = save_config(cfg, out / f"config.resume_step_{step:08d}.yaml")
@@ -366,6 +368,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
             if results:
                 sink.log(results, step)
                 metrics.update(results)
+                last_eval.update(results)
                 stage.after_eval(results, step, backend, tracker)
                 timer.exclude_elapsed()
 
@@ -375,7 +378,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                 saved = save(store, backend, loader, stage, cfg, step, steps, world,
                              tracker.run_id, guard, must_succeed=bool(signame),
                              loss_window=(float(loss_sum), window),
-                             figures={k: v for k, v in metrics.items() if k.startswith("eval/")})
+                             figures=last_eval)
                 failed_saves += not saved
                 if saved and not signame and step < steps:  # signalled while it was written?
                     signame = stop.agreed_now()  # then it is the stop checkpoint
