@@ -89,7 +89,7 @@ def evaluate(mf: ModelFile, root: str, split: str, *, batch_size: Optional[int] 
                         and bool(run_data.get("dev_fraction")))
     classes, notes = info.classes, list(mf.notes)
     trained_on = mf.trained_on
-    same_data = bool(trained_on) and os.path.realpath(trained_on) == os.path.realpath(root)
+    same_data = mf.trained_on_data(root)
     if split == run_data.get("train_split", "train") and same_data:
         notes.append(f"the model was trained on '{split}': its figure there is a training "
                      f"accuracy")
@@ -224,7 +224,7 @@ def reported_figure(mf: ModelFile, root: str, split: str) -> tuple[Optional[dict
 
     data = mf.run_config.get("data") or {}
     if mf.run_dir is None or split not in (data.get("val_split"), "dev") \
-            or not mf.trained_on or os.path.realpath(mf.trained_on) != os.path.realpath(root):
+            or not mf.trained_on_data(root):
         return None, None
     # a fine-tune's figure is named after its split unless eval.val_name is set (fine-tunes from
     # before it took effect there saved an unused "i21k_val": the split's name is tried next)

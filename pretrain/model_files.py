@@ -76,12 +76,22 @@ class ModelFile:
         """The run's data.root; a relative one as the run saw it, from the folder it was
         launched in (where its run_dir ends in its relative output_dir), else as is (from here).
         """
+        return self.data_roots[0] if self.data_roots else None
+
+    def trained_on_data(self, root: str) -> bool:
+        """Whether ``root`` is the dataset the run trained on; a relative data.root is taken
+        from where the run was launched, or from here (a run moved since, a symlinked path)."""
+        return any(os.path.realpath(r) == os.path.realpath(root) for r in self.data_roots)
+
+    @property
+    def data_roots(self) -> list:
+        """Where the run's data.root may be from here: as it saw it first."""
         root = (self.run_config.get("data") or {}).get("root")
         if not root or "://" in str(root) or str(root).startswith("pipe:") or \
                 os.path.isabs(root) or self.run_dir is None:
-            return root
+            return [root] if root else []
         base = launch_dir(self.run_dir, self.run_config.get("output_dir"))
-        return os.path.normpath(base / root) if base is not None else root
+        return [os.path.normpath(base / root), root] if base is not None else [root]
 
     @property
     def precision(self) -> str:
@@ -415,7 +425,8 @@ def launch_dir(run_dir: Path, output_dir) -> Optional[Path]:
 def trained_classes(mf: "ModelFile") -> Optional[list]:
     """The model's class names: its own (a timm folder's), else those of the dataset its run
     trained on."""
-    return mf.label_names or _trained_classes(mf.trained_on, mf.num_classes)
+    return mf.label_names or next(
+        (c for c in (_trained_classes(r, mf.num_classes) for r in mf.data_roots) if c), None)
 
 
 def _trained_classes(root, num_classes: int) -> Optional[list]:

@@ -172,6 +172,11 @@ def test_a_run_launched_with_relative_paths_is_matched_from_any_folder(ft, tmp_p
     # a run dir that does not end in its output_dir (moved since): taken from here, as before
     mf.run_config["output_dir"] = "elsewhere/ft"
     assert mf.trained_on == mf.run_config["data"]["root"]
+    # ... and from here too where the launch folder's guess is another (a symlinked runs/)
+    mf.run_config["output_dir"] = ft.out.name
+    monkeypatch.chdir(ft.out.parent)
+    mf.run_dir = tmp_path / "mnt" / "x" / ft.out.name  # as reached through another path
+    assert mf.trained_on != os.path.normpath(str(ft.data)) and mf.trained_on_data(str(ft.data))
 
 
 def test_a_checkpoint_evaluated_on_another_dataset_of_as_many_classes_gets_a_warning(
