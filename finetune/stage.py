@@ -274,12 +274,11 @@ def write_finetune_folder(c, out, *, normalize: Optional[str] = None,
     """A fine-tune's weights (a :class:`pretrain.consolidate.Consolidated`) as ``out/`` in timm's
     layout, head included (the run's own exports, ``launch/export.py`` of one of its
     checkpoints); ``normalize`` / ``dataset``: from ``c``'s run config when not given."""
-    from pretrain.timm_folder import write_timm_folder
+    from pretrain.timm_folder import head_fits, write_timm_folder
 
-    spec = c.spec
     # a fine-tune swaps the pre-logits away; a model that kept them (trained from scratch with
     # model.representation_size) cannot carry its head into timm's ViT: its backbone then
-    return write_timm_folder(c, out, head=not spec.representation_size and spec.num_classes > 0,
+    return write_timm_folder(c, out, head=head_fits(c.spec),
                              normalize=normalize, dataset=dataset, metrics=metrics,
                              lineage=lineage)
 

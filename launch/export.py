@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     from pretrain.consolidate import consolidate, is_finetune_dir, resolve_checkpoint
     from pretrain.export import export_full, export_timm_backbone, timm_kwargs
     from pretrain.model_files import ModelFileError
-    from pretrain.timm_folder import CONFIG, file_overlay, write_timm_folder
+    from pretrain.timm_folder import CONFIG, file_overlay, head_fits, write_timm_folder
 
     try:
         started = time.monotonic()
@@ -149,10 +149,7 @@ def main(argv=None) -> None:
             ckpt = resolve_checkpoint(args.checkpoint)  # once: a run still saving adds steps
             print(f"reading {ckpt}{_size(ckpt)}", file=sys.stderr, flush=True)
             c = consolidate(ckpt, origin=args.checkpoint)  # a newer one if ckpt is pruned
-            # the head goes in where nothing stands between it and the backbone: timm's ViT
-            # has no pre-logits layer to put it behind
-            head = bool(c.spec.num_classes and not c.spec.representation_size)
-            full = write_timm_folder(c, args.out, head=head) if folder else \
+            full = write_timm_folder(c, args.out, head=head_fits(c.spec)) if folder else \
                 export_full(c, args.out)
             ranks = f"{c.world_size} rank{'s' * (c.world_size != 1)}" if c.world_size else \
                 "ranks not recorded"

@@ -134,6 +134,12 @@ def timm_state(c: Consolidated, head: bool) -> dict:
     return state
 
 
+def head_fits(spec) -> bool:
+    """Whether the model's head goes into timm's ViT: one there is, with nothing between it and
+    the backbone (timm's ViT has no pre-logits layer to put it behind)."""
+    return bool(spec.num_classes) and not spec.representation_size
+
+
 def write_timm_folder(source: Union[str, os.PathLike, Consolidated], out: Union[str, os.PathLike],
                       *, head: bool = False, normalize: Optional[str] = None,
                       crop_pct: float = EVAL_CROP_PCT, dataset: Optional[str] = None,
