@@ -34,8 +34,8 @@ from torch import nn
 
 from pretrain.checkpoint import CLIENT_STATE
 from pretrain.config import ConfigError, ModelConfig
-from pretrain.producing_run import (RUN_CONFIG, attach_run, find_source_run, run_config_at,
-                                    run_state, same_run)
+from pretrain.producing_run import (RUN_CONFIG, attach_run, find_source_run, launch_dir,
+                                    run_config_at, run_state, same_run)
 
 EMA_STATE = "custom_checkpoint_0.pkl"  # Accelerate's file for the first registered object
 
@@ -408,18 +408,6 @@ def _built(path: Path, kind: str, model_cfg: ModelConfig, state: dict, run_confi
                      img_size=spec.img_size, num_classes=spec.num_classes,
                      normalize=data.get("normalize", "minus_one_one"),
                      step=step, run_config=run_config)
-
-
-def launch_dir(run_dir: Path, output_dir) -> Optional[Path]:
-    """The folder a run was launched in, where its relative ``output_dir`` is how ``run_dir``
-    ends (``runs/demo`` of ``/home/me/vitscale/runs/demo``); None where that cannot be told."""
-    if not output_dir or os.path.isabs(output_dir):
-        return None
-    parts = [p for p in Path(output_dir).parts if p != "."]
-    full = Path(os.path.abspath(run_dir))
-    if not parts or ".." in parts or list(full.parts[-len(parts):]) != parts:
-        return None
-    return full.parents[len(parts) - 1]
 
 
 def trained_classes(mf: "ModelFile") -> Optional[list]:

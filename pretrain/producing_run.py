@@ -5,6 +5,7 @@ from where a file lies and what it carries; this module decides which of them is
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -24,6 +25,18 @@ def run_config_at(run_dir: Path) -> dict:
     except (OSError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def launch_dir(run_dir: Path, output_dir) -> Optional[Path]:
+    """The folder a run was launched in, where its relative ``output_dir`` is how ``run_dir``
+    ends (``runs/demo`` of ``/home/me/vitscale/runs/demo``); None where that cannot be told."""
+    if not output_dir or os.path.isabs(output_dir):
+        return None
+    parts = [p for p in Path(output_dir).parts if p != "."]
+    full = Path(os.path.abspath(run_dir))
+    if not parts or ".." in parts or list(full.parts[-len(parts):]) != parts:
+        return None
+    return full.parents[len(parts) - 1]
 
 
 def attach_run(mf: ModelFile, *candidates: Path) -> None:

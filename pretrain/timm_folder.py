@@ -104,9 +104,18 @@ def _run_settings(c: Consolidated) -> dict:
         return {}
     import yaml
     try:
-        data = (yaml.safe_load(c.config_yaml) or {}).get("data") or {}
+        config = yaml.safe_load(c.config_yaml) or {}
     except yaml.YAMLError:
         return {}
+    data = dict(config.get("data") or {})
+    root = data.get("root")
+    if root and not os.path.isabs(root) and "://" not in root and not root.startswith("pipe:"):
+        # relative: from the folder the run was launched in, where that can be told (an
+        # export made from elsewhere lost the dataset's class names)
+        from pretrain.producing_run import launch_dir
+        base = launch_dir(Path(c.source).parent.parent, config.get("output_dir"))
+        if base is not None and os.path.isdir(base / root):
+            data["root"] = os.path.normpath(base / root)
     return {k: data[k] for k in ("normalize", "root") if data.get(k)}
 
 

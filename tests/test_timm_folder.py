@@ -166,6 +166,25 @@ def test_a_pretraining_without_pre_logits_exports_its_head_into_the_folder(tmp_p
         assert torch.allclose(vit(x), model(x), atol=1e-6)
 
 
+def test_a_run_launched_with_relative_paths_exports_its_class_names_from_anywhere(
+        tmp_path, monkeypatch):
+    """``output_dir=runs/x data.root=runs/data``: an export made from another folder than the
+    launch folder found no dataset there, and the folder lost its label names."""
+    launched = tmp_path / "project"
+    (launched / "runs").mkdir(parents=True)
+    root = dataset_root(launched / "runs")  # runs/shards
+    step = launched / "runs" / "x" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    config = yaml.safe_dump({"output_dir": "runs/x", "model": ARCH,
+                             "data": {"root": str(root.relative_to(launched))}})
+    monkeypatch.chdir(tmp_path)
+    folder = write_timm_folder(from_model(random_model(representation_size=None),
+                                          source=str(step), config_yaml=config),
+                               tmp_path / "out", head=True)
+    assert json.loads((folder / "config.json").read_text())["pretrained_cfg"][
+        "label_names"] == CLASSES
+
+
 def test_the_export_cli_writes_a_folder_from_a_checkpoint(tmp_path, caplog):
     """A stage-0 DeepSpeed checkpoint (DeepSpeed's own ``latest`` layout) written by hand."""
     model = random_model(representation_size=64)
