@@ -274,7 +274,8 @@ class ImageNet1k(ImageFolder):
                       and e.name.endswith(".tar") and e.name[:-4] in self._label)
         if tars:  # ILSVRC2012_img_train.tar unpacked once: its synsets are tars still
             raise PrepareError(
-                f"{train} holds per-synset tars ({tars[0]}, ... {len(tars)} of them), as "
+                f"{train} holds per-synset tars ({tars[0]}"
+                f"{f', ... {len(tars)} of them' if len(tars) > 1 else ''}), as "
                 f"ILSVRC2012_img_train.tar unpacks; extract each into a folder of its name "
                 f"first: cd {train} && for f in n*.tar; do mkdir ${{f%.tar}} && tar -xf $f "
                 f"-C ${{f%.tar}} && rm $f; done")

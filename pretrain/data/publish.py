@@ -97,8 +97,9 @@ def upload(local: str, location: str, policy: RetryPolicy = RetryPolicy()) -> No
                                   f"(last: {type(e).__name__}: {e}"
                                   f"{_endpoint_hint(location, e)})") from None
             wait = policy.wait(failures)  # (minutes in all: said, not a silent pause)
-            log.warning("%s: upload failed (%s: %s); retrying in %.1f s (failure %d of %d)",
-                        location, type(e).__name__, e, wait, failures, policy.attempts)
+            log.warning("%s: upload failed (%s: %s); retrying in %.1f s (failure %d of %d)%s",
+                        location, type(e).__name__, e, wait, failures, policy.attempts,
+                        _endpoint_hint(location, e) if failures == 1 else "")
             time.sleep(wait)
 
 
