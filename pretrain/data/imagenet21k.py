@@ -17,6 +17,7 @@ import gzip
 import logging
 import lzma
 import os
+import re
 import tarfile
 import zlib
 from pathlib import Path
@@ -139,7 +140,8 @@ class SynsetTars(_SynsetLabels):
         if not tars:
             raise PrepareError(f"no per-synset tars (n01440764.tar ...) in {self.src}; point --src at "
                                f"their folder or at fall11_whole.tar / winter21_whole.tar.gz")
-        if not any(p.name[:-4] in self._label for p in tars) and len(tars) <= 2:
+        if len(tars) <= 2 and not any(p.name[:-4] in self._label or
+                                      re.fullmatch(r"n\d{8}", p.name[:-4]) for p in tars):
             raise PrepareError(f"{self.src} holds {tars[0].name}, not per-synset tars "
                                f"(n01440764.tar ...); an outer tar is read as --src itself: "
                                f"--src {tars[0]}")
