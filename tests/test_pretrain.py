@@ -1,5 +1,6 @@
 """Pretraining for real: DeepSpeed ranks on the CPU (gloo), ZeRO stages, resume onto another world
 size, and the multi-node launcher path. Kills, failing writes and bad data: test_faults.py."""
+import contextlib
 import gc
 import json
 import logging
@@ -572,21 +573,24 @@ def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output
     assert (out / JOB_LOCK).read_text().split() == [str(os.getpid()), socket.gethostname(),
                                                     "slurm", "77.1"]
     held.close()
-    # another job (or another step of this allocation) there: refused without waiting
-    for job, restarts in (("78", "0"), ("77", "1")):
+    @contextlib.contextmanager
+    def holding(job: str, restarts: str):  # until the block ends
         other = held_by(job, restarts, until_s=60)
         try:
-            with pytest.raises(ConfigError, match=rf"^a job is still running in "
-                                                  rf"'{re.escape(str(out))}'"):
-                hold_output_dir(out)
+            yield other
         finally:
             go.touch()
             other.wait(timeout=30)
             go.unlink()
+
+    # another job (or another step of this allocation) there: refused without waiting
+    for job, restarts in (("78", "0"), ("77", "1")):
+        with holding(job, restarts), pytest.raises(
+                ConfigError, match=rf"^a job is still running in '{re.escape(str(out))}'"):
+            hold_output_dir(out)
     # an earlier allocation that does not let go: said, after the wait, with what to do
     monkeypatch.setenv("VITSCALE_REQUEUE_LOCK_WAIT_S", "1")
-    stuck = held_by("77", "0", until_s=60)
-    try:
+    with holding("77", "0") as stuck:
         with pytest.raises(ConfigError, match=rf"^{re.escape(str(out / JOB_LOCK))} is still held "
                                               rf"\(pid {stuck.pid}\) after 1 s of waiting for an "
                                               rf"earlier allocation of this job; end its processes "
@@ -596,9 +600,6 @@ def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output
         with pytest.raises(ConfigError, match=r"^VITSCALE_REQUEUE_LOCK_WAIT_S=5m is not a number "
                                               r"of seconds$"):
             hold_output_dir(out)
-    finally:
-        go.touch()
-        stuck.wait(timeout=30)
 
 
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
