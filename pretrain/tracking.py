@@ -203,6 +203,9 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
             params.pop(f"optimizer.{key}", None)
         params.update({k: str(v) for k, v in (resolved or {}).items()
                        if params.get(k) == "None"})
+        # how the run is watched and launched, not what it trains: differences in Compare that
+        # say nothing of the results (config.yaml, an artifact of the run, keeps them)
+        params = {k: v for k, v in params.items() if not k.startswith(NOT_PARAMS)}
         # a password in a URL (tracking.uri's database, data.root's server) is no one's
         # business in the UI
         params = {k: redacted(v) if isinstance(v, str) else v for k, v in params.items()}
@@ -232,6 +235,9 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
+
+
+NOT_PARAMS = ("tracking.", "debug.", "checkpoint.resume", "data.generate_demo")
 
 
 def _copied_from(state: Optional[RunState], output_dir) -> Optional[str]:
