@@ -72,6 +72,8 @@ from pretrain.tracking_store import resolve_uri
 log = logging.getLogger(__name__)
 
 MAX_TAG_CHARS = 5000  # of a tag value: this MLflow takes 8000, older servers 5000
+# config keys that say how a run is tracked and launched, not what it trains: no params
+NOT_PARAMS = ("tracking.", "debug.", "checkpoint.resume", "data.generate_demo")
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,9 +237,6 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     log.info("tracking to MLflow at %s (experiment '%s'%s)", redacted(uri), state.experiment,
              f", run {state.run_id}" if state.run_id else "")
     return tracker
-
-
-NOT_PARAMS = ("tracking.", "debug.", "checkpoint.resume", "data.generate_demo")
 
 
 def _copied_from(state: Optional[RunState], output_dir) -> Optional[str]:
