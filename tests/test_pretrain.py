@@ -602,6 +602,59 @@ def test_a_requeued_job_waits_for_its_earlier_allocation_to_let_go_of_the_output
             hold_output_dir(out)
 
 
+def _lock_waiting_worker(rank, world, port, out, wait_s, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), SLURM_JOB_ID="77",
+                      SLURM_RESTART_COUNT="1", VITSCALE_REQUEUE_LOCK_WAIT_S=str(wait_s))
+    import torch.distributed as dist
+
+    from pretrain.run_dir import hold_output_dir
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        held = hold_output_dir(Path(out))
+        queue.put((rank, "held" if held is not None else "not rank 0"))
+    except Exception as e:  # noqa: BLE001 -- what each rank says is the result
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_of_a_requeued_job_waits_for_the_lock_with_rank_0(tmp_path):
+    """Rank 0 waits for the earlier allocation while the others wait on the job's store (a
+    collective would time out first, at the process group's 10 minutes); a wait that ends
+    without the lock ends every rank with the same line."""
+    import sys
+
+    from pretrain.run_dir import JOB_LOCK
+    out = tmp_path / "run"
+    out.mkdir()
+    script = (f"import pathlib, sys, time\n"
+              f"from pretrain.file_lock import try_lock\n"
+              f"held = try_lock(pathlib.Path({str(out / JOB_LOCK)!r}))\n"
+              f"print('held', flush=True)\n"
+              f"time.sleep(float(sys.argv[1]))\n")
+    env = dict(os.environ, SLURM_JOB_ID="77", SLURM_RESTART_COUNT="0")
+
+    def earlier_allocation(for_s: float) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", script, str(for_s)], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "held\n"
+        return proc
+
+    old = earlier_allocation(4)
+    assert spawn_ranks(_lock_waiting_worker, 2, str(out), 60, timeout=120) == {
+        0: "held", 1: "not rank 0"}
+    assert old.wait(timeout=30) == 0
+    stuck = earlier_allocation(60)
+    try:
+        said = spawn_ranks(_lock_waiting_worker, 2, str(out), 1, timeout=120)
+    finally:
+        stuck.kill()
+        stuck.wait(timeout=30)
+    assert said[0] == said[1] and said[0].startswith(f"ConfigError: {out / JOB_LOCK} is still "
+                                                     f"held (pid {stuck.pid})"), said
+
+
 def test_resume_false_refuses_to_move_aside_what_the_new_run_reads(tmp_path):
     from pretrain.config import ConfigError
     from pretrain.run_dir import set_aside_earlier_run
