@@ -164,6 +164,10 @@ def describe(cfg: RunConfig, world: int):
         data,
         *fewshot_line(cfg),
     ]
+    import torch
+    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
+        lines.append("precision: fp16 needs GPUs, which this machine lacks: the plan is for "
+                     "the job's GPU nodes (a run started here would stop at once)")
     return lines, model, params, (micro, accum), info
 
 

@@ -136,6 +136,12 @@ def test_dry_run_warns_when_the_plan_does_not_fit_the_gpu():
     assert "of the GPU's 6 GiB (--gpu-memory)" in proc.stdout
     proc = run_launcher(*args)  # the recipe as shipped fits an H100
     assert "of the GPU's 79 GiB (--gpu-memory)" in proc.stdout and "warning:" not in proc.stdout
+    # fp16 planned on a login node without GPUs: said, since a run there would stop at once
+    import torch
+    proc = run_launcher(*args, "train.precision=fp16")
+    assert proc.returncode == 0, proc.stderr
+    assert ("precision: fp16 needs GPUs, which this machine lacks: the plan is for the job's GPU "
+            "nodes" in proc.stdout) == (not torch.cuda.is_available()), proc.stdout
 
 
 def test_dry_run_rejects_a_batch_that_does_not_split_over_the_world():
