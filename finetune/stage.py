@@ -94,6 +94,8 @@ class FinetuneStage(Stage):
             # plain data: it goes into the checkpoint's client state (read weights_only)
             self.lineage = json.loads(json.dumps(
                 load_init(model, self.cfg.init, normalize=self.cfg.data.normalize), default=str))
+            if rank() == 0:
+                log.info("%s", init_line(self.lineage, model.spec.grid))
             if "pre_logits" in self.lineage["new"] and rank() == 0:
                 log.warning("init '%s' has no pre-logits layer: model.representation_size=%s "
                             "starts it from random weights (set model.representation_size=null "
@@ -281,6 +283,21 @@ def write_finetune_folder(c, out, *, normalize: Optional[str] = None,
     return write_timm_folder(c, out, head=head_fits(c.spec),
                              normalize=normalize, dataset=dataset, metrics=metrics,
                              lineage=lineage)
+
+
+def init_line(lineage: dict, grid: int) -> str:
+    """What the init gave the model, said at the start: the paper's transfer is checked in the
+    log (position embeddings resampled, pre-logits and head dropped, a new head)."""
+    step = f" at step {lineage['step']}" if lineage.get("step") is not None else ""
+    was = lineage.get("pos_embed_grid") or []
+    moved = f"; position embeddings resampled from {was[0]}x{was[0]} to {grid}x{grid}" \
+        if was and was[0] != grid else ""
+    dropped = f"; left out: {', '.join(lineage['dropped'])}" if lineage.get("dropped") else ""
+    fresh = list(lineage.get("new") or []) + ([] if "head" in (lineage.get("loaded") or [])
+                                              else ["head"])
+    new = f"; new: {', '.join(fresh)}" if fresh else ""
+    return (f"init: {', '.join(lineage.get('loaded') or []) or 'nothing'} from "
+            f"{lineage.get('path')} ({lineage.get('format')}{step}){moved}{dropped}{new}")
 
 
 def per_class_png(per_class: list, split: str) -> bytes:

@@ -2,6 +2,7 @@
 (Accelerate, gloo) from it and from scratch with the same budget."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,6 +42,12 @@ def test_fine_tuning_a_pretrained_model_beats_training_from_scratch(tmp_path, ti
         proc = torchrun(*finetune_args(out, tiny_cifar, init))
         assert "global batch 32 = 2 ranks x 16 x 1 accumulation" in proc.stdout + proc.stderr
         assert "the dev split holds" not in proc.stderr  # 64 images: enough to choose on
+        # the paper's transfer, said at the start (the log said nothing of it)
+        said = [line for line in proc.stderr.splitlines() if "[rank0] init: " in line]
+        assert said == ([] if init == "null" else [said[0]]) and all(
+            re.search(r"init: backbone from .*/pretrain/checkpoints/step_00000060 \(deepspeed "
+                      r"at step 60\); position embeddings resampled from 4x4 to 6x6; left out: "
+                      r"pre_logits, head; new: head$", line) for line in said), said
         for noise in ("Setting accelerator to CPU", "Add type hints to the `predict` method"):
             assert noise not in proc.stdout + proc.stderr  # DeepSpeed's and MLflow's, mid-log
         final = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/test/top1" in r][-1]
