@@ -191,9 +191,9 @@ def dev_split(mf: ModelFile, split: str) -> tuple[str, float]:
 def dataset_info(root: str, split: str, with_dev: bool = False):
     """``root``'s info file, with ``split`` in it; ``with_dev``: the model's run held a dev
     split out (:func:`dev_split`), which a refusal names among the splits to pass."""
-    from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, read_info
+    from pretrain.data.info import INFO_NAMES, DatasetInfoError, NoInfo, is_url, read_info
 
-    if "://" not in root and not root.startswith("pipe:") and not os.path.isdir(root):
+    if not is_url(root) and not os.path.isdir(root):
         raise EvaluateError(f"--data '{root}' " + (
             f"is a file; point it at the folder holding the dataset ({INFO_NAMES[0]})"
             if os.path.isfile(root) else "not found; point it at a folder written by "
@@ -201,7 +201,7 @@ def dataset_info(root: str, split: str, with_dev: bool = False):
     try:
         info = read_info(root)
     except NoInfo:
-        local = "://" not in root and not root.startswith("pipe:")  # (images are read locally)
+        local = not is_url(root)  # (images are read locally)
         raise EvaluateError(f"--data '{root}' holds no {' or '.join(INFO_NAMES)}: point it at a "
                             f"{'folder' if local else 'prefix'} written by "
                             f"launch/prepare_data.py" + (

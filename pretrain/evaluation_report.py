@@ -310,7 +310,8 @@ def _source_run(uri: str, run_id: str) -> tuple[Optional[str], str]:
 
 def _absolute(root: str) -> str:
     """A local --data as a path that names it from anywhere (the report outlives the shell)."""
-    return root if "://" in root or root.startswith("pipe:") else os.path.abspath(root)
+    from pretrain.data.info import is_url
+    return root if is_url(root) else os.path.abspath(root)
 
 
 def _params(ev: Evaluation) -> dict:
@@ -329,7 +330,7 @@ def _tags(ev: Evaluation, parent: Optional[str]) -> dict:
     mf = ev.mf
     tags = {"stage": "evaluate", "model": mf.name, "dataset": ev.dataset,
             "eval.split": ev.split, "eval.model_path": str(Path(mf.path).resolve()),
-            **git_info(REPO_ROOT), **source_tags(REPO_ROOT)}
+            **git_info(REPO_ROOT), **source_tags()}
     if mf.source_run_id:
         tags["eval.source_run_id"] = mf.source_run_id
     if parent:

@@ -87,8 +87,8 @@ class ModelFile:
     def data_roots(self) -> list:
         """Where the run's data.root may be from here: as it saw it first."""
         root = (self.run_config.get("data") or {}).get("root")
-        if not root or "://" in str(root) or str(root).startswith("pipe:") or \
-                os.path.isabs(root) or self.run_dir is None:
+        from pretrain.data.info import is_url
+        if not root or is_url(str(root)) or os.path.isabs(root) or self.run_dir is None:
             return [root] if root else []
         base = launch_dir(self.run_dir, self.run_config.get("output_dir"))
         return [os.path.normpath(base / root), root] if base is not None else [root]

@@ -109,7 +109,8 @@ def _run_settings(c: Consolidated) -> dict:
         return {}
     data = dict(config.get("data") or {})
     root = data.get("root")
-    if root and not os.path.isabs(root) and "://" not in root and not root.startswith("pipe:"):
+    from pretrain.data.info import is_url
+    if root and not os.path.isabs(root) and not is_url(root):
         # relative: from the folder the run was launched in, where that can be told (an
         # export made from elsewhere lost the dataset's class names)
         from pretrain.producing_run import launch_dir
