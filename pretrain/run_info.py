@@ -39,21 +39,15 @@ def git_info(root: Path) -> dict[str, str]:
             "mlflow.source.git.commit": commit}
 
 
-def source_tags(root: Path) -> dict[str, str]:
-    """Who ran what, in the tags MLflow's UI shows as a run's User and Source columns (runs made
-    through the client carry none of their own)."""
-    import getpass
-    tags = {"mlflow.source.type": "LOCAL"}
-    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
-    if script is not None and script.suffix == ".py":
-        inside = script.is_relative_to(Path(root).resolve())
-        tags["mlflow.source.name"] = str(script.relative_to(Path(root).resolve())) if inside \
-            else script.name
+def source_tags() -> dict[str, str]:
+    """Who ran what, in the tags MLflow's UI shows as a run's User and Source columns: MLflow's
+    own context tags (``mlflow.start_run`` sets them; runs made through the client get none)."""
     try:
-        tags["mlflow.user"] = getpass.getuser()
-    except (KeyError, OSError):  # a container's uid without a passwd entry, no $USER
-        pass
-    return tags
+        from mlflow.tracking.context.registry import resolve_tags
+        return {k: str(v) for k, v in resolve_tags().items()
+                if k in ("mlflow.user", "mlflow.source.name", "mlflow.source.type")}
+    except Exception:  # noqa: BLE001 -- an MLflow without it: the columns stay blank
+        return {}
 
 
 def environment() -> dict:

@@ -198,7 +198,7 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
         tags = {"stage": stage, "model": cfg.model.name,
                 "dataset": dataset, **_job_tags(world_size, hosts), "jobs": "1",
                 "output_dir": str(Path(output_dir).resolve()),
-                **git_info(REPO_ROOT), **source_tags(REPO_ROOT), **(extra_tags or {})}
+                **git_info(REPO_ROOT), **source_tags(), **(extra_tags or {})}
         _nest_only_in_the_same_store(tags, uri)
         params = flatten(cfg.model_dump(mode="json"))
         for key in cfg.optimizer.unused():  # the other optimizer's: clutter in Compare

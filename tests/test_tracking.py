@@ -124,8 +124,8 @@ def test_a_run_is_tracked_once_and_no_metric_is_lost_over_a_server_outage(
     assert tags["world_size"] == "2" and tags["hosts"] == socket.gethostname()
     # the UI's Source and User columns (blank for runs made through the client)
     import getpass
-    assert (tags["mlflow.source.name"], tags["mlflow.source.type"], tags["mlflow.user"]) == \
-        ("launch/pretrain.py", "LOCAL", getpass.getuser())
+    assert tags["mlflow.source.name"].endswith("launch/pretrain.py")
+    assert (tags["mlflow.source.type"], tags["mlflow.user"]) == ("LOCAL", getpass.getuser())
 
     # every value the trainer logged is in MLflow, once, at its step
     logged = last_values(out)
