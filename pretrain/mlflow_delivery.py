@@ -12,7 +12,7 @@ import collections
 import logging
 import os
 import threading
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, Optional
 
 from pretrain.spool import (ARTIFACTS, CONFIG_NOW, CURSOR, JOB_TAGS, RUN_NAME_TAG, SPOOL,
@@ -215,8 +215,10 @@ class Remote:
         with self.state_lock:
             s.gone.append(s.run_id)
             s.run_id, s.params_logged, s.uploaded = None, False, []
+            s.models = [m for m in s.models if not m.get("superseded")]
             for m in s.models:
-                m.pop("version", None)
+                for k in ("version", "model_id", "ready"):  # made in the store left
+                    m.pop(k, None)
         self.sent_to.clear()
         self.last_step, self.last_time = {}, {}
         for f in [self.dir / CURSOR, *(self.dir / SYSTEM_DIR).glob("*.delivered")]:
@@ -290,6 +292,24 @@ class Remote:
     def _replaced(self, rel: str) -> bool:
         return any(rel == r or r.endswith("/") and rel.startswith(r) for r in self.replaced)
 
+    def _model_of(self, rel: str) -> Optional[dict]:
+        """The model, not one replaced since, whose package holds the artifact ``rel``."""
+        with self.state_lock:
+            return next((m for m in self.state.models if not m.get("superseded")
+                         and rel.startswith(m["path"] + "/")), None)
+
+    def _logged_model(self, m: dict) -> Optional[str]:
+        """The logged model that the files of model ``m`` go to, made before the first of
+        them; None: they are artifacts of the run (a server before MLflow 3)."""
+        if "model_id" not in m:
+            from pretrain.model_registry import new_logged_model
+            model_id = new_logged_model(self.client, self.state.run_id, m["path"],
+                                        self.state.params, m.get("tags") or {})
+            with self.state_lock:
+                m["model_id"] = model_id
+                self.save_state()
+        return m["model_id"]
+
     def upload_artifacts(self) -> int:
         root = self.dir / ARTIFACTS
         with self.state_lock:
@@ -298,9 +318,16 @@ class Remote:
         sent = 0
         for p in new:
             rel, sub = p.relative_to(root).as_posix(), p.parent.relative_to(root).as_posix()
+            m = self._model_of(rel)
+            model_id = self._logged_model(m) if m else None
             try:
-                self.client.log_artifact(self.state.run_id, str(p),
-                                         artifact_path=None if sub == "." else sub)
+                if model_id:
+                    inner = PurePosixPath(sub).relative_to(m["path"]).as_posix()
+                    self.client.log_model_artifact(model_id, str(p),
+                                                   artifact_path=None if inner == "." else inner)
+                else:
+                    self.client.log_artifact(self.state.run_id, str(p),
+                                             artifact_path=None if sub == "." else sub)
             except FileNotFoundError:
                 with self.state_lock:
                     if not self._replaced(rel):
@@ -314,26 +341,46 @@ class Remote:
             sent += 1
         return sent
 
-    def register_models(self) -> int:
-        """Register the uploaded models that ask for it (call after :meth:`upload_artifacts`:
-        a version must not point at a half-uploaded model). Returns how many were registered."""
-        from pretrain.model_registry import register
-        done = 0
-        todo = [m for m in self.state.models if m.get("register_as") and not m.get("version")]
-        if not todo:  # (the common case: no listing of the artifacts every attempt)
-            return 0
-        with self.state_lock:  # a version must not point at files still on their way
+    def finish_models(self) -> int:
+        """Finish the models whose files are all uploaded (call after :meth:`upload_artifacts`:
+        a READY model or a version must not point at a half-uploaded one): a logged model is
+        marked READY and listed among the run's outputs, then registered if it asks. A logged
+        model replaced before it was finished ends FAILED. Returns how many were registered."""
+        from pretrain.model_registry import finish_logged_model, register
+        with self.state_lock:
+            todo = [m for m in self.state.models if m.get("superseded")
+                    or m.get("model_id") and not m.get("ready")
+                    or m.get("register_as") and not m.get("version")]
+            if not todo:  # (the common case: no listing of the artifacts every attempt)
+                return 0
             pending = [p.relative_to(self.dir / ARTIFACTS).as_posix()
                        for p in self.pending_artifacts()]
+        done = 0
         for m in todo:
+            model_id = m.get("model_id")
+            if m.get("superseded"):
+                if model_id and not m.get("ready"):
+                    finish_logged_model(self.client, self.state.run_id, model_id, None)
+                with self.state_lock:
+                    self.state.models = [k for k in self.state.models if k is not m]
+                    self.save_state()
+                continue
             if any(p.startswith(m["path"] + "/") for p in pending):
                 continue
-            version = register(self.client, self.state.run_id, m["register_as"], m["path"],
-                               tags=m.get("tags"), description=m.get("description"))
-            with self.state_lock:
-                m["version"] = version
-                self.save_state()
-            done += 1
+            if model_id and not m.get("ready"):
+                finish_logged_model(self.client, self.state.run_id, model_id,
+                                    _int(str((m.get("tags") or {}).get("step", 0))))
+                with self.state_lock:
+                    m["ready"] = True
+                    self.save_state()
+            if m.get("register_as") and not m.get("version"):
+                version = register(self.client, self.state.run_id, m["register_as"], m["path"],
+                                   tags=m.get("tags"), description=m.get("description"),
+                                   model_id=model_id)
+                with self.state_lock:
+                    m["version"] = version
+                    self.save_state()
+                done += 1
         return done
 
     def send(self, records: collections.deque, cursor: str = CURSOR) -> int:
@@ -493,7 +540,7 @@ def upload_spool(output_dir: os.PathLike | str, uri: Optional[str] = None) -> li
                 n = remote.send(pending)
                 samples = remote.send_system()
                 a = remote.upload_artifacts()
-                remote.register_models()
+                remote.finish_models()
                 if state.ended:
                     remote.finish(state.ended)
             except Exception as e:  # noqa: BLE001

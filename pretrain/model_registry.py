@@ -8,9 +8,12 @@ that file and reads safetensors; nothing is unpickled, unlike a pickled ``Python
 The package is written locally, under the run's ``tracking/artifacts/model/``, and reaches
 MLflow the way every artifact of a run does: the tracker's thread uploads it, retrying while
 the server is down, and ``launch/upload_spool.py`` sends it after the job if need be
-(:mod:`pretrain.mlflow_delivery`). The registration (``tracking.register_as``) is queued in the run's
-``run.json`` and made once the upload is complete, so a registered version never points at a
-half-uploaded model, and a registration interrupted by a crash is not made twice.
+(:mod:`pretrain.mlflow_delivery`). On an MLflow 3 server it becomes a *logged model* of the
+run (its Models tab, the run's "Logged models"), marked READY once every file is up; a server
+before MLflow 3 keeps it among the run's artifacts. ``runs:/<run id>/model`` loads it either
+way. The registration (``tracking.register_as``) is queued in the run's ``run.json`` and made
+once the upload is complete, so a registered version never points at a half-uploaded model,
+and a registration interrupted by a crash is not made twice.
 """
 from __future__ import annotations
 
@@ -74,23 +77,93 @@ def package(folder: Union[str, os.PathLike], dest: Union[str, os.PathLike]) -> P
 
 
 def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT,
-             tags: Optional[dict] = None, description: Optional[str] = None) -> str:
-    """A new version of registered model ``name`` from ``runs:/<run_id>/<artifact_path>``, with
-    ``tags`` and ``description`` (which weights these are); the version already made from that
-    run and path when there is one. Returns the version."""
-    source = f"runs:/{run_id}/{artifact_path}"
+             tags: Optional[dict] = None, description: Optional[str] = None,
+             model_id: Optional[str] = None) -> str:
+    """A new version of registered model ``name`` from the logged model ``model_id`` (MLflow 3),
+    else from ``runs:/<run_id>/<artifact_path>``, with ``tags`` and ``description`` (which
+    weights these are); the version already made from that model when there is one. Returns
+    the version."""
+    source, remote = f"runs:/{run_id}/{artifact_path}", False
+    if model_id:
+        # A store opened by the client itself (sqlite, a folder) resolves models:/ through the
+        # process's default tracking URI, not the client's; the model's location needs none.
+        remote = str(getattr(client, "tracking_uri", "")).startswith(("http:", "https:"))
+        source = f"models:/{model_id}" if remote else \
+            client.get_logged_model(model_id).artifact_location
     try:
         client.create_registered_model(name)
     except Exception as e:  # noqa: BLE001 -- it exists already (or the next call says why)
         if "RESOURCE_ALREADY_EXISTS" not in str(getattr(e, "error_code", "")) \
                 and "already exists" not in str(e):
             raise
-    for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
-        if mv.source == source:
-            return str(mv.version)
-    version = str(client.create_model_version(
-        name, source=source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()},
-        description=description).version)
-    log.info("registered model '%s' version %s: mlflow.pyfunc.load_model('models:/%s/%s')",
-             name, version, name, version)
+    made = [mv for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+            if mv.source == source]
+    if made:
+        version = str(made[0].version)
+    else:
+        linked = {"model_id": model_id} if model_id else {}  # (an MLflow 2 client has no such)
+        version = str(client.create_model_version(
+            name, source=source, run_id=run_id, tags={k: str(v) for k, v in (tags or {}).items()},
+            description=description, **linked).version)
+        log.info("registered model '%s' version %s: mlflow.pyfunc.load_model('models:/%s/%s')",
+                 name, version, name, version)
+    if model_id and not remote:  # (a server names it on the model itself)
+        _list_version(client, model_id, name, int(version))
     return version
+
+
+def _list_version(client, model_id: str, name: str, version: int) -> None:
+    """Name the version on its logged model, as an MLflow server does: the Models tab shows a
+    model's registered versions from this tag."""
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+    listed = json.loads(client.get_logged_model(model_id).tags.get(MLFLOW_MODEL_VERSIONS) or "[]")
+    entry = {"name": name, "version": version}
+    if entry not in listed:
+        client.set_logged_model_tags(model_id,
+                                     {MLFLOW_MODEL_VERSIONS: json.dumps(listed + [entry])})
+
+
+def new_logged_model(client, run_id: str, name: str, params: dict, tags: dict) -> Optional[str]:
+    """The id of a new logged model ``name`` of run ``run_id``, PENDING until
+    :func:`finish_logged_model`; None where the server cannot hold one (before MLflow 3, or it
+    refuses): the model's files are then artifacts of the run, as MLflow 2 kept models."""
+    from pretrain.mlflow_delivery import is_page_not_found, is_permanent
+    from pretrain.spool import one_line
+    if not hasattr(client, "create_logged_model"):  # an MLflow 2 client
+        return None
+    try:
+        return client.create_logged_model(
+            client.get_run(run_id).info.experiment_id, name=name, source_run_id=run_id,
+            params={k: str(v) for k, v in params.items()},
+            tags={k: str(v) for k, v in tags.items()}).model_id
+    except Exception as e:  # noqa: BLE001
+        if is_page_not_found(e):
+            # the answer of a server without this endpoint, or of a proxy whose server is away:
+            # the run's own page tells them apart (it raises in the second case: retried)
+            client.get_run(run_id)
+        elif not is_permanent(e):
+            raise
+        log.info("the MLflow server keeps no logged models (%s); the model is the run's "
+                 "artifact runs:/%s/%s", one_line(e), run_id, name)
+        return None
+
+
+def finish_logged_model(client, run_id: str, model_id: str, step: Optional[int]) -> None:
+    """Mark the logged model READY and list it among the run's outputs at ``step`` (the UI's
+    "Logged models" of the run), once every file is up; ``step`` None: FAILED, a package
+    replaced before it was complete."""
+    from mlflow.entities import LoggedModelOutput
+
+    from pretrain.mlflow_delivery import is_permanent
+    from pretrain.spool import one_line
+    status = "FAILED" if step is None else "READY"
+    try:
+        client.finalize_logged_model(model_id, status)
+        if step is not None:
+            client.log_outputs(run_id, [LoggedModelOutput(model_id, step=step)])
+    except Exception as e:  # noqa: BLE001
+        if not is_permanent(e):  # an outage: retried
+            raise
+        # deleted in the UI meanwhile, say: asking again cannot help
+        log.warning("could not mark logged model %s %s (%s)", model_id, status,
+                    one_line(e))

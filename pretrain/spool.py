@@ -67,7 +67,9 @@ class RunState:
     end_tags: dict = field(default_factory=dict)  # set on the run when it is ended
     stops: int = 0  # jobs of this run that ended KILLED (a signal): the stop.count tag
     # MLflow models among the artifacts: {"path": artifact path, "register_as": registered
-    # model name or None, "version": its version once registered}
+    # model name or None, "version": its version once registered, "tags", "description",
+    # "model_id": its logged model (None: a run artifact) once made, "ready": once finalized,
+    # "superseded": replaced by a newer package (a logged model left incomplete ends FAILED)}
     models: list = field(default_factory=list)
     # runs of this output_dir found deleted from the store (or missing there) and replaced by
     # ``run_id``: a resume from a checkpoint that names one of them goes on in ``run_id``

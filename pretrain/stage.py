@@ -116,14 +116,15 @@ def log_backbone(output_dir, tracker, register_as: Optional[str]) -> None:
     logging.getLogger(__name__).info("exporting the backbone to %s for MLflow (timm layout, "
                                      "from the newest checkpoint)", out / "backbone")
     try:
-        folder = write_timm_folder(consolidate(out), out / "backbone")
+        c = consolidate(out)
+        folder = write_timm_folder(c, out / "backbone")
     except Exception as e:  # noqa: BLE001 -- training is done and checkpointed: say, go on
         logging.getLogger(__name__).warning(
             "could not export the backbone for MLflow (%s); `python launch/export.py %s --out "
             "FOLDER` writes it from the checkpoint", str(e).splitlines()[0] if str(e) else
             type(e).__name__, out)
         return
-    tracker.log_model(folder, register_as)
+    tracker.log_model(folder, register_as, about={"export": "backbone", "step": c.step})
 
 
 def build_evaluators(cfg: RunConfig, spec, rank: int, world: int, device, dtype) -> list:

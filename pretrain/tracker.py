@@ -221,10 +221,13 @@ class MlflowTracker(NodeSampling):
                 if path.exists():  # a second finish of the same run (relaunched after it)
                     shutil.rmtree(path)
                 # one rename: the uploading thread sees the whole package or none of it
+                path.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(partial, path)
                 self._remote.written_again(MODEL_ARTIFACT + "/")
                 s = self.state
-                s.models = [m for m in s.models if m["path"] != MODEL_ARTIFACT]
+                for m in s.models:  # a logged model left incomplete ends FAILED
+                    if m["path"] == MODEL_ARTIFACT:
+                        m["superseded"] = True
                 s.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
                                  "version": None, "tags": dict(about or {}),
                                  "description": description})
@@ -428,7 +431,7 @@ class MlflowTracker(NodeSampling):
         r.send(self._outbox)
         r.send_system()
         r.upload_artifacts()
-        r.register_models()
+        r.finish_models()
         if self._abandoned is not None and r.end_abandoned(self._abandoned):
             self._abandoned = None
 

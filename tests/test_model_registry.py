@@ -70,7 +70,8 @@ def test_the_finetunes_best_model_is_registered_and_predicts_the_projects_classe
     assert run.info.status == "FINISHED"
     (version,) = client.search_model_versions("name = 'tiny-cifar'")
     assert int(version.version) == 1 and version.run_id == run.info.run_id
-    assert version.source == f"runs:/{run.info.run_id}/model"
+    model = assert_logged_model(client, run.info.run_id, "tiny-cifar")
+    assert version.source == model.artifact_location  # (a store the client opens itself)
     # which weights: their step and figures, on the version and the run
     best = json.loads((out / "best.json").read_text())
     assert version.tags == {"export": "best", "step": str(best["step"]),
@@ -112,6 +113,25 @@ def test_the_finetunes_best_model_is_registered_and_predicts_the_projects_classe
     assert pred["label"].tolist() == [classes[c] for c in pred["class"]]
 
 
+def assert_logged_model(client, run_id: str, registered_as: str):
+    """The run's model is an MLflow 3 logged model (the Models tab, the run's "Logged
+    models"): READY, the run's output at its step, which weights they are in its tags, the
+    run's params, and its registered version named on it. Returns it."""
+    from mlflow.entities import LoggedModelStatus
+    run = client.get_run(run_id)
+    (model,) = client.search_logged_models([run.info.experiment_id],
+                                           filter_string="name = 'model'")
+    assert model.source_run_id == run_id and model.status == LoggedModelStatus.READY
+    assert [(o.model_id, o.step) for o in run.outputs.model_outputs] == [
+        (model.model_id, int(model.tags.get("step", 0)))]
+    assert model.tags.get("export") == run.data.tags.get("model.export")
+    assert model.params == run.data.params
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [
+        {"name": registered_as, "version": 1}]
+    assert "MLmodel" in {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    return model
+
+
 def assert_backbone_registered(uri: str, name: str, run_id: str, output_dir, tmp_path) -> None:
     """A pretraining run with ``tracking.register_as=NAME``: version 1 of NAME is its backbone,
     whose features are the project's model's on the same images (called by the tracking test's
@@ -123,8 +143,10 @@ def assert_backbone_registered(uri: str, name: str, run_id: str, output_dir, tmp
     from pretrain.consolidate import consolidate
     from pretrain.model import create_model
 
-    (version,) = MlflowClient(uri).search_model_versions(f"name = '{name}'")
-    assert version.run_id == run_id and version.source == f"runs:/{run_id}/model"
+    client = MlflowClient(uri)
+    (version,) = client.search_model_versions(f"name = '{name}'")
+    model = assert_logged_model(client, run_id, name)
+    assert version.run_id == run_id and version.source == f"models:/{model.model_id}"
     images = np.random.default_rng(0).integers(0, 256, (6, 40, 52, 3), dtype=np.uint8)
     # the store for models:/ URIs, for this call only (mlflow.set_tracking_uri would outlive it)
     with mock.patch.dict(os.environ, {"MLFLOW_TRACKING_URI": uri}):

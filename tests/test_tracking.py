@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from conftest import (REPO, deepspeed_cmd, free_port, run_deepspeed, run_launcher, sqlite_store,
                       tiny_run_args, wait_until)
 from pretrain.metrics import read_jsonl
+from test_model_registry import assert_logged_model
 
 STEPS = 40
 
@@ -286,8 +287,8 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert steps_of(client, ft.info.run_id) == [1, 2, 3, 4, 5]
     assert "config.yaml" in {a.path for a in client.list_artifacts(ft.info.run_id)}
     (version,) = client.search_model_versions("name = 'late'")
-    assert version.run_id == ft.info.run_id and version.source == f"runs:/{ft.info.run_id}/model"
-    assert "model/MLmodel" in {a.path for a in client.list_artifacts(ft.info.run_id, "model")}
+    model = assert_logged_model(client, ft.info.run_id, "late")
+    assert version.run_id == ft.info.run_id and version.source == f"models:/{model.model_id}"
 
     # sent to another store too: all of it, into a run of its own there (the metrics and the
     # registration went into the first store's run; before, the new run got params only)
@@ -300,6 +301,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     assert steps_of(there, run.info.run_id) == [1, 2, 3, 4, 5]
     (version,) = there.search_model_versions("name = 'late'")
     assert version.run_id == run.info.run_id
+    assert_logged_model(there, run.info.run_id, "late")  # a model of its own there too
     assert steps_of(client, ft.info.run_id) == [1, 2, 3, 4, 5]  # the first store's as it was
 
     missing = run_launcher("upload_spool.py", str(tmp_path / "nothing"))
@@ -587,7 +589,8 @@ def test_a_run_deleted_in_mlflow_goes_on_in_a_new_run_that_gets_all_of_it(
 
 class _Proxy(http.server.BaseHTTPRequestHandler):
     """A reverse proxy in front of the MLflow server; while ``server.away`` it answers every
-    request with its own HTML 404 page, as an ingress does while its backend is gone."""
+    request with its own HTML 404 page, as an ingress does while its backend is gone, and so
+    it answers the paths holding ``server.missing``, as a server without them does."""
     protocol_version = "HTTP/1.1"
 
     def _forward(self):
@@ -596,7 +599,8 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         if hold and hold[0] in self.path and not hold[1].is_set():
             self.server.held.set()
             hold[1].wait(60)
-        if self.server.away:
+        missing = getattr(self.server, "missing", None)
+        if self.server.away or missing and missing in self.path:
             status, headers, data = 404, [("Content-Type", "text/html")], \
                 b"<html><body><h1>404 Not Found</h1></body></html>"
         else:
@@ -677,6 +681,9 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     registered once all of its files are up, not while they are on their way."""
     from urllib.parse import urlparse
 
+    import mlflow
+    from mlflow.entities import LoggedModelStatus
+
     from pretrain.export import from_model
     from pretrain.spool import ARTIFACTS, RunState
     from pretrain.timm_folder import write_timm_folder
@@ -688,7 +695,7 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
     up = urlparse(mlflow_server.uri)
     proxy.upstream, proxy.away = (up.hostname, up.port), False
-    proxy.hold, proxy.held = ("/artifacts/model/", threading.Event()), threading.Event()
+    proxy.hold, proxy.held = ("/models/m-", threading.Event()), threading.Event()  # its files
     proxy.answered = []
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "written-again"
@@ -714,16 +721,64 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     assert run.info.status == "FINISHED"
     got = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "got")))
     assert (got / "notes.json").read_bytes() == b'{"job": 2}'
+    # the first package, replaced half-way, is a FAILED logged model; the second one READY
+    first, second = sorted(client.search_logged_models([run.info.experiment_id]),
+                           key=lambda m: m.creation_timestamp)
+    assert (first.status, second.status) == (LoggedModelStatus.FAILED, LoggedModelStatus.READY)
+    got = Path(mlflow.artifacts.download_artifacts(f"models:/{second.model_id}",
+                                                   dst_path=str(tmp_path / "got-model"),
+                                                   tracking_uri=mlflow_server.uri))
     written = tmp_path / "tracking" / ARTIFACTS / "model"
     files = sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(got / "model")
-                           for p in (got / "model").rglob("*") if p.is_file())
-    assert [f for f in files if (got / "model" / f).read_bytes() != (written / f).read_bytes()] \
-        == []
-    registered = [i for i, (_, path) in enumerate(proxy.answered) if "model-versions/create" in path]
+    assert files == sorted(p.relative_to(got) for p in got.rglob("*")
+                           if p.is_file() and p.name != "registered_model_meta")
+    assert [f for f in files if (got / f).read_bytes() != (written / f).read_bytes()] == []
+    (version,) = client.search_model_versions("name = 'written-again'")
+    assert version.source == f"models:/{second.model_id}"
+    registered = [i for i, (_, path) in enumerate(proxy.answered)
+                  if "model-versions/create" in path]
     uploads = [i for i, (method, path) in enumerate(proxy.answered)
-               if method == "PUT" and "/artifacts/model/" in path]
+               if method == "PUT" and f"/models/{second.model_id}/" in path]
     assert len(registered) == 1 and uploads and max(uploads) < registered[0], proxy.answered
+
+
+def test_a_server_before_mlflow_3_keeps_the_model_among_the_runs_artifacts(
+        tmp_path, client, mlflow_server, caplog):
+    """A server without logged models (MLflow 2 answers their requests with its 404 page): the
+    model is the run's artifact ``model/``, registered from ``runs:/<run id>/model``, as
+    before MLflow 3, and no outage is reported."""
+    from urllib.parse import urlparse
+
+    from pretrain.export import from_model
+    from pretrain.spool import RunState
+    from pretrain.timm_folder import write_timm_folder
+    from pretrain.tracker import MlflowTracker
+    from test_timm_folder import random_model
+
+    folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
+                               head=True, normalize="imagenet")
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    up = urlparse(mlflow_server.uri)
+    proxy.upstream, proxy.away, proxy.missing = (up.hostname, up.port), False, "/logged-models"
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    exp = "mlflow-2-server"
+    try:
+        with caplog.at_level(logging.INFO, logger="pretrain"):
+            tracker = MlflowTracker(tmp_path / "tracking", RunState(
+                uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
+                flush_every_s=0.05, close_timeout_s=60)
+            tracker.log_model(folder, register_as="older-server")
+            tracker.close()
+    finally:
+        proxy.shutdown()
+    run = the_run(client, exp)
+    assert run.info.status == "FINISHED"
+    (version,) = client.search_model_versions("name = 'older-server'")
+    assert version.source == f"runs:/{run.info.run_id}/model"
+    assert "model/MLmodel" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    assert not client.search_logged_models([run.info.experiment_id])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert f"the model is the run's artifact runs:/{run.info.run_id}/model" in caplog.text
 
 
 def test_a_failure_of_the_tracking_code_itself_is_not_reported_as_an_outage(
