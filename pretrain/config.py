@@ -342,7 +342,7 @@ class CheckpointConfig(Section):
         "stop", description="stop: end the run with the error; continue: warn, train on, try "
                             "again at the next checkpoint (the last save must succeed)")
     # A scheduler ends a job with a signal and kills it a grace period later (SLURM: SIGTERM,
-    # then SIGKILL after KillWait, 30 s by default; --signal=USR1@180 asks for an early warning;
+    # then SIGKILL after KillWait, 30 s by default; --signal=B:USR1@180 asks for an early one;
     # Kubernetes: SIGTERM, terminationGracePeriodSeconds 30; Ctrl-C: SIGINT). On any of these
     # every rank finishes its step, a checkpoint of that step is written and the run exits
     # with code 4; relaunching resumes there (pretrain/stopping.py).

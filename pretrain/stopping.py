@@ -1,8 +1,9 @@
 """Stop on a signal with nothing lost: the time limit, a preemption, ``scancel``, Ctrl-C.
 
 Schedulers end a job step with a signal and a grace period: SLURM sends SIGTERM to every
-process of the step and SIGKILL ``KillWait`` later (30 s by default; ``--signal=USR1@180`` asks
-for an earlier SIGUSR1), Kubernetes sends SIGTERM and kills after
+process of the step and SIGKILL ``KillWait`` later (30 s by default; ``--signal=B:USR1@180``
+asks for an earlier SIGUSR1 to the batch shell, which ``launch/slurm_job.sh`` passes to the
+ranks: a plain ``USR1@180`` also reaches the launchers, which die of it), Kubernetes sends SIGTERM and kills after
 ``terminationGracePeriodSeconds`` (30 s), a terminal's Ctrl-C sends SIGINT to the foreground
 process group, and the per-node launchers (DeepSpeed's ``launch.py``, ``torchrun``) pass
 SIGTERM on to every rank when they receive SIGINT or SIGTERM themselves.
@@ -244,10 +245,11 @@ class StopSignals:
                                async_op=async_op), flag
 
     def agreed_now(self) -> Optional[str]:
-        """Collective, right after a periodic checkpoint: as :meth:`agreed`, answered at once.
-        A signal that came while it was written then stops the run on it, instead of a boundary
-        later with a second checkpoint (twice the time of a grace period). A blocking reduction
-        of one integer is nothing next to a save."""
+        """Collective, right after a periodic checkpoint and around an evaluation: as
+        :meth:`agreed`, answered at once. A signal that came while it was written then stops
+        the run on it, instead of a boundary later with a second checkpoint (twice the time of
+        a grace period); one before an evaluation, before it. A blocking reduction of one
+        integer is nothing next to a save or an evaluation."""
         if not self.signals:
             return None
         if self._group is None:
@@ -283,7 +285,7 @@ class StopSignals:
                f"signal reached the first rank")
         if since > 0.5 * self.grace_period_s:
             log.warning("%s: that is more than half of checkpoint.grace_period_s=%.0f s; "
-                        "ask the scheduler for an earlier signal (SLURM: --signal=USR1@180) or "
+                        "ask the scheduler for an earlier signal (SLURM: SBATCH_SIGNAL=B:USR1@600) or "
                         "a longer grace period", msg, self.grace_period_s)
         else:
             log.info("%s", msg)

@@ -159,9 +159,11 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                      out, resume.step)
         forget_finished(out)
     # a run relaunched after its last step trains nothing: its weights are loaded only when
-    # the stage's finish reads them
-    weights_from = None if (resume is not None and resume.step >= steps
-                            and not stage.finish_reads_weights) else resume
+    # the stage's finish reads them, or when the last step's evaluation is owed (see below)
+    client = None
+    if resume is not None and resume.step >= steps and not stage.finish_reads_weights:
+        client = backend.client_state(store.root, resume)  # (no weights read)
+    weights_from = None if client is not None and client.get("eval_owed") is None else resume
     seed_everything(cfg.seed)  # identical initial weights on every rank
     backend.build(cfg, micro, accum, weights_from, store,
                   init_weights=stage.init_weights if resume is None else None)
@@ -171,11 +173,12 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     guard = NonFiniteGuard(cfg.train.nonfinite_limit, cfg.train.on_nonfinite,
                            cfg.train.max_rollbacks)
 
-    step, run_id, carried = 0, None, None
+    step, run_id, carried, owed = 0, None, None, None
     last_eval: dict = {}  # each evaluation's latest figures, carried in the checkpoints
     if resume is not None:
-        client = (store.load(backend, resume) if weights_from is not None
-                  else backend.client_state(store.root, resume))
+        if weights_from is not None:
+            client = store.load(backend, resume)
+        owed = client.get("eval_owed")  # a stop came before the resumed step's evaluation
         step, run_id = int(client["step"]), client.get("tracking_run_id")
         if resume.world_size == world:  # the loss window the next log line averages
             carried = (client.get("loss_window") or [None] * world)[rank]
@@ -306,7 +309,20 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     # say) leaves the work done and cuts that wait to its grace period, not the process short
     job.callback(stop.restore)
     tracker.leave_by = stop.leave_by
+    def evaluate() -> None:
+        """The evaluations due at ``step`` (all of them at the last), logged; a fine-tune's
+        best export follows its dev figures."""
+        results = run_due(evaluators, stage.evaluated(backend), step, force=step >= steps)
+        if results:
+            sink.log(results, step)
+            metrics.update(results)
+            last_eval.update(results)
+            stage.after_eval(results, step, backend, tracker)
+            timer.exclude_elapsed()
+
     try:
+        if owed is not None and owed == step:
+            evaluate()
         while step < steps:
             scheduler.step_update(step)
             done, step_loss = 0, torch.zeros((), device=backend.device)
@@ -364,28 +380,38 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                 loss_sum.zero_()
                 window = 0
                 sink.log(metrics, step)
-            results = run_due(evaluators, stage.evaluated(backend), step, force=step == steps)
-            if results:
-                sink.log(results, step)
-                metrics.update(results)
-                last_eval.update(results)
-                stage.after_eval(results, step, backend, tracker)
-                timer.exclude_elapsed()
-
-            signame = stop.agreed() if step < steps else None
+            due = bool(evaluators) and (step == steps or any(step % ev.every_steps == 0
+                                                             for ev in evaluators))
+            # A stop signal before a due evaluation: the checkpoint comes first, and the
+            # relaunch evaluates this step before it trains on (an evaluation of a whole split
+            # can outlast a scheduler's grace period, and a kill after it loses every step
+            # since the last checkpoint). After the last step the finish's stop points ask.
+            if due:  # answered at once, not a boundary late as at other steps
+                signame = stop.agreed_now()
+            else:
+                signame = stop.agreed() if step < steps else None
+            owed = step if due and signame else None
+            if due and not signame:
+                evaluate()
+                signame = stop.agreed_now() if step < steps else None  # one came meanwhile
             if step % cfg.checkpoint.every_steps == 0 or step == steps or signame:
                 started = time.monotonic()
                 saved = save(store, backend, loader, stage, cfg, step, steps, world,
                              tracker.run_id, guard, must_succeed=bool(signame),
                              loss_window=(float(loss_sum), window),
-                             figures=last_eval)
+                             figures=last_eval, owed=owed)
                 failed_saves += not saved
                 if saved and not signame and step < steps:  # signalled while it was written?
                     signame = stop.agreed_now()  # then it is the stop checkpoint
                 if signame:
                     stop.ending()
                     stop.report_save(time.monotonic() - started, signame)
-                    raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}")
+                    if owed is not None and rank == 0:
+                        log.info("%s came before step %d's evaluation: the checkpoint was "
+                                 "written first; the relaunch evaluates step %d first", signame,
+                                 step, step)
+                    raise StoppedBySignal(signame, step, store.root / f"step_{step:08d}",
+                                          "its evaluation" if step >= steps else None)
                 progress()
                 timer.exclude_elapsed()
         stop.ending()  # the last checkpoint is written: ranks may now leave at their own pace
@@ -442,16 +468,19 @@ def roll_back(store: CheckpointStore, backend, guard: NonFiniteGuard, step: int)
 
 def save(store: CheckpointStore, backend, loader, stage, cfg: RunConfig, step: int, steps: int,
          world: int, run_id: Optional[str], guard: NonFiniteGuard, must_succeed: bool,
-         loss_window: tuple = (0.0, 0), figures: Optional[dict] = None) -> bool:
+         loss_window: tuple = (0.0, 0), figures: Optional[dict] = None,
+         owed: Optional[int] = None) -> bool:
     """Write checkpoint ``step``; False if the write failed and ``checkpoint.on_write_error``
     lets the run go on (never for the last one, nor for the one a stop signal asked for).
     ``loss_window``: this rank's (loss sum, micro-batches) since the last log line;
-    ``figures``: the latest evaluations', which a relaunch after the last step reports."""
+    ``figures``: the latest evaluations', which a relaunch after the last step reports;
+    ``owed``: the step whose evaluation a stop signal put off, which the relaunch does."""
     # run_id: rank 0's MLflow run (None elsewhere, or while the server has not been reached)
     client = {"step": step, "loader": loader.state_dict(), "rng": gather(rng_state(), world),
               "config": to_yaml(cfg), "world_size": world, "tracking_run_id": run_id,
               "nonfinite_skipped": guard.skipped, "stage": stage.state_dict(),
-              "loss_window": gather(list(loss_window), world), "eval_figures": figures or {}}
+              "loss_window": gather(list(loss_window), world), "eval_figures": figures or {},
+              "eval_owed": owed}
     started = time.monotonic()
     try:
         ckpt = store.save(backend, step, client)

@@ -5,6 +5,8 @@ Accelerate run from the inside. Every key is optional; ranks are global ranks.
   "kill":         [rank, step]         SIGKILL that rank once ``step`` steps are done
   "freeze":       [rank, step]         SIGSTOP that rank once ``step`` steps are done (a frozen
                                        node: none of its threads runs again)
+  "term":         [rank, step, ...]    SIGTERM to that rank alone once ``step`` steps are done,
+                                       for each step given (a stop noted during the next step)
   "kill_in_save": [rank, step]         SIGKILL that rank as it starts writing checkpoint ``step``
   "write_error":  [rank, step, errno]  that rank's writes of checkpoint ``step`` fail (OSError)
   "nan":          [i, j, ...]          rank 0's i-th, j-th... forward pass of this process (from 1)
@@ -58,17 +60,18 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-for key, signum in (("kill", signal.SIGKILL), ("freeze", signal.SIGSTOP)):
+for key, signum in (("kill", signal.SIGKILL), ("freeze", signal.SIGSTOP),
+                    ("term", signal.SIGTERM)):
     if key in FAULTS and FAULTS[key][0] == RANK:
         build_scheduler = eng_lib.build_scheduler
 
-        def _scheduler_that_kills(*args, _step=FAULTS[key][1], _signum=signum,
+        def _scheduler_that_kills(*args, _steps=FAULTS[key][1:], _signum=signum,
                                   _build=build_scheduler, **kwargs):
             scheduler = _build(*args, **kwargs)
             step_update = scheduler.step_update
 
             def update(step, *a, **k):
-                if step == _step:
+                if step in _steps:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os.kill(os.getpid(), _signum)

@@ -1337,13 +1337,39 @@ def test_a_signal_while_the_end_waits_for_mlflow_leaves_in_time_with_the_job_fin
     assert status.read_text().splitlines()[-1] == "exit 0"  # finished: not requeued
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [STEPS]
     assert json.loads((out / "tracking/run.json").read_text())["ended"] == "FINISHED"
-
     up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
     assert up.returncode == 0, up.stderr[-2000:]
     run = MlflowClient(mlflow_server.uri).get_run(
         json.loads((out / "tracking/run.json").read_text())["run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.metrics["train/loss"] == last_values(out)[STEPS]
+
+
+def test_a_signal_before_an_evaluation_stops_first_and_the_relaunch_evaluates(
+        tmp_path, tiny_data, reference, fault_ledger):
+    """A stop signal noted while a step trains whose evaluation is due: the checkpoint is
+    written first and the job stops (an evaluation of a whole split can outlast the grace
+    period, and a kill after it lost every step since the last checkpoint); the relaunch
+    evaluates that step before training on. The same before the last step's evaluation. The
+    figures and every loss are the uninterrupted run's."""
+    out = tmp_path / "run"
+    faults = {"term": [0, 9, 19]}  # (eval.every_steps=10: the evaluations of steps 10 and 20)
+    first = faulty(out, tiny_data, NO_PERIODIC, faults=faults, fails=True)
+    assert stopped_step(first) == 10 and "SIGTERM came before step 10's evaluation: the " \
+        "checkpoint was written first; the relaunch evaluates step 10 first" in first, first[-3000:]
+    assert not [r for r in read_jsonl(out / "metrics.jsonl") if "eval/demo_val/top1" in r]
+    second = faulty(out, tiny_data, NO_PERIODIC, faults=faults, fails=True)
+    assert resumed_at(second) == [10] and "stopped: SIGTERM received after the last step (20), " \
+        "before its evaluation; the checkpoint at" in second, second[-3000:]
+    assert sorted(last_values(out, "eval/demo_val/top1")) == [10]  # the first one it owed
+    third = faulty(out, tiny_data, NO_PERIODIC, faults=faults)
+    assert resumed_at(third) == [20] and "nothing to train" in third
+    samples_lost, metrics_lost = compare_with(reference, out)
+    finished = json.loads((out / "finished.json").read_text())
+    assert finished["metrics"]["eval/demo_val/top1"] == last_values(
+        reference, "eval/demo_val/top1")[STEPS]
+    assert mlflow_run(out).info.status == "FINISHED"
+    fault_ledger.record(2, 2, samples_lost, metrics_lost + mlflow_steps_lost(out))
 
 
 def test_a_signal_during_a_periodic_checkpoint_stops_on_it_and_more_signals_change_nothing(
