@@ -96,18 +96,23 @@ def mark_finished(out: Path, step: int, cfg: RunConfig, trained: dict, end: dict
 
 def finished_line(out: Path, record: dict) -> str:
     """What a relaunch of a finished run says, and how to make it do something."""
-    from pretrain.spool import TRACKING_DIR, undelivered
+    from pretrain.mlflow_delivery import Remote, lacking
+    from pretrain.spool import TRACKING_DIR, RunState, undelivered
 
     figures = "".join(f"; {k} {v:.4f}" for k, v in {**record.get("metrics", {}),
                                                     **record.get("end_metrics", {})}.items()
                       if k.endswith(("/top1", "/top5")))
+    track = out / TRACKING_DIR
     try:
-        unsent = undelivered(out / TRACKING_DIR)
-    except OSError:
-        unsent = 0
+        state, records = RunState.load(track), undelivered(track)
+        unsent = lacking(state, Remote(track, state).pending_artifacts(),
+                         f"{records} metric records" if records else "")
+    except (OSError, ValueError, TypeError):  # no tracking, or its files unreadable
+        unsent = []
     return (f"the run in {out} finished: its {record['step']} steps and its end on "
             f"{record.get('finished', '?')}{figures}. Nothing to do: set train.total_steps "
             f"above {record['step']} to train on, set another output_dir for a new run, or "
             f"delete {out / FINISHED} to do its end (evaluations, exports) again (a relaunch "
-            f"with other settings does it with those)" + (f"; MLflow still lacks {unsent} of its records: `python "
-                                 f"launch/upload_spool.py {out}` sends them" if unsent else ""))
+            f"with other settings does it with those)" + (
+                f"; MLflow still lacks {', '.join(unsent)}: `python launch/upload_spool.py "
+                f"{out}` sends them" if unsent else ""))

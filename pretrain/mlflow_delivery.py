@@ -508,6 +508,19 @@ def _int(text: Optional[str]) -> int:
 
 
 
+def lacking(state: RunState, files: list[Path], records: str = "") -> list[str]:
+    """What MLflow lacks of a run: itself, ``records`` (said by the caller, which knows them
+    best), the artifact ``files`` not uploaded, the registrations not made."""
+    out = [] if state.run_id else ["the run itself (never created there)"]
+    if records:
+        out.append(records)
+    if files:
+        out.append(f"{len(files)} artifact files "
+                   f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
+    return out + [f"the registration as '{m['register_as']}'" for m in state.models
+                  if m.get("register_as") and not m.get("version") and not m.get("superseded")]
+
+
 # --------------------------------------------------------------------------------------------
 # Uploading a spool afterwards
 # --------------------------------------------------------------------------------------------

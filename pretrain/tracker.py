@@ -17,7 +17,8 @@ from typing import Mapping, Optional
 from pretrain.atomic_write import write_atomic
 from pretrain.metrics import LineFile
 from pretrain.run_info import sample_grid_png
-from pretrain.mlflow_delivery import Remote, failure_kind, is_page_not_found, is_permanent
+from pretrain.mlflow_delivery import (Remote, failure_kind, is_page_not_found, is_permanent,
+                                      lacking)
 from pretrain.spool import (ARTIFACTS, SPOOL, RunState, TrackingError, lock, one_line,
                             read_cursor, read_spool, redacted)
 from pretrain.tracking_store import store_refusal
@@ -322,16 +323,8 @@ class MlflowTracker(NodeSampling):
 
     def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
         """What MLflow lacks of this run at its end, for upload_spool.py to send."""
-        files = self._remote.pending_artifacts()
-        out = [] if self.state.run_id else ["the run itself (never created there)"]
-        if records:
-            out.append(f"{records} metric records ({records - lost} of them in "
-                       f"{self.dir / SPOOL})")
-        if files:
-            out.append(f"{len(files)} artifact files "
-                       f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
-        out += [f"the registration as '{m['register_as']}'" for m in self.state.models
-                if m.get("register_as") and not m.get("version")]
+        out = lacking(self.state, self._remote.pending_artifacts(), f"{records} metric records ({records - lost} of them in {self.dir / SPOOL})" if records
+            else "")
         if self.state.run_id and not self._ended_there:
             out.append(f"the run's end (status {status} and its tags)")
         return out

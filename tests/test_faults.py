@@ -1337,6 +1337,12 @@ def test_a_signal_while_the_end_waits_for_mlflow_leaves_in_time_with_the_job_fin
     assert status.read_text().splitlines()[-1] == "exit 0"  # finished: not requeued
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [STEPS]
     assert json.loads((out / "tracking/run.json").read_text())["ended"] == "FINISHED"
+    # what a relaunch says of the finished run: all that MLflow lacks, not its records alone
+    from pretrain.finished_run import finished_line, read_finished
+    assert re.search(r"; MLflow still lacks the run itself \(never created there\), \d+ metric "
+                     r"records, \d+ artifact files \([\d.]+ MiB\): `python launch/upload_spool.py "
+                     rf"{re.escape(str(out))}` sends them$", finished_line(out, read_finished(out)))
+
     up = run_launcher("upload_spool.py", str(out), "--uri", mlflow_server.uri, timeout=120)
     assert up.returncode == 0, up.stderr[-2000:]
     run = MlflowClient(mlflow_server.uri).get_run(
