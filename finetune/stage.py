@@ -238,6 +238,7 @@ class FinetuneStage(Stage):
         from safetensors.torch import save_file
 
         from pretrain.atomic_write import write_atomic
+        from pretrain.evaluation_report import set_aside_evaluations
 
         state = backend.full_state_dict(backend.ema.module if backend.ema is not None else None)
         if state is None:  # not the main process
@@ -249,6 +250,7 @@ class FinetuneStage(Stage):
                 "tracking_run_id": run_id, "init": self.lineage,
                 "metrics": {k: v for k, v in metrics.items() if k.startswith("eval/")}}
         path = Path(cfg.output_dir) / f"{name}.safetensors"
+        set_aside_evaluations(path.parent, name, step)
         # the architecture and the run's config too, as export.py's full file has them: a copy
         # of the file alone still evaluates and fine-tunes
         metadata = {"model_card": json.dumps(card), "spec": json.dumps(dataclasses.asdict(spec)),

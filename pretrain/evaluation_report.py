@@ -67,6 +67,43 @@ def output_dir(model: str, split: str, out: Optional[str], overwrite: bool) -> P
     return _writable(p, f"the results' folder '{p}' (next to the model)")
 
 
+def set_aside_evaluations(folder: Path, name: str, step: Optional[int]) -> list[str]:
+    """Before a run replaces its export ``name`` (``final``, ``best``: the folder and the
+    ``.safetensors``) with the weights of ``step``: the evaluations made of the export it
+    replaces (``name-eval-*``, ``name.safetensors-eval-*``) would sit next to the new weights
+    and pass for theirs. Each is renamed after the weights it describes,
+    ``name-step<N>-eval-<split>`` (``name.safetensors-step<N>-...``), nothing deleted; one of
+    these same weights (the end done again at the same step) stays. Rank 0; returns
+    ``"old -> new"`` for each folder renamed, and says them in the log."""
+    moved = []
+    for prefix in (name, f"{name}.safetensors"):
+        for p in sorted(folder.glob(f"{prefix}-eval-*")):
+            try:
+                was = json.loads((p / "metrics.json").read_text()).get("step")
+            except (OSError, ValueError, AttributeError):  # not an evaluation's folder: the
+                continue                                  # user's, left as it is
+            if was == step:
+                continue
+            new_name = f"{prefix}-{'earlier' if was is None else f'step{was}'}" \
+                       f"{p.name[len(prefix):]}"
+            target, i = p.with_name(new_name), 2
+            while target.exists():
+                target, i = p.with_name(f"{new_name}-{i}"), i + 1
+            try:
+                p.rename(target)
+            except OSError as e:
+                log.warning("%s is an evaluation of the %s the run now replaces, and could not "
+                            "be renamed (%s): it does not describe the new %s", p, prefix,
+                            e.strerror or e, prefix)
+                continue
+            moved.append(f"{p.name} -> {target.name}")
+    if moved:
+        log.info("%s: replaced by the weights of step %s; its evaluations of the earlier ones "
+                 "were renamed after the weights they describe (nothing deleted): %s",
+                 folder / name, step, ", ".join(moved))
+    return moved
+
+
 def _writable(p: Path, what: str) -> Path:
     """``p``, once a file can be made there: found now, not after an evaluation of hours."""
     made = not p.exists()

@@ -657,3 +657,35 @@ def test_the_dev_split_a_fine_tune_chose_its_best_by_is_evaluated_again(ft):
     with pytest.raises(EvaluateError, match=r"^--split dev is the share of the training split "
                                             r"a fine-tune holds out"):
         evaluate_model.evaluate(mf, str(ft.data), "dev", workers=0)
+
+
+def test_evaluations_of_an_export_a_run_replaces_are_renamed_after_their_weights(tmp_path):
+    """A relaunch that trains on replaces final (best at a new best): its evaluations,
+    ``final-eval-test`` next to it, stayed and passed for the new weights'. They are renamed
+    after the step they describe; one of the same weights, and a folder that is no evaluation
+    (no metrics.json), stay."""
+    from pretrain.evaluation_report import set_aside_evaluations
+
+    def evaluation(name, step):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps({"step": step}))
+    evaluation("final-eval-test", 20)
+    evaluation("final-eval-test-2", 20)
+    evaluation("final.safetensors-eval-dev", 20)
+    evaluation("final-step20-eval-validation", 20)  # taken: the next name is used
+    evaluation("final-eval-validation", 20)
+    evaluation("best-eval-test", 20)  # another export's
+    (tmp_path / "final-eval-notes").mkdir()  # the user's own folder
+    assert set_aside_evaluations(tmp_path, "final", 40) == [
+        "final-eval-test -> final-step20-eval-test",
+        "final-eval-test-2 -> final-step20-eval-test-2",
+        "final-eval-validation -> final-step20-eval-validation-2",
+        "final.safetensors-eval-dev -> final.safetensors-step20-eval-dev"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "best-eval-test", "final-eval-notes", "final-step20-eval-test",
+        "final-step20-eval-test-2", "final-step20-eval-validation",
+        "final-step20-eval-validation-2", "final.safetensors-step20-eval-dev"]
+    evaluation("best-eval-dev", 40)  # of the weights exported again at the same step
+    assert set_aside_evaluations(tmp_path, "best", 40) == [
+        "best-eval-test -> best-step20-eval-test"]
+    assert (tmp_path / "best-eval-dev").is_dir()

@@ -522,8 +522,17 @@ def test_a_relaunch_applies_new_optimizer_settings_and_refuses_to_add_an_ema(tmp
     assert "eval.every_steps=100 evaluates nothing: the fine-tune's periodic evaluation (and " \
            "its best export) is on the dev split, and data.dev_fraction=0 holds none out; " \
            "'test' is evaluated once, after the last step" in first.stderr
+    # an evaluation of the step-2 final (launch/evaluate.py's folder next to it): the relaunch
+    # replaces final, and the evaluation no longer passes for the new weights'
+    (out / "final-eval-test").mkdir()
+    (out / "final-eval-test/metrics.json").write_text(json.dumps({"step": 2, "top1": 0.5}))
     again = launch("train.total_steps=4", "optimizer.weight_decay=0.3", "optimizer.momentum=0.5")
     assert again.returncode == 0, again.stderr[-3000:]
+    assert not (out / "final-eval-test").exists()
+    assert json.loads((out / "final-step2-eval-test/metrics.json").read_text())["step"] == 2
+    assert f"{out / 'final'}: replaced by the weights of step 4; its evaluations of the " \
+           f"earlier ones were renamed after the weights they describe (nothing deleted): " \
+           f"final-eval-test -> final-step2-eval-test" in again.stderr
     assert "optimizer.momentum: 0.9 -> 0.5; optimizer.weight_decay: 0.0 -> 0.3" in again.stderr
     groups = torch.load(out / "checkpoints/step_00000004/optimizer.bin",
                         weights_only=True)["param_groups"]
