@@ -37,7 +37,9 @@ class TrackingError(RuntimeError):
 # Local state: run.json, the spool and its delivery cursor
 # --------------------------------------------------------------------------------------------
 # the tags of the job running the run, which a resumed job sets anew (pretrain.tracking)
-JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs")
+# where the run is: a run moved and resumed in another folder names that one (pretrain.tracking)
+JOB_TAGS = ("world_size", "hosts", "num_hosts", "world_size.history", "config.changed", "jobs",
+            "output_dir")
 CONFIG_NOW = "config.now."  # + a key a relaunch changed: its value now (pretrain.tracking)
 RUN_NAME_TAG = "mlflow.runName"  # the tag MLflow shows as a run's name
 

@@ -52,6 +52,7 @@ rollback to step 10 adds ``{"step": 10, "time": ..., "metrics": {}, "rewind": tr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -160,9 +161,11 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     if original is not None:  # its records are the original's, which still has them
         copied_run = earlier.run_id
         track_dir.rename(track_dir.with_name(f"{TRACKING_DIR}-of-the-original-{int(time.time())}"))
-        log.info("output_dir %s is a copy of %s, and would log into its MLflow run %s: it gets "
-                 "a run of its own from step %d (tag copied_from)", output_dir, original,
-                 copied_run, resumed_at)
+        # (which of the two folders was copied, which moved, no file tells: the run stays in
+        # the folder where it last ran, which its tag output_dir names)
+        log.info("output_dir %s holds a copy of the run in %s, which goes on in its MLflow run "
+                 "%s (where that run last ran): %s gets a run of its own from step %d (tag "
+                 "copied_from)", output_dir, original, copied_run, output_dir, resumed_at)
         earlier, run_id = None, None
         extra_tags = {**(extra_tags or {}), "copied_at_step": str(resumed_at),
                       **({"copied_from": copied_run} if copied_run else {})}
@@ -177,6 +180,7 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
         state.run_id = run_id if run_id and run_id not in (*earlier.gone, earlier.copied_from) \
             else earlier.run_id
         state.tags.update(_resumed_job_tags(state.tags, world_size, hosts, resumed_at))
+        _follow_a_move(state, output_dir)
         # every relaunch counts, a SIGKILL's too (stop.count counts the stops asked for)
         state.tags["jobs"] = str(int(state.tags.get("jobs") or 1) + 1)
         if t.run_name and t.run_name != state.run_name:
@@ -253,6 +257,24 @@ def _copied_from(state: Optional[RunState], output_dir) -> Optional[str]:
             else None
     except (OSError, ValueError, TypeError):  # gone (moved here), unreadable: not a copy
         return None
+
+
+def _follow_a_move(state: RunState, output_dir) -> None:
+    """A run resumed in a folder other than the one its tag output_dir names (moved there, and
+    not a copy: _copied_from) now lives here: the tag follows it, in tracking/run.json and in
+    MLflow. Left naming the old place, a copy of this folder made later would not be told
+    from it (the place gone: both logged into this run), and one copied back to the old
+    place (``mv run old``, relaunched in old, ``cp -a old run``) would pass for the original
+    while this folder, where the run went on, was taken for the copy."""
+    there, here = state.tags.get("output_dir"), str(Path(output_dir).resolve())
+    if not there or there == here:
+        return
+    with contextlib.suppress(OSError):
+        if os.path.samefile(there, output_dir):  # the same folder by another path (a mount)
+            return
+    state.tags["output_dir"] = here
+    log.info("output_dir %s holds the run that was in %s: its tag output_dir names this folder "
+             "now", here, there)
 
 
 def _nest_only_in_the_same_store(tags: dict, uri: str) -> None:

@@ -1230,7 +1230,8 @@ def test_a_copied_output_dir_gets_an_mlflow_run_of_its_own_and_a_moved_one_keeps
     before = client.get_run(original)
     shutil.copytree(tmp_path / "first", tmp_path / "branch")
     text, branch = run(tmp_path / "branch", 8)
-    assert branch != original and f"is a copy of {tmp_path / 'first'}" in text, text[-3000:]
+    assert branch != original and f"holds a copy of the run in {tmp_path / 'first'}" in text, \
+        text[-3000:]
     tags = client.get_run(branch).data.tags
     assert (tags["copied_from"], tags["copied_at_step"]) == (original, "4")
     assert steps_of(client, branch) == [5, 6, 7, 8]
@@ -1258,5 +1259,14 @@ def test_a_copied_output_dir_gets_an_mlflow_run_of_its_own_and_a_moved_one_keeps
     assert steps_of(client, original) == [1, 2, 3, 4]
     (tmp_path / "first").rename(tmp_path / "moved")
     text, moved = run(tmp_path / "moved", 8)
-    assert moved == original and "is a copy" not in text, text[-3000:]
+    assert moved == original and "a copy" not in text, text[-3000:]
     assert steps_of(client, original) == [1, 2, 3, 4, 5, 6, 7, 8]
+    # the run is where it went on: its tag output_dir follows it, so a copy put back at the old
+    # place (mv run old, relaunched in old, cp -a old run) is the copy, not the moved folder
+    assert client.get_run(original).data.tags["output_dir"] == str(tmp_path / "moved")
+    shutil.copytree(tmp_path / "moved", tmp_path / "first")
+    text, back = run(tmp_path / "first", 12)
+    assert back != original and f"holds a copy of the run in {tmp_path / 'moved'}" in text
+    assert steps_of(client, original) == [1, 2, 3, 4, 5, 6, 7, 8]
+    _, moved = run(tmp_path / "moved", 12)
+    assert moved == original and steps_of(client, original) == list(range(1, 13))
