@@ -448,25 +448,32 @@ class Remote:
         # names, and the earlier host's backlog comes before the new host's samples
         return sum(self.send(records, cursor) for _, cursor, records in sorted(pending))
 
-    def end_abandoned(self, old: RunState) -> bool:
-        """End the earlier run of this output_dir FAILED, with why and which run replaced it:
-        its job died without ending it (SIGKILL, the OOM killer, a node lost) before its first
-        checkpoint, so this relaunch is a new run. Left alone it would show RUNNING forever.
-        False: its server is down, try again later."""
+    def settle_earlier(self, old: RunState) -> bool:
+        """The earlier run of this output_dir, which this one replaces: a run whose job died
+        without ending it (SIGKILL, the OOM killer, a node lost) ends FAILED, with why and
+        which run replaced it (left alone it would show RUNNING forever); one moved aside
+        (checkpoint.resume=false) gets its tag output_dir naming where its files are now, not
+        the folder this run took over. False: its server is down, try again later."""
         from mlflow import MlflowClient
         from mlflow.entities import RunTag
         client = self.client if old.uri == self.state.uri else MlflowClient(old.uri)
         try:
-            if client.get_run(old.run_id).info.status == "RUNNING":
-                tags = {**old.end_tags, SUPERSEDED_TAG: self.state.run_id}
+            run = client.get_run(old.run_id)
+            running = run.info.status == "RUNNING"
+            tags = {**old.end_tags, SUPERSEDED_TAG: self.state.run_id} if running else {}
+            where = old.tags.get("output_dir")
+            if where and run.data.tags.get("output_dir") != where:
+                tags["output_dir"] = where
+            if tags:
                 client.log_batch(old.run_id, tags=[RunTag(k, str(v))
                                                    for k, v in sorted(tags.items())])
+            if running:
                 client.set_terminated(old.run_id, "FAILED")
                 log.info("MLflow run %s of the job that died here ended FAILED", old.run_id)
         except Exception as e:  # noqa: BLE001 -- never the reason this run's records wait
             if not is_permanent(e):
                 return False
-            log.info("could not end MLflow run %s of the job that died here (%s)", old.run_id,
+            log.info("could not settle MLflow run %s of the earlier run here (%s)", old.run_id,
                      one_line(e))
         return True
 

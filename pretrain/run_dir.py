@@ -149,7 +149,7 @@ def set_aside_earlier_run(out: Path, inputs: Iterable[Optional[str]] = ()) -> Op
 
 
 def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
-    from pretrain.spool import TRACKING_DIR, lock, undelivered
+    from pretrain.spool import STATE, TRACKING_DIR, RunState, lock, undelivered
 
     if not any((out / m).exists() for m in RUN_MARKERS):
         return None
@@ -189,6 +189,14 @@ def _set_aside(out: Path, inputs: list[str]) -> Optional[Path]:
             raise OSError(f"{e.strerror or e} moving {p.name}; already in {aside}: "
                           f"{', '.join(moved) or 'nothing'}") from None
         moved.append(p.name)
+    if (aside / TRACKING_DIR / STATE).is_file():  # its MLflow run is there now, not here
+        try:
+            state = RunState.load(aside / TRACKING_DIR)
+            state.tags["output_dir"] = str(aside.resolve())
+            state.save(aside / TRACKING_DIR)
+        except (OSError, ValueError, TypeError) as e:  # the move is done: only the tag is stale
+            log.info("%s still names %s as its output_dir (%s)", aside / TRACKING_DIR / STATE,
+                     out, e)
     log.warning("checkpoint.resume=false: a new run starts in %s; the earlier run there (%s) "
                 "was moved to %s, nothing of it deleted%s%s", out, ", ".join(moved), aside,
                 f"; left in place, as no run writes them: {', '.join(p.name for p in kept)}"

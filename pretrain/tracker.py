@@ -90,7 +90,7 @@ class MlflowTracker(NodeSampling):
 
     def __init__(self, track_dir: os.PathLike | str, state: RunState, *,
                  flush_every_s: float = 2.0, close_timeout_s: float = 120.0,
-                 abandoned: Optional[RunState] = None):
+                 earlier: Optional[RunState] = None):
         self.dir = Path(track_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock(self.dir)
@@ -104,7 +104,7 @@ class MlflowTracker(NodeSampling):
         self._held: dict[str, bytes] = {}
         self._held_lock = threading.Lock()
         self.state = state
-        self._abandoned = abandoned  # an earlier run here whose job died: ended FAILED by us
+        self._earlier = earlier  # the run this one replaces here (Remote.settle_earlier)
         self._remote = Remote(self.dir, state, on_write_error=self._write_failed)
         state.ended = state.end_time = None
         self._remote.save_state()
@@ -425,8 +425,8 @@ class MlflowTracker(NodeSampling):
         r.send_system()
         r.upload_artifacts()
         r.finish_models()
-        if self._abandoned is not None and r.end_abandoned(self._abandoned):
-            self._abandoned = None
+        if self._earlier is not None and r.settle_earlier(self._earlier):
+            self._earlier = None
 
     def _finish(self) -> None:
         self._remote.finish(self.state.ended or "FINISHED")

@@ -84,7 +84,8 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
                    world_size: int, hosts: Sequence[str] = (), ds_config: Optional[dict] = None,
                    run_id: Optional[str] = None, resumed_at: Optional[int] = None,
                    dataset: Optional[str] = None, extra_tags: Optional[Mapping[str, str]] = None,
-                   resolved: Optional[Mapping[str, object]] = None, changed: Iterable[str] = ()):
+                   resolved: Optional[Mapping[str, object]] = None, changed: Iterable[str] = (),
+                   set_aside: Optional[Path] = None):
     """The tracker of a run: :class:`MlflowTracker` on rank 0, :class:`NoTracking` elsewhere;
     on the first rank of each node it also samples the node's system metrics
     (:mod:`pretrain.system_metrics`), which rank 0's tracker sends.
@@ -96,7 +97,8 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
     :func:`pretrain.run_info.lineage_tags` for a fine-tune. ``changed``: the settings a resumed
     job changed (``"optimizer.lr: 0.002 -> 0.001"``), which the params (MLflow's are immutable)
     cannot show: the ``config.changed`` tag and a ``resume_step_N/config.yaml`` artifact say
-    them. Call it on every rank, ``hosts`` holding every rank's host (cheap: rank 0 does the
+    them. ``set_aside``: where checkpoint.resume=false just moved the earlier run of
+    ``output_dir``, whose MLflow run learns its new place. Call it on every rank, ``hosts`` holding every rank's host (cheap: rank 0 does the
     work, and the ranks wait for it once).
     """
     t = cfg.tracking
@@ -112,7 +114,7 @@ def start_tracking(cfg, stage: str, output_dir: os.PathLike | str, rank: int, *,
             tracker = _rank0_tracker(
                 cfg, stage, output_dir, world_size=world_size, hosts=hosts, ds_config=ds_config,
                 run_id=run_id, resumed_at=resumed_at, dataset=dataset, extra_tags=extra_tags,
-                resolved=resolved, changed=changed)
+                resolved=resolved, changed=changed, set_aside=set_aside)
         except Exception as e:  # noqa: BLE001 -- raised below, once every rank knows it
             error = e
     # a start rank 0 refused ends every rank alike (else the others train into their first
@@ -145,7 +147,8 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
                    hosts: Iterable[str], ds_config: Optional[dict], run_id: Optional[str],
                    resumed_at: Optional[int], dataset: Optional[str],
                    extra_tags: Optional[Mapping[str, str]],
-                   resolved: Optional[Mapping[str, object]], changed: Iterable[str]):
+                   resolved: Optional[Mapping[str, object]], changed: Iterable[str],
+                   set_aside: Optional[Path] = None):
     t = cfg.tracking
     from pretrain.cli import REPO_ROOT
     from pretrain.config_files import to_yaml
@@ -153,10 +156,13 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
     t0 = time.perf_counter()
     track_dir = Path(output_dir) / TRACKING_DIR
     earlier = RunState.load(track_dir) if (track_dir / STATE).is_file() else None
-    abandoned = None
+    replaced = None  # the earlier run here, which this one replaces (Remote.settle_earlier)
     if resumed_at is None and earlier is not None:
-        abandoned = _set_aside(track_dir)
+        replaced = _set_aside(track_dir)
         earlier = None
+    if set_aside is not None and (set_aside / TRACKING_DIR / STATE).is_file():
+        moved = RunState.load(set_aside / TRACKING_DIR)  # (its output_dir tag names set_aside)
+        replaced = moved if moved.run_id else replaced
     original = _copied_from(earlier, output_dir) if resumed_at is not None else None
     if original is not None:  # its records are the original's, which still has them
         copied_run = earlier.run_id
@@ -225,7 +231,7 @@ def _rank0_tracker(cfg, stage: str, output_dir: os.PathLike | str, *, world_size
                          run_name=t.run_name or Path(output_dir).resolve().name,
                          params=params, tags=tags)
     tracker = MlflowTracker(track_dir, state, flush_every_s=t.flush_every_s,
-                            close_timeout_s=t.close_timeout_s, abandoned=abandoned)
+                            close_timeout_s=t.close_timeout_s, earlier=replaced)
     # a resumed job's config (when it changed a setting) and DeepSpeed config go next to the
     # first ones
     prefix = "" if resumed_at is None else f"resume_step_{resumed_at:08d}/"

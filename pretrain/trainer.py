@@ -139,8 +139,9 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
 
     store = CheckpointStore(out / "checkpoints", cfg.checkpoint.keep_last)
     resume = store.latest_agreed() if cfg.checkpoint.resume else None
+    set_aside = None  # (rank 0: where the earlier run went)
     if not cfg.checkpoint.resume:  # a new run here: the earlier one is moved aside, not mixed in
-        set_aside_earlier_run(out, stage.inputs(cfg))
+        set_aside = set_aside_earlier_run(out, stage.inputs(cfg))
     changed = check_same_run(out, cfg, resume)
 
     steps = total_steps(cfg, loader.num_samples)
@@ -207,6 +208,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                              hosts=gather(socket.gethostname(), world), run_id=run_id,
                              resumed_at=step if resume is not None else None,
                              extra_tags=stage.tracking_tags(), changed=changed,
+                             set_aside=set_aside,
                              resolved={"train.total_steps": steps, "train.micro_batch_size": micro,
                                        "train.grad_accum_steps": accum,
                                        **{f"model.{k}": v for k, v in asdict(spec).items()}})

@@ -345,6 +345,14 @@ def test_a_relaunch_with_another_model_is_refused_and_resume_false_sets_the_old_
     assert [c.step for c in CheckpointStore(out / "checkpoints").complete()] == [6, 4]
     assert sorted(losses(out)) == list(range(1, 7))
     assert "depth: 3" in (out / "config.yaml").read_text()
+    # the earlier run's MLflow run names where its files are now, not the folder the new one
+    # took over (in its run.json too, which upload_spool.py would send from there)
+    from mlflow import MlflowClient
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    earlier, new = (json.loads((d / "tracking/run.json").read_text()) for d in (aside, out))
+    assert earlier["tags"]["output_dir"] == str(aside.resolve())
+    assert client.get_run(earlier["run_id"]).data.tags["output_dir"] == str(aside.resolve())
+    assert client.get_run(new["run_id"]).data.tags["output_dir"] == str(out.resolve())
 
     # a relaunch continues the new run, not the earlier one's newer step 8; the settings it
     # changes (more steps, a lower learning rate) are said, and kept next to the start's
