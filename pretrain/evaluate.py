@@ -47,9 +47,13 @@ def run_due(evaluators: Sequence[Evaluator], model: nn.Module, step: int,
     results keyed ``eval/<name>/<metric>``. Collective: call it on every rank."""
     out = {}
     for ev in evaluators:
-        if force or step % ev.every_steps == 0:
+        if is_due(ev, step, force):
             out.update({f"eval/{ev.name}/{k}": v for k, v in ev.run(model, step).items()})
     return out
+
+
+def is_due(ev: Evaluator, step: int, force: bool = False) -> bool:
+    return force or step % ev.every_steps == 0
 
 
 # --------------------------------------------------------------------------------------------

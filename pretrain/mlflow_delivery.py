@@ -300,15 +300,35 @@ class Remote:
 
     def _logged_model(self, m: dict) -> Optional[str]:
         """The logged model that the files of model ``m`` go to, made before the first of
-        them; None: they are artifacts of the run (a server before MLflow 3)."""
+        them; None: they are artifacts of the run (a server before MLflow 3, or a package
+        whose upload an earlier version of this program began there: one place for all)."""
         if "model_id" not in m:
             from pretrain.model_registry import new_logged_model
-            model_id = new_logged_model(self.client, self.state.run_id, m["path"],
-                                        self.state.params, m.get("tags") or {})
+            with self.state_lock:
+                begun = any(u.startswith(m["path"] + "/") for u in self.state.uploaded)
+            model_id = None if begun else new_logged_model(
+                self.client, self.state.run_id, m["path"], self.state.params,
+                m.get("tags") or {})
             with self.state_lock:
                 m["model_id"] = model_id
                 self.save_state()
         return m["model_id"]
+
+    def _refused(self, m: dict, e: BaseException) -> None:
+        """The store refused a request about ``m``'s logged model (4xx): deleted meanwhile (in
+        the UI, say), its package goes again to a new one; refused otherwise, to the run's
+        artifacts. Not an outage: retrying the same request would never end."""
+        gone = is_missing(e)
+        log.warning("MLflow refused the logged model of '%s' (%s); its package is sent again %s",
+                    m["path"], one_line(e), "to a new logged model" if gone
+                    else "as artifacts of the run")
+        with self.state_lock:
+            for k in ("model_id", "ready"):
+                m.pop(k, None)
+            if not gone:
+                m["model_id"] = None
+            self.written_again(m["path"] + "/")
+            self.save_state()
 
     def upload_artifacts(self) -> int:
         root = self.dir / ARTIFACTS
@@ -332,6 +352,11 @@ class Remote:
                 with self.state_lock:
                     if not self._replaced(rel):
                         raise
+                continue
+            except Exception as e:  # noqa: BLE001
+                if not (model_id and is_permanent(e) and not is_page_not_found(e)):
+                    raise
+                self._refused(m, e)
                 continue
             with self.state_lock:
                 if self._replaced(rel):  # written again meanwhile: the next pass sends it
@@ -359,24 +384,50 @@ class Remote:
         for m in todo:
             model_id = m.get("model_id")
             if m.get("superseded"):
-                if model_id and not m.get("ready"):
-                    finish_logged_model(self.client, self.state.run_id, model_id, None)
+                try:
+                    if model_id and not m.get("ready"):
+                        finish_logged_model(self.client, self.state.run_id, model_id, m["path"],
+                                            None)
+                except Exception as e:  # noqa: BLE001
+                    if not is_permanent(e) or is_page_not_found(e):
+                        raise  # an outage: retried
+                    log.info("could not mark the replaced logged model %s FAILED (%s)",
+                             model_id, one_line(e))
                 with self.state_lock:
                     self.state.models = [k for k in self.state.models if k is not m]
                     self.save_state()
                 continue
             if any(p.startswith(m["path"] + "/") for p in pending):
                 continue
-            if model_id and not m.get("ready"):
-                finish_logged_model(self.client, self.state.run_id, model_id,
-                                    _int(str((m.get("tags") or {}).get("step", 0))))
-                with self.state_lock:
-                    m["ready"] = True
-                    self.save_state()
+            try:
+                if model_id and not m.get("ready"):
+                    finish_logged_model(self.client, self.state.run_id, model_id, m["path"],
+                                        _int(str((m.get("tags") or {}).get("step", 0))))
+                    with self.state_lock:
+                        m["ready"] = True
+                        self.save_state()
+            except Exception as e:  # noqa: BLE001
+                if not is_permanent(e) or is_page_not_found(e):
+                    raise
+                self._refused(m, e)
+                continue
             if m.get("register_as") and not m.get("version"):
-                version = register(self.client, self.state.run_id, m["register_as"], m["path"],
-                                   tags=m.get("tags"), description=m.get("description"),
-                                   model_id=model_id)
+                try:
+                    version = register(self.client, self.state.run_id, m["register_as"],
+                                       m["path"], tags=m.get("tags"),
+                                       description=m.get("description"), model_id=model_id)
+                except Exception as e:  # noqa: BLE001
+                    if not is_permanent(e) or is_page_not_found(e):
+                        raise
+                    source = f"models:/{model_id}" if model_id else \
+                        f"runs:/{self.state.run_id}/{m['path']}"
+                    log.warning("MLflow refused to register %s as '%s' (%s); "
+                                "mlflow.register_model('%s', '%s') tries again", source,
+                                m["register_as"], one_line(e), source, m["register_as"])
+                    with self.state_lock:
+                        m["register_as"] = None
+                        self.save_state()
+                    continue
                 with self.state_lock:
                     m["version"] = version
                     self.save_state()
@@ -524,8 +575,11 @@ def lacking(state: RunState, files: list[Path], records: str = "") -> list[str]:
     if files:
         out.append(f"{len(files)} artifact files "
                    f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
-    return out + [f"the registration as '{m['register_as']}'" for m in state.models
-                  if m.get("register_as") and not m.get("version") and not m.get("superseded")]
+    current = [m for m in state.models if not m.get("superseded")]
+    out += [f"the logged model '{m['path']}' marked READY" for m in current
+            if m.get("model_id") and not m.get("ready")]
+    return out + [f"the registration as '{m['register_as']}'" for m in current
+                  if m.get("register_as") and not m.get("version")]
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,9 +11,11 @@ the server is down, and ``launch/upload_spool.py`` sends it after the job if nee
 (:mod:`pretrain.mlflow_delivery`). On an MLflow 3 server it becomes a *logged model* of the
 run (its Models tab, the run's "Logged models"), marked READY once every file is up; a server
 before MLflow 3 keeps it among the run's artifacts. ``runs:/<run id>/model`` loads it either
-way. The registration (``tracking.register_as``) is queued in the run's ``run.json`` and made
-once the upload is complete, so a registered version never points at a half-uploaded model,
-and a registration interrupted by a crash is not made twice.
+way (from MLflow 3 on, the run's newest logged model of that name, even one still uploading:
+``models:/NAME/VERSION`` names a finished one). The registration (``tracking.register_as``)
+is queued in the run's ``run.json`` and made once the upload is complete, so a registered
+version never points at a half-uploaded model, and a registration interrupted by a crash is
+not made twice.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import shutil
 import warnings
 from pathlib import Path
 from typing import Optional, Union
+from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,11 @@ def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT
     the version."""
     source, remote = f"runs:/{run_id}/{artifact_path}", False
     if model_id:
-        # A store opened by the client itself (sqlite, a folder) resolves models:/ through the
-        # process's default tracking URI, not the client's; the model's location needs none.
-        remote = str(getattr(client, "tracking_uri", "")).startswith(("http:", "https:"))
+        # A store opened by the client itself (sqlite, a folder, a database) resolves models:/
+        # through the process's default tracking URI, not the client's; a server (or a
+        # service: databricks) does it right, and the model's location needs nothing
+        scheme = urlparse(str(getattr(client, "tracking_uri", ""))).scheme.split("+")[0]
+        remote = scheme not in ("", "file", "sqlite", "postgresql", "mysql", "mssql")
         source = f"models:/{model_id}" if remote else \
             client.get_logged_model(model_id).artifact_location
     try:
@@ -148,22 +153,26 @@ def new_logged_model(client, run_id: str, name: str, params: dict, tags: dict) -
         return None
 
 
-def finish_logged_model(client, run_id: str, model_id: str, step: Optional[int]) -> None:
+def finish_logged_model(client, run_id: str, model_id: str, name: str,
+                        step: Optional[int]) -> None:
     """Mark the logged model READY and list it among the run's outputs at ``step`` (the UI's
     "Logged models" of the run), once every file is up; ``step`` None: FAILED, a package
-    replaced before it was complete."""
-    from mlflow.entities import LoggedModelOutput
-
-    from pretrain.mlflow_delivery import is_permanent
-    from pretrain.spool import one_line
-    status = "FAILED" if step is None else "READY"
-    try:
-        client.finalize_logged_model(model_id, status)
-        if step is not None:
-            client.log_outputs(run_id, [LoggedModelOutput(model_id, step=step)])
-    except Exception as e:  # noqa: BLE001
-        if not is_permanent(e):  # an outage: retried
-            raise
-        # deleted in the UI meanwhile, say: asking again cannot help
-        log.warning("could not mark logged model %s %s (%s)", model_id, status,
-                    one_line(e))
+    replaced before it was complete. Safe to call again after a crash."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    if step is None:
+        client.finalize_logged_model(model_id, "FAILED")
+        return
+    # still there? An MLflow client keeps uploading to a model deleted meanwhile (it caches
+    # where its files go), and a server answers the registration of one with a 500 (an outage)
+    client.get_logged_model(model_id)
+    client.finalize_logged_model(model_id, "READY")
+    run = client.get_run(run_id)
+    if model_id not in {o.model_id for o in (run.outputs.model_outputs if run.outputs else [])}:
+        client.log_outputs(run_id, [LoggedModelOutput(model_id, step=step)])
+    # a crash between a model's creation and run.json's record of it left that one PENDING,
+    # and the package went to another: it ends FAILED, not pending in the Models tab forever
+    for lm in client.search_logged_models([run.info.experiment_id],
+                                          filter_string=f"name = '{name}'"):
+        if lm.source_run_id == run_id and lm.model_id != model_id \
+                and lm.status == LoggedModelStatus.PENDING:
+            client.finalize_logged_model(lm.model_id, "FAILED")

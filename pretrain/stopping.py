@@ -3,8 +3,8 @@
 Schedulers end a job step with a signal and a grace period: SLURM sends SIGTERM to every
 process of the step and SIGKILL ``KillWait`` later (30 s by default; ``--signal=B:USR1@180``
 asks for an earlier SIGUSR1 to the batch shell, which ``launch/slurm_job.sh`` passes to the
-ranks: a plain ``USR1@180`` also reaches the launchers, which die of it), Kubernetes sends SIGTERM and kills after
-``terminationGracePeriodSeconds`` (30 s), a terminal's Ctrl-C sends SIGINT to the foreground
+ranks: a plain ``USR1@180`` also reaches the launchers, which die of it), Kubernetes sends
+SIGTERM and kills after ``terminationGracePeriodSeconds`` (30 s), a terminal's Ctrl-C sends SIGINT to the foreground
 process group, and the per-node launchers (DeepSpeed's ``launch.py``, ``torchrun``) pass
 SIGTERM on to every rank when they receive SIGINT or SIGTERM themselves.
 
@@ -285,8 +285,9 @@ class StopSignals:
                f"signal reached the first rank")
         if since > 0.5 * self.grace_period_s:
             log.warning("%s: that is more than half of checkpoint.grace_period_s=%.0f s; "
-                        "ask the scheduler for an earlier signal (SLURM: SBATCH_SIGNAL=B:USR1@600) or "
-                        "a longer grace period", msg, self.grace_period_s)
+                        "ask the scheduler for an earlier signal (SLURM: "
+                        "SBATCH_SIGNAL=B:USR1@600) or a longer grace period", msg,
+                        self.grace_period_s)
         else:
             log.info("%s", msg)
 

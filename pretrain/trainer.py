@@ -98,7 +98,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     from pretrain.data.loader import build_train_loader
     from pretrain.data.shards import describe_skips
     from pretrain.engine import build_scheduler
-    from pretrain.evaluate import run_due
+    from pretrain.evaluate import is_due, run_due
     from pretrain.metrics import MultiLogger, build_logger, closing_line
     from pretrain.throughput import StepTimer, peak_memory_gib, peak_tflops, slowest_data
     from pretrain.stage import PretrainStage
@@ -311,6 +311,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
     # say) leaves the work done and cuts that wait to its grace period, not the process short
     job.callback(stop.restore)
     tracker.leave_by = stop.leave_by
+
     def evaluate() -> None:
         """The evaluations due at ``step`` (all of them at the last), logged; a fine-tune's
         best export follows its dev figures."""
@@ -382,8 +383,7 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                 loss_sum.zero_()
                 window = 0
                 sink.log(metrics, step)
-            due = bool(evaluators) and (step == steps or any(step % ev.every_steps == 0
-                                                             for ev in evaluators))
+            due = any(is_due(ev, step, force=step == steps) for ev in evaluators)
             # A stop signal before a due evaluation: the checkpoint comes first, and the
             # relaunch evaluates this step before it trains on (an evaluation of a whole split
             # can outlast a scheduler's grace period, and a kill after it loses every step

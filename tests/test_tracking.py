@@ -742,6 +742,106 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     assert len(registered) == 1 and uploads and max(uploads) < registered[0], proxy.answered
 
 
+def test_a_logged_model_deleted_while_its_package_uploads_gets_the_package_again(
+        tmp_path, client, mlflow_server, caplog):
+    """The run's logged model is deleted (in the UI, say) while its files upload: the store
+    refuses the rest, which is no outage (retried for ever, it left the run RUNNING and the
+    registration undone); the package goes to a new logged model, READY and registered, and
+    the run ends FINISHED."""
+    from urllib.parse import urlparse
+
+    from mlflow.entities import LoggedModelStatus
+
+    from pretrain.export import from_model
+    from pretrain.spool import RunState
+    from pretrain.timm_folder import write_timm_folder
+    from pretrain.tracker import MlflowTracker
+    from test_timm_folder import random_model
+
+    folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
+                               head=True, normalize="imagenet")
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    up = urlparse(mlflow_server.uri)
+    proxy.upstream, proxy.away = (up.hostname, up.port), False
+    proxy.hold, proxy.held = ("/models/m-", threading.Event()), threading.Event()  # its files
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    exp = "deleted-model"
+    try:
+        with caplog.at_level(logging.WARNING):
+            tracker = MlflowTracker(tmp_path / "tracking", RunState(
+                uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
+                flush_every_s=0.05, close_timeout_s=60)
+            tracker.log_model(folder, register_as="deleted-then-sent")
+            assert proxy.held.wait(60), "the package's upload never started"
+            exp_id = client.get_experiment_by_name(exp).experiment_id
+            (first,) = client.search_logged_models([exp_id])
+            client.delete_logged_model(first.model_id)
+            proxy.hold[1].set()
+            tracker.close()
+    finally:
+        proxy.hold[1].set()
+        proxy.shutdown()
+    run = the_run(client, exp)
+    assert run.info.status == "FINISHED"
+    (model,) = client.search_logged_models([exp_id])
+    assert model.model_id != first.model_id and model.status == LoggedModelStatus.READY
+    (version,) = client.search_model_versions("name = 'deleted-then-sent'")
+    assert version.source == f"models:/{model.model_id}"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and said[0].startswith(
+        "MLflow refused the logged model of 'model' (") and said[0].endswith(
+        "its package is sent again to a new logged model"), said
+
+
+def test_a_package_an_earlier_version_began_as_run_artifacts_stays_one_and_orphans_fail(
+        tmp_path):
+    """A package whose upload this program's version before logged models began among the
+    run's artifacts is finished there (split in two, neither place could load it); a logged
+    model a crash left PENDING, made but not yet in run.json, ends FAILED when the package
+    that went to another one is finished."""
+    from mlflow.entities import LoggedModelStatus
+
+    from pretrain.export import from_model
+    from pretrain.mlflow_delivery import Remote
+    from pretrain.model_registry import package
+    from pretrain.spool import ARTIFACTS, RunState
+    from pretrain.timm_folder import write_timm_folder
+    from test_timm_folder import random_model
+
+    uri = sqlite_store(tmp_path, "packages")
+    folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
+                               head=True, normalize="imagenet")
+    remotes = []
+    for name in ("begun", "orphaned"):
+        track = tmp_path / name
+        package(folder, track / ARTIFACTS / "model")
+        remote = Remote(track, RunState(uri=uri, experiment="packages"))
+        run_id = remote.connect()
+        remote.state.models = [{"path": "model", "register_as": name, "version": None,
+                                "tags": {"step": "7"}}]
+        if name == "begun":  # the MLmodel file went up as the run's artifact
+            remote.client.log_artifact(run_id, str(track / ARTIFACTS / "model/MLmodel"), "model")
+            remote.state.uploaded.append("model/MLmodel")
+        else:  # the crash came between the logged model's creation and its record
+            orphan = remote.client.create_logged_model(
+                remote.client.get_run(run_id).info.experiment_id, name="model",
+                source_run_id=run_id).model_id
+        remote.upload_artifacts()
+        assert remote.finish_models() == 1
+        remotes.append(remote)
+    begun, orphaned = remotes
+    c = begun.client
+    assert begun.state.models[0]["model_id"] is None
+    assert c.get_model_version("begun", "1").source == f"runs:/{begun.state.run_id}/model"
+    got = Path(c.download_artifacts(begun.state.run_id, "model", str(tmp_path / "got")))
+    written = tmp_path / "begun" / ARTIFACTS / "model"
+    assert sorted(p.relative_to(got) for p in got.rglob("*") if p.is_file()) == sorted(
+        p.relative_to(written) for p in written.rglob("*") if p.is_file())
+    assert c.get_logged_model(orphan).status == LoggedModelStatus.FAILED
+    assert c.get_logged_model(orphaned.state.models[0]["model_id"]).status == \
+        LoggedModelStatus.READY
+
+
 def test_a_server_before_mlflow_3_keeps_the_model_among_the_runs_artifacts(
         tmp_path, client, mlflow_server, caplog):
     """A server without logged models (MLflow 2 answers their requests with its 404 page): the
