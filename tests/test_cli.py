@@ -422,8 +422,10 @@ def test_dry_run_reads_the_data_it_will_train_on_and_says_why_when_it_cannot(tin
     proc = run_launcher("pretrain.py", "--dry-run", f"data.root=http://127.0.0.1:{port}/shards",
                         "data.generate_demo=false")
     assert proc.returncode == 0, proc.stderr
-    assert (f"data: not read here (cannot read http://127.0.0.1:{port}/shards/_info.json: "
-            in proc.stdout) and "3 attempts in a row failed" in proc.stdout
+    assert f"data: not read here (http://127.0.0.1:{port}/shards/_info.json: nothing answered " \
+           f"at http://127.0.0.1:{port} (3 tries in " in proc.stdout, proc.stdout
+    assert f"; check the host and port in 'http://127.0.0.1:{port}/shards', or start that " \
+           f"server)" in proc.stdout, proc.stdout
 
 
 def test_dry_run_refuses_what_the_run_refuses_at_its_start(tiny_data, tmp_path):

@@ -407,38 +407,130 @@ def test_a_prefix_holding_another_dataset_or_other_files_is_refused_before_any_w
         "(aws s3 mb s3://no-such-bucket)"), refused.stderr[-2000:]
 
 
-def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(monkeypatch,
+def closed_port(port: int = 0) -> socket.socket:
+    """A socket bound to ``port`` (0: any) on 127.0.0.1 that does not listen: connections to
+    its port are refused, and no other process can take the port while it is open."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    return s
+
+
+@pytest.fixture
+def no_s3(monkeypatch):
+    """AWS_ENDPOINT_URL at a port nothing answers at (connections refused): its number."""
+    with closed_port() as s:
+        port = s.getsockname()[1]
+        for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        yield port
+
+
+def nothing_answered(port: int, bucket: str = "datasets", root: str = "datasets/pets") -> str:
+    """The line (a regex) for storage that never answered at AWS_ENDPOINT_URL :port."""
+    return (rf"s3://{root}/_info\.json: nothing answered at AWS_ENDPOINT_URL=http://127\.0\.0\.1:"
+            rf"{port} \(\d+ tries in \d+ s; last: EndpointConnectionError: Could not connect "
+            rf"to the endpoint URL: \"http://127\.0\.0\.1:{port}/{root}/_info\.json\"\); set "
+            rf"AWS_ENDPOINT_URL to the address of the S3 server holding bucket '{bucket}' "
+            r"\(unset: AWS itself\), or start that server")
+
+
+def test_an_s3_endpoint_nothing_answers_at_is_named_with_where_it_came_from(no_s3,
                                                                            tmp_path):
-    """A mistyped MinIO address: ten retries, then "Could not connect to the endpoint URL";
-    the line now says it is AWS_ENDPOINT_URL's. prepare_data says it after two tries, before
+    """A mistyped MinIO address: "Could not connect to the endpoint URL", and the line says it
+    is AWS_ENDPOINT_URL's and what to set. prepare_data says it after two tries, before
     preparing anything (it took the whole back-off, minutes, and then said "rerun")."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing answers there
-    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
-                 "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
+    port = no_s3
     proc = run_launcher("pretrain.py", "--dry-run", "data.root=s3://datasets/pets",
                         "data.generate_demo=false", "data.read_attempts=2",
                         "data.retry_backoff_s=0.01")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"Could not connect to the endpoint URL: \"http://127.0.0.1:{port}/datasets/pets/" \
-           f"_info.json\"); is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})" \
-        in proc.stdout, proc.stdout[-2000:]
-    # ... and a run's first retry says it, not only its last, minutes later
+    assert proc.returncode == 0, proc.stderr[-2000:]  # a plan may be made away from the data
+    assert re.search(rf"data: not read here \({nothing_answered(port)}\)\n", proc.stdout), \
+        proc.stdout[-2000:]
+    # ... and a run's first retry says it, not only its last
     assert re.search(r"retrying at byte 0 in [\d.]+ s \(failure 1 of 2\); is the endpoint "
                      rf"right\? AWS_ENDPOINT_URL=http://127.0.0.1:{port}\n",
                      proc.stderr), proc.stderr[-2000:]
     up = run_launcher("prepare_data.py", *pets(tmp_path), "--out", "s3://datasets/pets")
     assert up.returncode == 2 and not list((tmp_path / "stage").glob("*.tar")), up.stderr
     [line] = [line for line in up.stderr.splitlines() if line.startswith("error: ")]
-    assert line.startswith("error: --out s3://datasets/pets took no upload (s3://datasets/pets/"
-                           "_stage_id: upload failed 2 times (last: EndpointConnectionError: "
-                           ), up.stderr
-    assert line.endswith(f"; is the endpoint right? AWS_ENDPOINT_URL=http://127.0.0.1:{port})); "
-                         f"check the endpoint, the URL or the command, or rerun if the server "
-                         f"was only busy (checked before preparing anything)"), up.stderr
+    assert re.fullmatch(rf"error: --out s3://datasets/pets: {nothing_answered(port)} \(checked "
+                        r"before preparing anything\)", line), up.stderr
     assert "failure 2 of" not in up.stderr  # two tries, not the whole back-off
+
+
+def test_a_run_whose_s3_endpoint_never_answers_stops_in_seconds_not_after_the_back_off(
+        no_s3, tmp_path):
+    """A run with a mistyped AWS_ENDPOINT_URL retried its _info.json through the whole back-off
+    of data.read_attempts (10 tries, 3 minutes and more) before it failed. Storage that never
+    answered is a wrong address, not an outage: FIRST_CONTACT_S (seconds), then one line with
+    the endpoint, the bucket and the fix, exit code 2 (bad input)."""
+    port = no_s3
+    start = time.monotonic()
+    proc = run_launcher("pretrain.py", *tiny_run_args(tmp_path / "run", "s3://datasets/pets"),
+                        "tracking.enabled=false", timeout=120)  # (the defaults' back-off)
+    took = time.monotonic() - start
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(f"error: {nothing_answered(port)}", proc.stderr.strip().splitlines()[-1]
+                        ), proc.stderr[-3000:]
+    # its tries took FIRST_CONTACT_S; the rest is the launch (imports, the model)
+    from pretrain.data.info import FIRST_CONTACT_S
+    tries = re.search(r"\((\d+) tries in (\d+) s;", proc.stderr)
+    assert int(tries[1]) >= 3 and int(tries[2]) <= FIRST_CONTACT_S + 1, proc.stderr[-3000:]
+    assert took < 60, took
+
+
+def test_the_first_contact_gives_up_on_storage_that_never_answered_not_on_an_outage(
+        no_s3, monkeypatch, tmp_path):
+    """The info file's read (the first contact of a run, a plan, evaluate.py, prepare_data.py)
+    gives storage that never answered FIRST_CONTACT_S, whatever its back-off; a server that
+    comes up within them (still starting) is read; one that answered before in this process,
+    and every shard read (the loader's, mid-run), get the whole back-off, as an outage does."""
+    from pretrain.data import info as info_module
+    from pretrain.data.info import InfoNotRead, StorageNotReached, read_info
+    from pretrain.data.remote import NotAnswered
+    from pretrain.evaluate_model import EvaluateError, dataset_info
+
+    port = no_s3
+    monkeypatch.setattr(info_module, "FIRST_CONTACT_S", 1.5)  # (the run's own: the test above)
+    start = time.monotonic()
+    with pytest.raises(StorageNotReached) as refused:
+        read_info("s3://datasets/pets", RetryPolicy(backoff_s=0.3))  # 10 tries: 2 minutes
+    assert 1.5 <= time.monotonic() - start < 5
+    assert re.fullmatch(nothing_answered(port), str(refused.value))
+    with pytest.raises(EvaluateError, match=r"^--data 's3://data/x': s3://data/x/_info\.json: "
+                                            r"nothing answered at AWS_ENDPOINT_URL="):
+        dataset_info("s3://data/x", "validation")
+
+    # a web server that starts listening 0.5 s after the first try: tolerated, read
+    www = tmp_path / "www"
+    (www / "ds").mkdir(parents=True)
+    (www / "ds" / "_info.json").write_text(json.dumps(
+        {"name": "ds", "splits": {"train": {"num_samples": 1, "filenames": ["a.tar"]}}}))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler,
+                                                           directory=str(www)),
+                                 bind_and_activate=False)
+    server.server_bind()  # its port taken, connections refused until it listens
+    port = server.server_address[1]
+    starting = threading.Timer(0.5, lambda: (server.server_activate(), server.serve_forever()))
+    starting.start()
+    try:
+        assert read_info(f"http://127.0.0.1:{port}/ds", RetryPolicy(backoff_s=0.2)).name == "ds"
+    finally:
+        server.shutdown()  # (before the timer too: its serve_forever then ends at once)
+        starting.join()
+        server.server_close()
+    # ... and gone now, an outage of storage that answered: retried through data.read_attempts
+    with closed_port(port):
+        with pytest.raises(InfoNotRead, match="4 attempts in a row failed") as gone:
+            read_info(f"http://127.0.0.1:{port}/ds", RetryPolicy(attempts=4, backoff_s=0.01))
+    assert not isinstance(gone.value, StorageNotReached)
+    # a shard read has no first contact: a refused connection is retried in full there
+    with closed_port() as never, pytest.raises(Unreachable, match="3 attempts in a row") as lost:
+        open_shard(f"http://127.0.0.1:{never.getsockname()[1]}/ds/a.tar",
+                   RetryPolicy(attempts=3, backoff_s=0.01))
+    assert not isinstance(lost.value, NotAnswered)
 
 
 def test_a_bucket_that_does_not_exist_is_named_as_such_by_the_run_and_its_plan(s3_server):

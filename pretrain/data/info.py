@@ -30,6 +30,19 @@ class InfoNotRead(DatasetInfoError):
     malformed one, possibly fine where the run itself reads it."""
 
 
+class StorageNotReached(InfoNotRead):
+    """Nothing answered at the storage of a URL prefix when its info file was first read --
+    the connection refused or no such host for ``FIRST_CONTACT_S`` seconds, or an
+    ``AWS_ENDPOINT_URL`` answering as no S3 server does: a wrong address, said in seconds with
+    the fix, not after the minutes of back-off meant for an outage of storage that was there."""
+
+
+# How long the first read of a URL prefix's info file tries storage that has not answered yet
+# (the connection refused, no such host): long enough for a server that is still starting (a
+# MinIO started by the same job), short enough that a mistyped endpoint is said at once.
+FIRST_CONTACT_S = 5.0
+
+
 class StorageUnreachable(Exception):
     """Part of the errors of storage that answered at the run's start (its info file was read)
     and then failed every retry (an outage longer than ``data.read_attempts`` covers): unlike
@@ -155,16 +168,25 @@ def join(root: str, filename: str) -> str:
 
 def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     """Read ``_info.json`` (or ``info.json``) from a local directory or a URL prefix (read with
-    ``retry``, a :class:`pretrain.data.remote.RetryPolicy`)."""
-    from pretrain.data.remote import Missing, NoBucket, RetryPolicy, read_bytes
+    ``retry``, a :class:`pretrain.data.remote.RetryPolicy`; storage that never answers is given
+    ``FIRST_CONTACT_S``: :class:`StorageNotReached`)."""
+    from dataclasses import replace
+
+    from pretrain.data.remote import (Missing, NoBucket, NotAnswered, NotS3, RetryPolicy,
+                                      read_bytes)
     root = str(root)
     raw = loc = None
+    # the info file is where a run or a tool first reaches its storage: see FIRST_CONTACT_S
+    retry = replace(retry or RetryPolicy(), first_contact_s=FIRST_CONTACT_S)
     for name in INFO_NAMES:
         loc = join(root, name)
         if is_url(root):
             try:
-                raw = read_bytes(loc, retry or RetryPolicy())
+                raw = read_bytes(loc, retry)
                 break
+            except (NotAnswered, NotS3) as e:
+                raise StorageNotReached(f"{e}; {_address_fix(root, isinstance(e, NotS3))}") \
+                    from None
             except NoBucket as e:  # the storage answered: the name is wrong, not the network
                 raise BucketMissing(f"{e}; check the bucket in '{root}' (and "
                                        f"AWS_ENDPOINT_URL: another endpoint has other "
@@ -216,6 +238,17 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     extra = {k: v for k, v in raw.items() if k not in ("name", "splits", "classes")}
     return DatasetInfo(name=raw.get("name", Path(root).name), splits=parsed,
                        classes=raw.get("classes"), extra=extra)
+
+
+def _address_fix(root: str, answered: bool = False) -> str:
+    """What to check where nothing (``answered``: no S3 server) answered at the storage of URL
+    prefix ``root``."""
+    start = "" if answered else ", or start that server"
+    if root.startswith("s3://"):
+        bucket = root[len("s3://"):].partition("/")[0]
+        return (f"set AWS_ENDPOINT_URL to the address of the S3 server holding bucket "
+                f"'{bucket}' (unset: AWS itself){start}")
+    return f"check the host and port in '{root}'{start}"
 
 
 def write_info(root: str | os.PathLike, info: DatasetInfo, name: str = INFO_NAMES[0]) -> Path:

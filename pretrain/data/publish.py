@@ -28,7 +28,8 @@ import uuid
 from typing import Optional
 
 from pretrain.data.info import (UPLOAD_IN_PROGRESS, BucketMissing, DatasetInfoError,
-                                InfoNotRead, NoInfo, UploadInProgress, read_info)
+                                InfoNotRead, NoInfo, StorageNotReached, UploadInProgress,
+                                read_info)
 from pretrain.data.remote import (RETRY_HTTP, S3_REFUSALS, RetryPolicy, Unreachable,
                                   _endpoint_hint, _s3_client, _s3_parts, fsspec_location,
                                   fsspec_refusal, http_request, read_bytes)
@@ -262,6 +263,9 @@ def _check_prefix(location: str, settings: dict, policy: RetryPolicy,
         info = read_info(location, retry=_quick(policy))
     except (NoInfo, UploadInProgress, BucketMissing):  # (an upload cut off: its marker says
         info = None                                    # whose; no bucket: the listing says)
+    except StorageNotReached as e:  # a wrong address: no upload would reach it either
+        raise PrepareError(f"--out {location}: {e} (checked before preparing anything)") \
+            from None
     except InfoNotRead as e:  # a PUT-only server, a write-only S3 role, a blip: the upload says
         return str(e)
     except DatasetInfoError as e:  # malformed: not a prefix to write over blindly

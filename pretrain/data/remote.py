@@ -13,6 +13,15 @@ does the location count as :class:`Unreachable`; a location that is not there (H
 one refused (HTTP 401/403, S3 ``AccessDenied``, GCS 401/403) is a PermissionError at once, and
 another 4xx (400, 405) is :class:`Rejected` at once; a 5xx is retried.
 
+The first contact is the exception: a read made with ``RetryPolicy.first_contact_s`` (the info
+file a run, a tool or a plan starts from) that has reached nothing at all -- the connection
+refused, no such host: :class:`NotReached` -- gives up after that many seconds as
+:class:`NotAnswered`, not after the whole back-off (minutes): storage that never answered is a
+wrong address (a mistyped ``AWS_ENDPOINT_URL``), not an outage to wait out. The few seconds let
+a server that is still starting come up. Once anything answered there in this process, and in
+every read without ``first_contact_s`` (the shards, read by the loader's workers mid-run), a
+refused connection is retried like any failure: an outage of storage that was there.
+
 A short read is a failure too: an HTTP server that closes the connection early ends the body
 without an error in ``http.client``, so the reader compares what it got with the length the
 server announced.
@@ -30,11 +39,13 @@ other scheme through ``fsspec`` (``pip install gcsfs`` for Google Cloud Storage)
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import logging
 import os
 import random
 import select
+import socket
 import subprocess
 import time
 import urllib.error
@@ -60,8 +71,9 @@ _JITTER = random.SystemRandom()
 def _endpoint_hint(location: str, e: BaseException) -> str:
     """For an S3 endpoint nothing answers at: where the endpoint comes from (a MinIO or Ceph
     address mistyped, or set on one node only)."""
-    if not location.startswith("s3://") or \
-            "EndpointConnectionError" not in f"{type(e).__name__}: {e}":  # (boto's, wrapped)
+    if not location.startswith("s3://") or not (
+            isinstance(e, NotReached)  # (a connect timeout too)
+            or "EndpointConnectionError" in f"{type(e).__name__}: {e}"):  # (boto's: uploads)
         return ""
     endpoint = os.environ.get("AWS_ENDPOINT_URL")
     return (f"; is the endpoint right? AWS_ENDPOINT_URL={endpoint}" if endpoint else
@@ -77,6 +89,9 @@ class RetryPolicy:
     backoff_s: float = 1.0  # the first wait; doubled each time, at most max_backoff_s
     max_backoff_s: float = 60.0
     timeout_s: float = 120.0  # a connection or read silent this long has failed
+    # where set: how long a read that has reached nothing yet (NotReached) keeps trying before
+    # it is NotAnswered -- the first contact with the storage, at the start (see the top)
+    first_contact_s: Optional[float] = None
 
     def wait(self, failures: int) -> float:
         # jitter: ranks that failed together do not retry together (from the OS: every rank's
@@ -100,6 +115,21 @@ class NoBucket(Missing):
 
 class Unreachable(OSError):
     """The location failed ``RetryPolicy.attempts`` times in a row."""
+
+
+class NotReached(ConnectionError):
+    """One attempt that reached no server: the connection refused, no such host, no route, a
+    connect timeout. Nothing answered, unlike a 5xx or a connection cut mid-read."""
+
+
+class NotAnswered(Unreachable):
+    """A first contact (``RetryPolicy.first_contact_s``) that reached nothing through its
+    seconds: nothing listens at the endpoint or host (a wrong address, a server not started)."""
+
+
+class NotS3(Missing):
+    """An S3 request answered 404 without S3's error document (no ``NoSuchKey``): what answers
+    at the endpoint is no S3 server (``AWS_ENDPOINT_URL`` naming a web server, another port)."""
 
 
 class Rejected(OSError):
@@ -143,6 +173,11 @@ def http_request(location: str, method: Optional[str] = None, data=None,
     return req
 
 
+# urllib's reasons for a request that reached no server (URLError wraps the connect's error)
+_NOT_REACHED = (ConnectionRefusedError, socket.gaierror, TimeoutError)
+_NO_ROUTE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL}
+
+
 def _open_http(location: str, offset: int, policy: RetryPolicy):
     headers = {"Range": f"bytes={offset}-"} if offset else {}
     try:
@@ -158,6 +193,11 @@ def _open_http(location: str, offset: int, policy: RetryPolicy):
         if e.code in RETRY_HTTP or e.code >= 500:  # (a CDN's 52x too)
             raise ConnectionError(f"HTTP {e.code} {e.reason}") from None
         raise Rejected(f"{location}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, _NOT_REACHED) or getattr(reason, "errno", None) in _NO_ROUTE:
+            raise NotReached(f"{type(reason).__name__}: {reason}") from None
+        raise
     length = resp.headers.get("Content-Length")
     if offset and resp.status != 206:  # the server ignores ranges: skip what was read before
         _discard(resp, offset)
@@ -190,8 +230,13 @@ def _s3_parts(location: str) -> Tuple[str, str]:
     return bucket, key
 
 
+def _s3_endpoint() -> str:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    return f"AWS_ENDPOINT_URL={endpoint}" if endpoint else "AWS itself (AWS_ENDPOINT_URL is unset)"
+
+
 def _open_s3(location: str, offset: int, policy: RetryPolicy):
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
     bucket, key = _s3_parts(location)
     try:
         obj = _s3_client(policy.timeout_s).get_object(Bucket=bucket, Key=key,
@@ -202,6 +247,9 @@ def _open_s3(location: str, offset: int, policy: RetryPolicy):
         if code == "NoSuchBucket":
             raise NoBucket(f"{location}: S3 NoSuchBucket: the bucket '{bucket}' does not exist "
                            f"there") from None
+        if code in ("", "404") and status == 404:  # botocore found no S3 error in the answer
+            raise NotS3(f"{location}: HTTP 404 without an S3 error: what answers at "
+                        f"{_s3_endpoint()} is no S3 server") from None
         if code in ("NoSuchKey", "404") or status == 404:
             raise Missing(f"{location}: {code or status}") from None
         if (code == "InvalidRange" or status == 416) and offset:  # resumed at the very end
@@ -212,7 +260,9 @@ def _open_s3(location: str, offset: int, policy: RetryPolicy):
                 "SlowDown", "Throttling", "RequestTimeout"):
             raise Rejected(f"{location}: S3 {code or status}") from None
         raise ConnectionError(f"S3 {code or status}") from None  # SlowDown, a 5xx: retried
-    except BotoCoreError as e:  # endpoint unreachable, read timeout, connection closed
+    except EndpointConnectionError as e:  # refused, no such host, a connect timeout
+        raise NotReached(f"{type(e).__name__}: {e}") from None
+    except BotoCoreError as e:  # read timeout, connection closed
         raise ConnectionError(f"{type(e).__name__}: {e}") from None
     return _S3Body(obj["Body"]), offset + obj["ContentLength"]
 
@@ -363,6 +413,7 @@ class RetryingReader(io.RawIOBase):
         self.location, self.policy = location, policy
         self.pos = 0
         self._stream, self._total = None, None
+        self._started = time.monotonic()
         self._attempt(lambda: None)  # fail here, at open, for a location that is not there
 
     def readable(self) -> bool:
@@ -385,17 +436,30 @@ class RetryingReader(io.RawIOBase):
             try:
                 if self._stream is None:
                     self._stream, self._total = open_at(self.location, self.pos, self.policy)
+                    _ANSWERED.add(_server(self.location))
                 return step()
             except (FileNotFoundError, PermissionError, Rejected, ImportError):  # Missing too
+                _ANSWERED.add(_server(self.location))
                 raise
             except Exception as e:  # noqa: BLE001 -- resets, timeouts, IncompleteRead, ...
                 failures += 1
                 self._drop()
+                wait = self.policy.wait(failures)
+                if not isinstance(e, NotReached):
+                    _ANSWERED.add(_server(self.location))  # a 5xx, a cut: the server is there
+                elif self.policy.first_contact_s is not None and \
+                        _server(self.location) not in _ANSWERED:
+                    spent = time.monotonic() - self._started
+                    left = self.policy.first_contact_s - spent
+                    if failures >= self.policy.attempts or left <= 0:
+                        raise NotAnswered(f"{self.location}: nothing answered at "
+                                          f"{_where(self.location)} ({failures} tries in "
+                                          f"{spent:.0f} s; last: {e})") from None
+                    wait = min(wait, left)  # the last try at the end of first_contact_s
                 if failures >= self.policy.attempts:
                     raise Unreachable(f"{self.location}: {failures} attempts in a row failed "
                                       f"at byte {self.pos} (last: {type(e).__name__}: {e})"
                                       f"{_endpoint_hint(self.location, e)}") from None
-                wait = self.policy.wait(failures)
                 log.warning("%s: %s: %s; retrying at byte %d in %.1f s (failure %d of %d)%s",
                             self.location, type(e).__name__, e, self.pos, wait, failures,
                             self.policy.attempts,
@@ -413,6 +477,23 @@ class RetryingReader(io.RawIOBase):
     def close(self) -> None:
         self._drop()
         super().close()
+
+
+# The servers (S3 endpoint, http(s) host) that answered in this process: a first contact with
+# one of them that then reaches nothing is an outage of storage that was there, retried in full.
+_ANSWERED: set = set()
+
+
+def _server(location: str) -> str:
+    if location.startswith("s3://"):
+        return "s3:" + os.environ.get("AWS_ENDPOINT_URL", "")
+    parts = urllib.parse.urlsplit(location)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+
+
+def _where(location: str) -> str:
+    """The server of ``location``, as a person would look it up."""
+    return _s3_endpoint() if location.startswith("s3://") else _server(location)
 
 
 def open_shard(location: str, policy: RetryPolicy = RetryPolicy()) -> io.BufferedReader:
