@@ -132,7 +132,8 @@ def _train(cfg: RunConfig, stage, job: contextlib.ExitStack, made_out: bool) -> 
                                     num_classes=spec.num_classes, holdout=stage.holdout(cfg),
                                     exact_classes=cfg.head_per_class,
                                     log_sample_keys=cfg.debug.log_sample_keys,
-                                    pin_memory=backend.on_gpu)
+                                    pin_memory=backend.on_gpu,
+                                    read_before=(out / "checkpoints").is_dir())
     except user_errors() as e:  # every rank reads the same info file: one line, not per rank
         error = e
     raise_together(error, world)

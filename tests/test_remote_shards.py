@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -531,6 +532,14 @@ def test_the_first_contact_gives_up_on_storage_that_never_answered_not_on_an_out
         open_shard(f"http://127.0.0.1:{never.getsockname()[1]}/ds/a.tar",
                    RetryPolicy(attempts=3, backoff_s=0.01))
     assert not isinstance(lost.value, NotAnswered)
+    # a run that read its data in an earlier job (a requeued one: build_train_loader's
+    # read_before): storage that does not answer now is an outage, tried every attempt
+    with closed_port() as never:
+        start = time.monotonic()
+        with pytest.raises(StorageNotReached, match=r"\(4 tries in \d+ s"):
+            read_info(f"http://127.0.0.1:{never.getsockname()[1]}/ds",
+                      RetryPolicy(attempts=4, backoff_s=0.5, first_contact_s=math.inf))
+        assert time.monotonic() - start > 1.5  # past the first contact's seconds
 
 
 def test_a_bucket_that_does_not_exist_is_named_as_such_by_the_run_and_its_plan(s3_server):

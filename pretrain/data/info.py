@@ -177,7 +177,9 @@ def read_info(root: str | os.PathLike, retry=None) -> DatasetInfo:
     root = str(root)
     raw = loc = None
     # the info file is where a run or a tool first reaches its storage: see FIRST_CONTACT_S
-    retry = replace(retry or RetryPolicy(), first_contact_s=FIRST_CONTACT_S)
+    retry = retry or RetryPolicy()
+    if retry.first_contact_s is None:
+        retry = replace(retry, first_contact_s=FIRST_CONTACT_S)
     for name in INFO_NAMES:
         loc = join(root, name)
         if is_url(root):

@@ -25,7 +25,9 @@ and counted by cause (:attr:`TrainLoader.skipped_by_cause`); it never ends an ep
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -338,13 +340,20 @@ def _describe(layout: dict) -> str:
 def build_train_loader(data, *, img_size: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, seed: int = 0, num_classes: Optional[int] = None,
                        log_sample_keys: Optional[str] = None, pin_memory: bool = False,
-                       holdout: float = 0.0, exact_classes: bool = False) -> TrainLoader:
+                       holdout: float = 0.0, exact_classes: bool = False,
+                       read_before: bool = False) -> TrainLoader:
     """The train loader of ``data`` (a :class:`pretrain.config.DataConfig`), without the
     ``holdout`` share of the split (a dev split, see :meth:`ShardSet.holding_out`).
-    ``exact_classes``: refuse a dataset of fewer classes than ``num_classes`` too."""
+    ``exact_classes``: refuse a dataset of fewer classes than ``num_classes`` too.
+    ``read_before``: the run read this data in an earlier job (it has checkpoints): storage
+    that does not answer now is an outage to wait out with every retry, not a wrong address
+    said in seconds (pretrain.data.info.FIRST_CONTACT_S)."""
     if not data.root:
         raise LoaderError("data.root is not set; point it at a directory with _info.json")
-    shards = ShardSet.from_info(data.root, data.train_split, retry_policy(data),
+    retry = retry_policy(data)
+    if read_before:
+        retry = dataclasses.replace(retry, first_contact_s=math.inf)
+    shards = ShardSet.from_info(data.root, data.train_split, retry,
                                 data.missing_shards, num_classes, exact_classes, rank)
     shards.check_present(data.missing_shards, rank)
     if holdout:

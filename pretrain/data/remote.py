@@ -90,7 +90,8 @@ class RetryPolicy:
     max_backoff_s: float = 60.0
     timeout_s: float = 120.0  # a connection or read silent this long has failed
     # where set: how long a read that has reached nothing yet (NotReached) keeps trying before
-    # it is NotAnswered -- the first contact with the storage, at the start (see the top)
+    # it is NotAnswered -- the first contact with the storage, at the start (see the top);
+    # math.inf: every attempt (pretrain.data.info.read_info sets its default where None)
     first_contact_s: Optional[float] = None
 
     def wait(self, failures: int) -> float:
