@@ -306,9 +306,14 @@ class Remote:
             from pretrain.model_registry import new_logged_model
             with self.state_lock:
                 begun = any(u.startswith(m["path"] + "/") for u in self.state.uploaded)
+            s = self.state
+            # the settings of the weights it holds: a relaunch's changes over the start's
+            # params (which MLflow keeps as they were), and where a fine-tune started from
+            now = {k[len(CONFIG_NOW):]: v for k, v in s.tags.items() if k.startswith(CONFIG_NOW)}
+            lineage = {k: v for k, v in s.tags.items() if k.startswith("pretrain.")}
             model_id = None if begun else new_logged_model(
-                self.client, self.state.run_id, m["path"], self.state.params,
-                m.get("tags") or {})
+                self.client, s.run_id, m["path"], {**s.params, **now},
+                {**lineage, **(m.get("tags") or {})})
             with self.state_lock:
                 m["model_id"] = model_id
                 self.save_state()
@@ -576,7 +581,7 @@ def lacking(state: RunState, files: list[Path], records: str = "") -> list[str]:
         out.append(f"{len(files)} artifact files "
                    f"({sum(f.stat().st_size for f in files) / 2 ** 20:.1f} MiB)")
     current = [m for m in state.models if not m.get("superseded")]
-    out += [f"the logged model '{m['path']}' marked READY" for m in current
+    out += [f"the READY mark of logged model '{m['path']}'" for m in current
             if m.get("model_id") and not m.get("ready")]
     return out + [f"the registration as '{m['register_as']}'" for m in current
                   if m.get("register_as") and not m.get("version")]

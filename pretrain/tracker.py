@@ -226,12 +226,19 @@ class MlflowTracker(NodeSampling):
                 os.replace(partial, path)
                 self._remote.written_again(MODEL_ARTIFACT + "/")
                 s = self.state
+                entry = {"path": MODEL_ARTIFACT, "register_as": register_as, "version": None,
+                         "tags": dict(about or {}), "description": description}
+                same = next((m for m in s.models if m["path"] == MODEL_ARTIFACT and about
+                             and not m.get("superseded") and m.get("ready")
+                             and m.get("model_id") and m.get("tags") == entry["tags"]), None)
+                if same is not None:  # the same weights again (a relaunch that only registers
+                    # them): sent to the same logged model, not a second one alike beside it
+                    entry["model_id"] = same["model_id"]
+                    s.models.remove(same)
                 for m in s.models:  # a logged model left incomplete ends FAILED
                     if m["path"] == MODEL_ARTIFACT:
                         m["superseded"] = True
-                s.models.append({"path": MODEL_ARTIFACT, "register_as": register_as,
-                                 "version": None, "tags": dict(about or {}),
-                                 "description": description})
+                s.models.append(entry)
                 s.end_tags.update({f"model.{k}": str(v) for k, v in (about or {}).items()})
                 self._remote.save_state()
         except Exception as e:  # noqa: BLE001 -- the exported files are there; MLflow is extra

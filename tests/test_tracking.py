@@ -289,6 +289,7 @@ def test_a_finetune_that_never_reached_the_server_is_uploaded_afterwards_with_li
     (version,) = client.search_model_versions("name = 'late'")
     model = assert_logged_model(client, ft.info.run_id, "late")
     assert version.run_id == ft.info.run_id and version.source == f"models:/{model.model_id}"
+    assert model.tags["pretrain.run_id"] == pre  # what it was fine-tuned from, on the model too
 
     # sent to another store too: all of it, into a run of its own there (the metrics and the
     # registration went into the first store's run; before, the new run got params only)
@@ -815,7 +816,10 @@ def test_a_package_an_earlier_version_began_as_run_artifacts_stays_one_and_orpha
     for name in ("begun", "orphaned"):
         track = tmp_path / name
         package(folder, track / ARTIFACTS / "model")
-        remote = Remote(track, RunState(uri=uri, experiment="packages"))
+        # a relaunch changed a setting: the run's params keep the start's (MLflow's cannot
+        # change), its tag config.now.<key> the new value, which the weights were trained with
+        remote = Remote(track, RunState(uri=uri, experiment="packages", params={
+            "train.total_steps": "60"}, tags={"config.now.train.total_steps": "90"}))
         run_id = remote.connect()
         remote.state.models = [{"path": "model", "register_as": name, "version": None,
                                 "tags": {"step": "7"}}]
@@ -838,8 +842,48 @@ def test_a_package_an_earlier_version_began_as_run_artifacts_stays_one_and_orpha
     assert sorted(p.relative_to(got) for p in got.rglob("*") if p.is_file()) == sorted(
         p.relative_to(written) for p in written.rglob("*") if p.is_file())
     assert c.get_logged_model(orphan).status == LoggedModelStatus.FAILED
-    assert c.get_logged_model(orphaned.state.models[0]["model_id"]).status == \
-        LoggedModelStatus.READY
+    model = c.get_logged_model(orphaned.state.models[0]["model_id"])
+    assert model.status == LoggedModelStatus.READY
+    assert model.params["train.total_steps"] == "90"
+
+
+def test_the_same_weights_logged_again_go_to_the_same_logged_model(tmp_path):
+    """A finished fine-tune relaunched to add ``tracking.register_as`` exports the same weights
+    again: they are registered from the logged model they are already in, not a second one
+    alike beside it in the Models tab; other weights (another step) get a new one."""
+    from mlflow.entities import LoggedModelStatus
+
+    from pretrain.export import from_model
+    from pretrain.spool import RunState
+    from pretrain.timm_folder import write_timm_folder
+    from pretrain.tracker import MlflowTracker
+    from test_timm_folder import random_model
+
+    uri = sqlite_store(tmp_path, "again")
+    folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
+                               head=True, normalize="imagenet")
+    tracker = MlflowTracker(tmp_path / "tracking", RunState(uri=uri, experiment="again"),
+                            flush_every_s=0.05, close_timeout_s=60)
+    about = {"export": "best", "step": "5", "eval/dev/top1": "0.5"}
+
+    def ready() -> None:
+        deadline = time.time() + 60
+        while not tracker.state.models[-1].get("ready"):
+            assert time.time() < deadline, "the package never became READY"
+            time.sleep(0.05)
+    tracker.log_model(folder, about=about)
+    ready()
+    tracker.log_model(folder, register_as="again", about=dict(about))
+    ready()
+    tracker.log_model(folder, about={**about, "step": "8"})
+    tracker.close()
+    c = MlflowClient(uri)
+    exp_id = c.get_experiment_by_name("again").experiment_id
+    models = sorted(c.search_logged_models([exp_id]), key=lambda m: m.creation_timestamp)
+    assert [(m.tags["step"], m.status) for m in models] == [
+        ("5", LoggedModelStatus.READY), ("8", LoggedModelStatus.READY)]
+    (version,) = c.search_model_versions("name = 'again'")
+    assert version.source == models[0].artifact_location
 
 
 def test_a_server_before_mlflow_3_keeps_the_model_among_the_runs_artifacts(
