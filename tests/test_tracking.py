@@ -1,6 +1,7 @@
 """MLflow tracking for real: a real `mlflow server` (sqlite store, served artifacts), the tiny
 pretraining on 2 DeepSpeed ranks, queried afterwards with MlflowClient. One server serves the
 whole file; each test uses its own experiment so "exactly one run" means something."""
+import contextlib
 import http.client
 import http.server
 import json
@@ -628,23 +629,40 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def proxy_in_front(mlflow_server, hold: str | None = None, **attrs):
+    """A :class:`_Proxy` in front of the session's server, serving until the block ends;
+    ``hold``: a path part whose requests wait until ``proxy.hold[1]`` is set (``proxy.held``
+    is, once one waits; set at the end in any case); ``attrs``: ``away``, ``missing``,
+    ``answered`` (see :class:`_Proxy`)."""
+    from urllib.parse import urlparse
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    up = urlparse(mlflow_server.uri)
+    proxy.upstream, proxy.away = (up.hostname, up.port), False
+    if hold:
+        proxy.hold, proxy.held = (hold, threading.Event()), threading.Event()
+    for k, v in attrs.items():
+        setattr(proxy, k, v)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        yield proxy
+    finally:
+        if hold:
+            proxy.hold[1].set()
+        proxy.shutdown()
+
+
 def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
         tmp_path, client, mlflow_server, caplog):
     """An ingress answers 404 pages while its MLflow backend restarts: at the job's start the
     run is not refused for good (no run, no delivery for the rest of the job); mid-job it is
     not taken for deleted (a second run with everything sent again) nor are the metrics
     dropped as rejected; they wait, and reach the one run once it is back."""
-    from urllib.parse import urlparse
-
     from pretrain.spool import RunState
     from pretrain.tracker import MlflowTracker
 
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    up = urlparse(mlflow_server.uri)
-    proxy.upstream, proxy.away = (up.hostname, up.port), False
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "behind-a-proxy"
-    try:
+    with proxy_in_front(mlflow_server) as proxy:
         with caplog.at_level(logging.WARNING):
             proxy.away = True  # from the job's start: the run is not created, nor refused
             tracker = MlflowTracker(tmp_path / "tracking", RunState(
@@ -664,8 +682,6 @@ def test_a_proxys_404_while_the_server_is_away_is_an_outage_not_a_run_gone(
             proxy.away = False
             tracker.log({"train/loss": 0.25}, 4)
             tracker.close()
-    finally:
-        proxy.shutdown()
     run = the_run(client, exp)
     assert run.info.run_id == tracker.run_id and run.info.status == "FINISHED"
     assert steps_of(client, run.info.run_id) == [1, 2, 3, 4]
@@ -680,8 +696,6 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
     again under the same name: the run ends with the files as they were written last, every
     one of them, not with what was in flight when they were replaced; and the new package is
     registered once all of its files are up, not while they are on their way."""
-    from urllib.parse import urlparse
-
     import mlflow
     from mlflow.entities import LoggedModelStatus
 
@@ -693,14 +707,8 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
 
     folders = [write_timm_folder(from_model(random_model(), source="ft"), tmp_path / name,
                                  head=True, normalize="imagenet") for name in ("first", "second")]
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    up = urlparse(mlflow_server.uri)
-    proxy.upstream, proxy.away = (up.hostname, up.port), False
-    proxy.hold, proxy.held = ("/models/m-", threading.Event()), threading.Event()  # its files
-    proxy.answered = []
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "written-again"
-    try:
+    with proxy_in_front(mlflow_server, hold="/models/m-", answered=[]) as proxy:  # (its files)
         tracker = MlflowTracker(tmp_path / "tracking", RunState(
             uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
             flush_every_s=0.05, close_timeout_s=60)
@@ -715,9 +723,6 @@ def test_files_written_again_while_the_first_ones_upload_reach_mlflow_as_written
         tracker.log_model(folders[1], register_as="written-again")  # while the first uploads
         proxy.hold[1].set()
         tracker.close()
-    finally:
-        proxy.hold[1].set()
-        proxy.shutdown()
     run = the_run(client, exp)
     assert run.info.status == "FINISHED"
     got = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / "got")))
@@ -749,8 +754,6 @@ def test_a_logged_model_deleted_while_its_package_uploads_gets_the_package_again
     refuses the rest, which is no outage (retried for ever, it left the run RUNNING and the
     registration undone); the package goes to a new logged model, READY and registered, and
     the run ends FINISHED."""
-    from urllib.parse import urlparse
-
     from mlflow.entities import LoggedModelStatus
 
     from pretrain.export import from_model
@@ -761,13 +764,8 @@ def test_a_logged_model_deleted_while_its_package_uploads_gets_the_package_again
 
     folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
                                head=True, normalize="imagenet")
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    up = urlparse(mlflow_server.uri)
-    proxy.upstream, proxy.away = (up.hostname, up.port), False
-    proxy.hold, proxy.held = ("/models/m-", threading.Event()), threading.Event()  # its files
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "deleted-model"
-    try:
+    with proxy_in_front(mlflow_server, hold="/models/m-") as proxy:  # (its files)
         with caplog.at_level(logging.WARNING):
             tracker = MlflowTracker(tmp_path / "tracking", RunState(
                 uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
@@ -779,9 +777,6 @@ def test_a_logged_model_deleted_while_its_package_uploads_gets_the_package_again
             client.delete_logged_model(first.model_id)
             proxy.hold[1].set()
             tracker.close()
-    finally:
-        proxy.hold[1].set()
-        proxy.shutdown()
     run = the_run(client, exp)
     assert run.info.status == "FINISHED"
     (model,) = client.search_logged_models([exp_id])
@@ -891,8 +886,6 @@ def test_a_server_before_mlflow_3_keeps_the_model_among_the_runs_artifacts(
     """A server without logged models (MLflow 2 answers their requests with its 404 page): the
     model is the run's artifact ``model/``, registered from ``runs:/<run id>/model``, as
     before MLflow 3, and no outage is reported."""
-    from urllib.parse import urlparse
-
     from pretrain.export import from_model
     from pretrain.spool import RunState
     from pretrain.timm_folder import write_timm_folder
@@ -901,20 +894,14 @@ def test_a_server_before_mlflow_3_keeps_the_model_among_the_runs_artifacts(
 
     folder = write_timm_folder(from_model(random_model(), source="ft"), tmp_path / "best",
                                head=True, normalize="imagenet")
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
-    up = urlparse(mlflow_server.uri)
-    proxy.upstream, proxy.away, proxy.missing = (up.hostname, up.port), False, "/logged-models"
-    threading.Thread(target=proxy.serve_forever, daemon=True).start()
     exp = "mlflow-2-server"
-    try:
+    with proxy_in_front(mlflow_server, missing="/logged-models") as proxy:
         with caplog.at_level(logging.INFO, logger="pretrain"):
             tracker = MlflowTracker(tmp_path / "tracking", RunState(
                 uri=f"http://127.0.0.1:{proxy.server_address[1]}", experiment=exp),
                 flush_every_s=0.05, close_timeout_s=60)
             tracker.log_model(folder, register_as="older-server")
             tracker.close()
-    finally:
-        proxy.shutdown()
     run = the_run(client, exp)
     assert run.info.status == "FINISHED"
     (version,) = client.search_model_versions("name = 'older-server'")
