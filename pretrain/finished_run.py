@@ -96,7 +96,7 @@ def mark_finished(out: Path, step: int, cfg: RunConfig, trained: dict, end: dict
 
 def finished_line(out: Path, record: dict) -> str:
     """What a relaunch of a finished run says, and how to make it do something."""
-    from pretrain.mlflow_delivery import Remote, lacking
+    from pretrain.mlflow_delivery import lacking
     from pretrain.spool import TRACKING_DIR, RunState, undelivered
 
     figures = "".join(f"; {k} {v:.4f}" for k, v in {**record.get("metrics", {}),
@@ -105,8 +105,7 @@ def finished_line(out: Path, record: dict) -> str:
     track = out / TRACKING_DIR
     try:
         state, records = RunState.load(track), undelivered(track)
-        unsent = lacking(state, Remote(track, state).pending_artifacts(),
-                         f"{records} metric records" if records else "")
+        unsent = lacking(track, state, f"{records} metric records" if records else "")
     except (OSError, ValueError, TypeError):  # no tracking, or its files unreadable
         unsent = []
     return (f"the run in {out} finished: its {record['step']} steps and its end on "

@@ -277,10 +277,7 @@ class Remote:
                      one_line(e))
 
     def pending_artifacts(self) -> list[Path]:
-        root = self.dir / ARTIFACTS
-        done = set(self.state.uploaded)
-        return [p for p in sorted(root.rglob("*")) if p.is_file()
-                and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+        return pending_artifacts(self.dir, self.state)
 
     def written_again(self, name: str) -> None:
         """The artifact ``name`` (a folder: ending in "/") is written anew: sent again, even
@@ -571,9 +568,19 @@ def _int(text: Optional[str]) -> int:
 
 
 
-def lacking(state: RunState, files: list[Path], records: str = "") -> list[str]:
-    """What MLflow lacks of a run: itself, ``records`` (said by the caller, which knows them
-    best), the artifact ``files`` not uploaded, the registrations not made."""
+def pending_artifacts(track_dir: Path, state: RunState) -> list[Path]:
+    """The run's artifact files in ``track_dir`` not uploaded yet."""
+    root = track_dir / ARTIFACTS
+    done = set(state.uploaded)
+    return [p for p in sorted(root.rglob("*")) if p.is_file()
+            and p.relative_to(root).as_posix() not in done] if root.is_dir() else []
+
+
+def lacking(track_dir: Path, state: RunState, records: str = "") -> list[str]:
+    """What MLflow lacks of the run in ``track_dir``: itself, ``records`` (said by the caller,
+    which knows them best), the artifact files not uploaded, the logged models not finished,
+    the registrations not made."""
+    files = pending_artifacts(track_dir, state)
     out = [] if state.run_id else ["the run itself (never created there)"]
     if records:
         out.append(records)

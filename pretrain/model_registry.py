@@ -26,7 +26,6 @@ import shutil
 import warnings
 from pathlib import Path
 from typing import Optional, Union
-from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +90,8 @@ def register(client, run_id: str, name: str, artifact_path: str = MODEL_ARTIFACT
         # A store opened by the client itself (sqlite, a folder, a database) resolves models:/
         # through the process's default tracking URI, not the client's; a server (or a
         # service: databricks) does it right, and the model's location needs nothing
-        scheme = urlparse(str(getattr(client, "tracking_uri", ""))).scheme.split("+")[0]
-        remote = scheme not in ("", "file", "sqlite", "postgresql", "mysql", "mssql")
+        from pretrain.tracking_store import opened_in_process
+        remote = not opened_in_process(str(getattr(client, "tracking_uri", "")))
         source = f"models:/{model_id}" if remote else \
             client.get_logged_model(model_id).artifact_location
     try:

@@ -330,8 +330,8 @@ class MlflowTracker(NodeSampling):
 
     def _undelivered(self, status: str, records: int, lost: int) -> list[str]:
         """What MLflow lacks of this run at its end, for upload_spool.py to send."""
-        out = lacking(self.state, self._remote.pending_artifacts(), f"{records} metric records ({records - lost} of them in {self.dir / SPOOL})" if records
-            else "")
+        out = lacking(self.dir, self.state, f"{records} metric records ({records - lost} of "
+                      f"them in {self.dir / SPOOL})" if records else "")
         if self.state.run_id and not self._ended_there:
             out.append(f"the run's end (status {status} and its tags)")
         return out

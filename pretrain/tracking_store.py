@@ -89,11 +89,20 @@ def check_uri(given: Optional[str], key: str) -> None:
                         f"MLFLOW_ALLOW_FILE_STORE=true")
 
 
+# databases MLflow's client opens itself (``postgresql+psycopg2://`` too), in this process
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def opened_in_process(uri: str) -> bool:
+    """A store MLflow's client opens itself (a database, a folder), not a server's."""
+    return urlparse(uri).scheme.split("+")[0] in ("", "file", *DATABASE_SCHEMES)
+
+
 def _store_schemes() -> set:
     """URI schemes MLflow's tracking client opens: its own and those of installed plugins."""
     from importlib.metadata import entry_points
-    return {"http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "uc",
-            "databricks-uc", *(e.name for e in entry_points(group="mlflow.tracking_store"))}
+    return {"http", "https", *DATABASE_SCHEMES, "databricks", "uc", "databricks-uc",
+            *(e.name for e in entry_points(group="mlflow.tracking_store"))}
 
 
 def _file_store_allowed() -> bool:
